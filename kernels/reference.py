@@ -1,0 +1,115 @@
+"""Pure-torch reference implementations of every op the models use.
+
+These are the ground truth the Triton kernels are tested against, and the CPU path. Shapes are those
+of one sequence (batch 1): T new tokens, H query heads, KVH key/value heads, hd head dim, D hidden,
+E experts, k experts per token, I expert intermediate size, S cached tokens (prefix + new).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [..., n], weight [n] -> [..., n]. Normalises in fp32, scales in the input dtype (as HF does)."""
+    xf = x.float()
+    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * xf.to(x.dtype)
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """positions [T] int, inv_freq [hd/2] fp32 -> cos, sin [T, hd] in `dtype` (computed in fp32)."""
+    freqs = positions.float()[:, None] * inv_freq[None, :]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return (emb.cos() * scaling).to(dtype), (emb.sin() * scaling).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, n_heads, hd], cos/sin [T, hd] -> [T, n_heads, hd]; the rotate-half (NeoX) convention."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first, then up) -> silu(gate) * up [..., I]."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+              window: int | None = None) -> torch.Tensor:
+    """Causal attention of T new queries against S cached keys, the last T of which are the queries' own.
+
+    q [T, H, hd]; k, v [KVH, S, hd] (query i sits at cache position S - T + i); H % KVH == 0 (GQA).
+    `window`: a model-native sliding window; a query at p sees keys at p - window < j <= p.
+    Returns [T, H * hd].
+    """
+    t, h, hd = q.shape
+    kvh, s, _ = k.shape
+    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
+    mask = None
+    if t > 1 or (window is not None and s > window):
+        qpos = torch.arange(s - t, s, device=q.device)[:, None]
+        kpos = torch.arange(s, device=q.device)[None, :]
+        mask = kpos <= qpos
+        if window is not None:
+            mask &= kpos > qpos - window
+    out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
+                                         enable_gqa=kvh != h)
+    return out[0].transpose(0, 1).reshape(t, h * hd)
+
+
+def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64).
+
+    Softmax over all experts in fp32, then top-k; `normalize` renormalises the k weights to sum to 1
+    (Mixtral always; Qwen3-MoE and OLMoE when `norm_topk_prob`).
+    """
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    weights, ids = torch.topk(probs, top_k, dim=-1)
+    if normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def moe_experts_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                       w_down: torch.Tensor) -> torch.Tensor:
+    """Few tokens (decode): gather the k chosen experts of each token and run them as batched gemv.
+
+    x [T, D]; weights [T, k] fp32; ids [T, k]; w_gate_up [E, 2I, D]; w_down [E, D, I] -> [T, D].
+    No host sync (graph-capturable), at the price of copying the chosen experts' weights.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0).unsqueeze(-1)  # [T*k, D, 1]
+    h = silu_mul(torch.bmm(w_gate_up.index_select(0, flat), xs).squeeze(-1))  # [T*k, I]
+    y = torch.bmm(w_down.index_select(0, flat), h.unsqueeze(-1)).squeeze(-1)  # [T*k, D]
+    return (y.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                        w_down: torch.Tensor) -> torch.Tensor:
+    """Many tokens (appends): group the (token, slot) pairs by expert and run each hit expert once.
+
+    Same shapes and result as `moe_experts_gather`; syncs to the host to learn which experts are hit.
+    """
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
+    token_of = order // k
+    w_sorted = weights.reshape(-1)[order]
+    out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for e, n in enumerate(counts):
+        if n == 0:
+            continue
+        tok = token_of[start:start + n]
+        h = silu_mul(F.linear(x.index_select(0, tok), w_gate_up[e]))
+        y = F.linear(h, w_down[e]).float() * w_sorted[start:start + n, None]
+        out.index_add_(0, tok, y)
+        start += n
+    return out.to(x.dtype)

@@ -1,0 +1,6 @@
+"""The engine: models, sessions on the KV cache, sampling. Imports kernels and sessions, never the server."""
+
+from streamserve.engine.engine import Engine
+from streamserve.engine.session import Session
+
+__all__ = ["Engine", "Session"]

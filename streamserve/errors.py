@@ -1,0 +1,59 @@
+"""The typed errors of streamserve. Every error a user can cause is one of these, never a torch crash.
+
+Each class carries a stable `code` (used later by the wire protocols) and a message that says what to do.
+This module imports nothing from the project, so every layer (kernels, sessions, engine, server) may use it.
+"""
+
+from __future__ import annotations
+
+
+class StreamserveError(Exception):
+    """Base class of every error streamserve raises on purpose."""
+
+    code = "internal_error"
+
+
+class InvalidInputError(StreamserveError, ValueError):
+    """The caller passed something malformed: wrong types, bad ranges, both or neither of two options."""
+
+    code = "invalid_input"
+
+
+class EmptyAppendError(InvalidInputError):
+    code = "empty_append"
+
+
+class TokenOutOfRangeError(InvalidInputError):
+    code = "token_out_of_range"
+
+
+class ContextLengthError(InvalidInputError):
+    """The session would grow past the model's maximum context."""
+
+    code = "context_length_exceeded"
+
+
+class SessionClosedError(StreamserveError):
+    code = "session_closed"
+
+
+class ModelLoadError(StreamserveError):
+    """A checkpoint could not be loaded: missing files, tensors, or an unsupported configuration."""
+
+    code = "model_load_error"
+
+
+class UnsupportedArchitectureError(ModelLoadError):
+    code = "unsupported_architecture"
+
+
+class MissingTensorError(ModelLoadError):
+    code = "missing_tensor"
+
+
+class TensorShapeError(ModelLoadError):
+    code = "tensor_shape_mismatch"
+
+
+class ChatTemplateError(StreamserveError):
+    code = "chat_template_error"

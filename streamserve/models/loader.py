@@ -1,0 +1,192 @@
+"""Load a Hugging Face safetensors checkpoint into `CausalLM`.
+
+Files are memory-mapped (one file, or shards listed in `model.safetensors.index.json`); each model
+parameter is filled in place from one or more checkpoint tensors (q|k|v and gate|up are fused here;
+per-expert tensors are stacked into [E, ...]), converted to the target dtype on the way. Every tensor
+is shape-checked, and errors name the tensor and both shapes.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+from tqdm.auto import tqdm
+
+from streamserve.errors import MissingTensorError, ModelLoadError, TensorShapeError
+from streamserve.models.config import ModelConfig
+from streamserve.models.model import CausalLM
+from streamserve.models.ops import TORCH_OPS, Ops
+
+log = logging.getLogger("streamserve")
+
+PROGRESS_MIN_BYTES = 256 * 2**20  # show a progress bar for loads larger than this
+_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
+             "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)  # buffers some old checkpoints carry
+
+
+@dataclass(frozen=True)
+class Piece:
+    """One checkpoint tensor that fills a slice of a parameter."""
+
+    name: str
+    shape: tuple[int, ...]
+
+
+class Checkpoint:
+    """The tensors of a checkpoint folder, memory-mapped: {name: (file, shape, dtype)}."""
+
+    def __init__(self, folder: Path) -> None:
+        index = folder / "model.safetensors.index.json"
+        if index.exists():
+            weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+            files = sorted(set(weight_map.values()))
+        else:
+            files = sorted(p.name for p in folder.glob("*.safetensors"))
+        if not files:
+            hint = " (found PyTorch .bin files: convert them to safetensors)" if any(folder.glob("*.bin")) else ""
+            raise ModelLoadError(f"no safetensors weights in {folder}{hint}")
+        self._handles = {}
+        self.meta: dict[str, tuple[str, tuple[int, ...], str]] = {}
+        for f in files:
+            path = folder / f
+            if not path.exists():
+                raise ModelLoadError(f"shard {f} named in {index.name} is missing from {folder}")
+            h = self._handles[f] = safe_open(str(path), framework="pt", device="cpu")
+            for name in h.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                sl = h.get_slice(name)
+                self.meta[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.meta
+
+    def nbytes(self, name: str) -> int:
+        _, shape, dtype = self.meta[name]
+        return int(torch.Size(shape).numel()) * _ITEMSIZE.get(dtype, 4)
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._handles[self.meta[name][0]].get_tensor(name)
+
+
+def param_recipes(cfg: ModelConfig) -> dict[str, list[list[Piece]]]:
+    """For each parameter of `CausalLM`, the checkpoint layouts that can fill it, in order of preference.
+
+    A layout is a list of pieces concatenated along the first axis of the parameter viewed as
+    [-1, last_dim] (1-D parameters: along their only axis).
+    """
+    D, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
+    H, KVH = cfg.num_heads, cfg.num_kv_heads
+    r: dict[str, list[list[Piece]]] = {
+        "embed_tokens.weight": [[Piece("model.embed_tokens.weight", (V, D))]],
+        "norm": [[Piece("model.norm.weight", (D,))]],
+    }
+    if not cfg.tie_word_embeddings:
+        r["lm_head.weight"] = [[Piece("lm_head.weight", (V, D))]]
+    qn = {"per_head": (hd, hd), "full": (H * hd, KVH * hd)}.get(cfg.qk_norm)
+    for i in range(cfg.num_layers):
+        src, dst = f"model.layers.{i}.", f"layers.{i}."
+        a = src + "self_attn."
+        r[dst + "input_layernorm"] = [[Piece(src + "input_layernorm.weight", (D,))]]
+        r[dst + "post_attention_layernorm"] = [[Piece(src + "post_attention_layernorm.weight", (D,))]]
+        r[dst + "self_attn.qkv_proj.weight"] = [[Piece(a + "q_proj.weight", (H * hd, D)),
+                                                 Piece(a + "k_proj.weight", (KVH * hd, D)),
+                                                 Piece(a + "v_proj.weight", (KVH * hd, D))]]
+        r[dst + "self_attn.o_proj.weight"] = [[Piece(a + "o_proj.weight", (D, H * hd))]]
+        if cfg.attention_bias:
+            r[dst + "self_attn.qkv_proj.bias"] = [[Piece(a + "q_proj.bias", (H * hd,)),
+                                                   Piece(a + "k_proj.bias", (KVH * hd,)),
+                                                   Piece(a + "v_proj.bias", (KVH * hd,))]]
+            r[dst + "self_attn.o_proj.bias"] = [[Piece(a + "o_proj.bias", (D,))]]
+        if qn:
+            r[dst + "self_attn.q_norm"] = [[Piece(a + "q_norm.weight", (qn[0],))]]
+            r[dst + "self_attn.k_norm"] = [[Piece(a + "k_norm.weight", (qn[1],))]]
+        if cfg.moe is not None and cfg.moe.sparse_layers[i]:
+            r.update(_moe_recipes(cfg, src, dst))
+        else:
+            inter, m = cfg.intermediate_size, src + "mlp."
+            r[dst + "mlp.gate_up_proj.weight"] = [[Piece(m + "gate_proj.weight", (inter, D)),
+                                                   Piece(m + "up_proj.weight", (inter, D))]]
+            r[dst + "mlp.down_proj.weight"] = [[Piece(m + "down_proj.weight", (D, inter))]]
+            if cfg.mlp_bias:
+                r[dst + "mlp.gate_up_proj.bias"] = [[Piece(m + "gate_proj.bias", (inter,)),
+                                                     Piece(m + "up_proj.bias", (inter,))]]
+                r[dst + "mlp.down_proj.bias"] = [[Piece(m + "down_proj.bias", (D,))]]
+    return r
+
+
+def _moe_recipes(cfg: ModelConfig, src: str, dst: str) -> dict[str, list[list[Piece]]]:
+    assert cfg.moe is not None
+    E, inter, D = cfg.moe.num_experts, cfg.moe.intermediate_size, cfg.hidden_size
+    m, b = src + "mlp.", src + "block_sparse_moe."  # Qwen3-MoE / OLMoE / transformers 5; Mixtral
+    return {
+        dst + "mlp.gate.weight": [[Piece(m + "gate.weight", (E, D))], [Piece(b + "gate.weight", (E, D))]],
+        dst + "mlp.experts_gate_up": [
+            [p for e in range(E) for p in (Piece(f"{m}experts.{e}.gate_proj.weight", (inter, D)),
+                                           Piece(f"{m}experts.{e}.up_proj.weight", (inter, D)))],
+            [p for e in range(E) for p in (Piece(f"{b}experts.{e}.w1.weight", (inter, D)),
+                                           Piece(f"{b}experts.{e}.w3.weight", (inter, D)))],
+            [Piece(m + "experts.gate_up_proj", (E, 2 * inter, D))],
+        ],
+        dst + "mlp.experts_down": [
+            [Piece(f"{m}experts.{e}.down_proj.weight", (D, inter)) for e in range(E)],
+            [Piece(f"{b}experts.{e}.w2.weight", (D, inter)) for e in range(E)],
+            [Piece(m + "experts.down_proj", (E, D, inter))],
+        ],
+    }
+
+
+def load_model(folder: Path, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+               ops: Ops = TORCH_OPS) -> CausalLM:
+    ckpt = Checkpoint(folder)
+    recipes = param_recipes(cfg)
+    with torch.device("meta"):
+        model = CausalLM(cfg, ops)
+    model = model.to_empty(device=device).to(dtype)
+    if cfg.tie_word_embeddings:  # materialising "meta" parameters unties them
+        model.lm_head.weight = model.embed_tokens.weight
+    inv_freq, _ = cfg.rope.inv_freq()
+    model.inv_freq = inv_freq.to(device)  # buffers built on "meta" are recomputed for real
+
+    chosen: dict[str, list[Piece]] = {}
+    for name, param in model.named_parameters():
+        options = recipes.get(name)
+        if options is None:
+            raise ModelLoadError(f"internal: no checkpoint mapping for parameter {name}")
+        layout = next((o for o in options if all(p.name in ckpt for p in o)), None)
+        if layout is None:
+            missing = next(p.name for p in options[0] if p.name not in ckpt)
+            raise MissingTensorError(f"tensor {missing} (shape {list(options[0][0].shape)}) is missing from "
+                                     f"the checkpoint in {folder}")
+        for p in layout:
+            if ckpt.meta[p.name][1] != p.shape:
+                raise TensorShapeError(f"tensor {p.name} has shape {list(ckpt.meta[p.name][1])}, "
+                                       f"the config implies {list(p.shape)}")
+        chosen[name] = layout
+
+    total = sum(ckpt.nbytes(p.name) for layout in chosen.values() for p in layout)
+    params = dict(model.named_parameters())
+    with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {folder.name}",
+              disable=total < PROGRESS_MIN_BYTES) as bar, torch.no_grad():
+        for name, layout in chosen.items():
+            dst = params[name].data
+            flat = dst.view(-1) if dst.dim() == 1 else dst.view(-1, dst.shape[-1])
+            offset = 0
+            for p in layout:
+                t = ckpt.get(p.name)
+                t = t.reshape(-1) if dst.dim() == 1 else t.reshape(-1, dst.shape[-1])
+                flat[offset: offset + t.shape[0]].copy_(t)
+                offset += t.shape[0]
+                bar.update(ckpt.nbytes(p.name))
+            if offset != flat.shape[0]:
+                raise TensorShapeError(f"parameter {name}: the checkpoint filled {offset} of {flat.shape[0]} rows")
+
+    used = {p.name for layout in chosen.values() for p in layout}
+    unused = sorted(n for n in ckpt.meta if n not in used and not n.endswith(_IGNORED_SUFFIXES))
+    if unused:
+        log.warning("%d checkpoint tensors are not used by streamserve, e.g. %s", len(unused), unused[:5])
+    return model.eval()

@@ -1,0 +1,131 @@
+"""The decoder-only transformer every supported checkpoint maps onto.
+
+One sequence per forward (batch 1): `forward(ids [T], positions [T], kv)` runs T new tokens against
+the session's cached prefix. All compute goes through the op layer (`self.ops`), so a kernel backend
+swap touches no code here. Projections that read the same input are fused at load time
+(q|k|v into `qkv_proj`, gate|up into `gate_up_proj`): fewer, larger matmuls at batch 1.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from streamserve.models.config import ModelConfig
+from streamserve.models.ops import TORCH_OPS, Ops
+
+
+class LayerKV(Protocol):
+    """What a forward needs from a KV cache: store this step's keys/values, return the whole layer."""
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, KVH, hd] -> (keys, values) [KVH, S, hd] for the cached prefix plus these T tokens."""
+        ...
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.layer, self.cfg = layer, cfg
+        h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.sizes = (h * hd, kvh * hd, kvh * hd)
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=cfg.attention_bias)
+        self.scale = hd**-0.5
+        self.window = cfg.sliding_windows[layer]
+        if cfg.qk_norm == "per_head":  # Qwen3: RMSNorm over each head's hd
+            self.q_norm = nn.Parameter(torch.ones(hd))
+            self.k_norm = nn.Parameter(torch.ones(hd))
+        elif cfg.qk_norm == "full":  # OLMoE: RMSNorm over all heads at once
+            self.q_norm = nn.Parameter(torch.ones(h * hd))
+            self.k_norm = nn.Parameter(torch.ones(kvh * hd))
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
+                ops: Ops) -> torch.Tensor:
+        """x [T, D] -> [T, D]."""
+        cfg, t = self.cfg, x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, H*hd], [T, KVH*hd], [T, KVH*hd]
+        if cfg.qk_norm == "full":
+            q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        if cfg.clip_qkv is not None:
+            c = cfg.clip_qkv
+            q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
+        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        if cfg.qk_norm == "per_head":
+            q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
+        keys, values = kv.update(self.layer, k, v)  # [KVH, S, hd]
+        return self.o_proj(ops.attention(q, keys, values, self.scale, self.window))
+
+
+class DenseMLP(nn.Module):
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+
+
+class SparseMoE(nn.Module):
+    """Router + E SwiGLU experts, weights stored fused: gate_up [E, 2I, D], down [E, D, I]."""
+
+    def __init__(self, cfg: ModelConfig) -> None:
+        super().__init__()
+        assert cfg.moe is not None
+        m = cfg.moe
+        self.top_k, self.normalize = m.top_k, m.normalize_topk
+        self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
+        self.experts_gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, cfg.hidden_size))
+        self.experts_down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.intermediate_size))
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        weights, ids = ops.moe_route(self.gate(x), self.top_k, self.normalize)  # [T, k] fp32, [T, k]
+        return ops.moe_experts(x, weights, ids, self.experts_gate_up, self.experts_down)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int) -> None:
+        super().__init__()
+        self.eps = cfg.rms_norm_eps
+        self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
+        self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
+                ops: Ops) -> torch.Tensor:
+        x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), cos, sin, kv, ops)
+        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm, self.eps), ops)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, ops: Ops = TORCH_OPS) -> None:
+        super().__init__()
+        self.cfg, self.ops = cfg, ops
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+        inv_freq, self.rope_scaling = cfg.rope.inv_freq()
+        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2] fp32
+
+    @torch.inference_mode()
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
+                all_logits: bool = False) -> torch.Tensor:
+        """ids, positions [T] -> logits [T, V] if `all_logits` else [V] for the last token (fp32)."""
+        ops = self.ops
+        x = self.embed_tokens(ids)  # [T, D]
+        cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)  # [T, hd]
+        for layer in self.layers:
+            x = layer(x, cos, sin, kv, ops)
+        logits = self.lm_head(ops.rms_norm(x if all_logits else x[-1:], self.norm, self.cfg.rms_norm_eps)).float()
+        return logits if all_logits else logits[0]

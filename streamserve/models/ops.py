@@ -1,0 +1,60 @@
+"""The one op layer: model code calls `ops.<name>(...)` and never a kernel directly.
+
+A backend is a frozen table of callables with the signatures of `streamserve.kernels.reference`.
+Swapping the table (e.g. for Triton kernels) changes no model code.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from streamserve.errors import InvalidInputError
+from streamserve.kernels import reference as ref
+
+# Up to this many tokens the MoE runs the gather path (no host sync, copies k experts per token);
+# above it, the grouped path (one matmul per hit expert). Measured with benchmarks/decode.py.
+MOE_GATHER_MAX_TOKENS = 1
+
+
+def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                      w_down: torch.Tensor) -> torch.Tensor:
+    """x [T, D] -> [T, D]; dispatches by token count between the two torch reference paths."""
+    if x.shape[0] <= MOE_GATHER_MAX_TOKENS:
+        return ref.moe_experts_gather(x, weights, ids, w_gate_up, w_down)
+    return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
+
+
+@dataclass(frozen=True)
+class Ops:
+    name: str
+    rms_norm: Callable[..., torch.Tensor]
+    rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    apply_rope: Callable[..., torch.Tensor]
+    silu_mul: Callable[..., torch.Tensor]
+    attention: Callable[..., torch.Tensor]
+    moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    moe_experts: Callable[..., torch.Tensor]
+
+
+TORCH_OPS = Ops(
+    name="torch",
+    rms_norm=ref.rms_norm,
+    rope_cos_sin=ref.rope_cos_sin,
+    apply_rope=ref.apply_rope,
+    silu_mul=ref.silu_mul,
+    attention=ref.attention,
+    moe_route=ref.moe_route,
+    moe_experts=moe_experts_torch,
+)
+
+BACKENDS: dict[str, Ops] = {"torch": TORCH_OPS}
+
+
+def get_ops(name: str) -> Ops:
+    try:
+        return BACKENDS[name]
+    except KeyError:
+        raise InvalidInputError(f"unknown kernel backend {name!r}; choose one of {sorted(BACKENDS)}") from None
