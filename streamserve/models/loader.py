@@ -153,7 +153,7 @@ def load_model(folder: Path, cfg: ModelConfig, device: torch.device, dtype: torc
     model.inv_freq = inv_freq.to(device)  # buffers built on "meta" are recomputed for real
 
     chosen: dict[str, list[Piece]] = {}
-    for name, param in model.named_parameters():
+    for name, _ in model.named_parameters():
         options = recipes.get(name)
         if options is None:
             raise ModelLoadError(f"internal: no checkpoint mapping for parameter {name}")

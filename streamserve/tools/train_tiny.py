@@ -117,8 +117,10 @@ def main(argv: list[str] | None = None) -> None:
         ids.extend(enc.ids)
         ids.append(eos_id)
     data = torch.tensor(ids, dtype=torch.long)
-    split = int(len(data) * 0.98)
-    train, val = data[:split], data[split:]
+    n_val = max(len(data) // 50, args.seq + 2)  # the last 2% (at least one sequence) is held out
+    if len(data) < n_val + args.seq + 2:
+        sys.exit(f"error: the corpus has {len(data)} tokens, too few for --seq {args.seq}")
+    train, val = data[:-n_val], data[-n_val:]
     print(f"corpus: {len(text):,} chars, {len(data):,} tokens, vocab {tok.get_vocab_size()}", flush=True)
 
     model = build_model(args, tok.get_vocab_size(), eos_id)

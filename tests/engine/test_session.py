@@ -1,0 +1,181 @@
+"""Sessions: chunked appends equal one-shot appends, generated tokens join the session, typed errors."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from helpers import random_ids
+
+from streamserve.errors import (
+    ContextLengthError,
+    EmptyAppendError,
+    InvalidInputError,
+    SessionClosedError,
+    TokenOutOfRangeError,
+)
+
+
+def random_chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
+    cuts = sorted(rng.sample(range(1, len(ids)), rng.randint(1, min(8, len(ids) - 1))))
+    return [ids[a:b] for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "olmoe"])
+def test_chunked_appends_equal_one_shot(arch: str, engines) -> None:
+    engine = engines[arch]
+    prompt = random_ids(61, seed=7)
+    with engine.open_session() as s:
+        s.append(token_ids=prompt)
+        expected = s.generate(max_tokens=24, stop_token_ids=())
+    rng = random.Random(0)
+    for _ in range(4):
+        chunks = random_chunks(prompt, rng)
+        with engine.open_session() as s:
+            assert sum(s.append(token_ids=c) for c in chunks) == len(prompt)
+            assert s.generate(max_tokens=24, stop_token_ids=()) == expected, [len(c) for c in chunks]
+
+
+def test_one_token_chunks_and_interleaved_generation(engines) -> None:
+    """append/generate/append/generate == one session fed the same tokens in one go."""
+    engine = engines["qwen3_moe"]
+    a, b = random_ids(12, seed=8), random_ids(9, seed=9)
+    with engine.open_session() as s:
+        for t in a:
+            s.append(token_ids=[t])
+        r1 = s.generate(max_tokens=5, stop_token_ids=())
+        s.append(token_ids=b)
+        r2 = s.generate(max_tokens=5, stop_token_ids=())
+        assert s.token_ids == a + r1 + b + r2
+    with engine.open_session() as s:
+        s.append(token_ids=a + r1 + b)
+        assert s.generate(max_tokens=5, stop_token_ids=()) == r2
+
+
+def test_text_append_and_stop_at_eos(engines) -> None:
+    engine = engines["llama"]
+    with engine.open_session() as s:
+        n = s.append(text="hello")
+        assert n == len("hello") and s.token_ids == engine.tokenizer.encode("hello")
+        out = s.generate(max_tokens=40, stop_token_ids=[s.generate(max_tokens=1)[0]])
+        assert len(out) <= 40
+
+
+def test_sampling_is_seeded_and_top_p_tiny_is_greedy(engines) -> None:
+    engine = engines["qwen3"]
+    prompt = random_ids(10, seed=10)
+
+    def run(**kw) -> list[int]:
+        with engine.open_session() as s:
+            s.append(token_ids=prompt)
+            return s.generate(max_tokens=12, stop_token_ids=(), **kw)
+
+    assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
+    assert run(temperature=1.0, top_p=1e-6, seed=4) == run(temperature=0.0)
+
+
+def test_bad_input_is_typed(engines) -> None:
+    engine = engines["qwen3_moe"]
+    s = engine.open_session()
+    with pytest.raises(EmptyAppendError):
+        s.append(token_ids=[])
+    with pytest.raises(EmptyAppendError):
+        s.append(text="")
+    with pytest.raises(InvalidInputError, match="exactly one"):
+        s.append(text="a", token_ids=[1])
+    with pytest.raises(InvalidInputError, match="exactly one"):
+        s.append()
+    with pytest.raises(TokenOutOfRangeError, match="300"):
+        s.append(token_ids=[5, 300])
+    with pytest.raises(TokenOutOfRangeError):
+        s.append(token_ids=[-1])
+    with pytest.raises(InvalidInputError, match="ints"):
+        s.append(token_ids=[1.5])
+    with pytest.raises(InvalidInputError):
+        s.append(token_ids="abc")
+    with pytest.raises(InvalidInputError, match="at least one appended token"):
+        s.generate(max_tokens=3)
+    s.append(token_ids=[1, 2, 3])
+    for kw in ({"max_tokens": 0}, {"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0},
+               {"top_p": 1.5}, {"max_tokens": True}):
+        with pytest.raises(InvalidInputError):
+            s.generate(**kw)
+    assert s.token_ids == [1, 2, 3]  # nothing above changed the session
+    s.close()
+    s.close()
+    with pytest.raises(SessionClosedError):
+        s.append(token_ids=[1])
+    with pytest.raises(SessionClosedError):
+        s.generate()
+
+
+def test_context_limit_is_a_typed_error_and_generation_stops_there(tmp_path) -> None:
+    from helpers import make_checkpoint
+
+    from streamserve import Engine
+
+    make_checkpoint(tmp_path, "qwen3", max_position_embeddings=20)
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    with engine.open_session() as s:
+        with pytest.raises(ContextLengthError, match="context of 20"):
+            s.append(token_ids=list(range(21)))
+        assert s.token_ids == []
+        s.append(token_ids=list(range(15)))
+        out = s.generate(max_tokens=50, stop_token_ids=())
+        assert len(out) == 5 and len(s.token_ids) == 20
+        assert s.generate(max_tokens=5, stop_token_ids=()) == []
+        with pytest.raises(ContextLengthError):
+            s.append(token_ids=[1])
+
+
+def test_a_failed_forward_leaves_the_session_unchanged(engines, monkeypatch) -> None:
+    engine = engines["mixtral"]
+    prompt = random_ids(20, seed=11)
+    with engine.open_session() as ref:
+        ref.append(token_ids=prompt)
+        expected = ref.generate(max_tokens=8, stop_token_ids=())
+    with engine.open_session() as s:
+        s.append(token_ids=prompt[:10])
+        layer = engine.model.layers[1].mlp
+        real = type(layer).forward
+
+        def boom(self, x, ops):
+            raise RuntimeError("injected fault")
+
+        monkeypatch.setattr(type(layer), "forward", boom)
+        with pytest.raises(RuntimeError, match="injected"):
+            s.append(token_ids=prompt[10:])
+        monkeypatch.setattr(type(layer), "forward", real)
+        assert s.kv.length == 10 and s.token_ids == prompt[:10]
+        s.append(token_ids=prompt[10:])
+        assert s.generate(max_tokens=8, stop_token_ids=()) == expected
+
+
+def test_stats_and_close_release_memory(engines) -> None:
+    engine = engines["olmoe"]
+    before = engine.stats()["sessions_open"]
+    sessions = [engine.open_session() for _ in range(3)]
+    for s in sessions:
+        s.append(token_ids=random_ids(30, seed=12))
+    st = engine.stats()
+    assert st["sessions_open"] == before + 3 and st["kv_bytes"] > 0
+    assert st["architecture"] == "OlmoeForCausalLM" and st["parameters"] > 0
+    for s in sessions:
+        s.close()
+    st = engine.stats()
+    assert st["sessions_open"] == before
+    assert all(not s.kv.k for s in sessions)
+
+
+def test_generate_with_a_full_context_window_of_sliding_attention(engines) -> None:
+    """Mixtral's test config has a 24-token sliding window: a long session still matches a fresh run."""
+    engine = engines["mixtral"]
+    ids = random_ids(70, seed=13)
+    with engine.open_session() as a:
+        a.append(token_ids=ids)
+        la = a._logits
+    with engine.open_session() as b:
+        for i in range(0, 70, 7):
+            b.append(token_ids=ids[i:i + 7])
+        assert torch.allclose(la, b._logits, atol=1e-5)

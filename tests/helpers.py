@@ -1,0 +1,40 @@
+"""Test helpers: tiny random Hugging Face checkpoints built with transformers, saved to disk."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamserve.tools.random_checkpoint import make_random_checkpoint, write_byte_tokenizer
+
+VOCAB = 300  # > the 257 ids of the byte-level test tokenizer
+
+ARCH_CONFIGS: dict[str, dict[str, Any]] = {
+    "qwen3_moe": dict(head_dim=16, num_experts=8, num_experts_per_tok=2,
+                      moe_intermediate_size=24, norm_topk_prob=True, mlp_only_layers=[1], intermediate_size=40),
+    "qwen3": dict(head_dim=16, intermediate_size=72,
+                  rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                   "original_max_position_embeddings": 128}),
+    "mixtral": dict(num_local_experts=6, num_experts_per_tok=2, intermediate_size=40,
+                    sliding_window=24),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=3, intermediate_size=24,
+                  clip_qkv=4.0),
+    "llama": dict(intermediate_size=72, tie_word_embeddings=True,
+                  rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
+                                   "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                   "original_max_position_embeddings": 64}),
+}
+
+
+def make_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: Any) -> torch.nn.Module:
+    """A random tiny `arch` model of the test sizes, saved (float32) with a byte tokenizer; returns it."""
+    return make_random_checkpoint(folder, arch, seed, **{**ARCH_CONFIGS[arch], **overrides})
+
+
+def random_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
+    return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+__all__ = ["ARCH_CONFIGS", "VOCAB", "make_checkpoint", "random_ids", "write_byte_tokenizer"]

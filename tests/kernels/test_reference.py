@@ -1,0 +1,83 @@
+"""The torch reference ops against naive per-token loops, on random odd-sized inputs."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from streamserve.kernels import reference as ref
+
+
+def naive_moe(x, weights, ids, w_gate_up, w_down):
+    out = torch.zeros_like(x, dtype=torch.float32)
+    for t in range(x.shape[0]):
+        for j in range(ids.shape[1]):
+            e = int(ids[t, j])
+            g, u = (w_gate_up[e] @ x[t]).chunk(2)
+            out[t] += weights[t, j] * (w_down[e] @ (F.silu(g) * u)).float()
+    return out.to(x.dtype)
+
+
+@pytest.mark.parametrize(("T", "E", "k", "D", "inter"), [(1, 8, 2, 33, 17), (5, 13, 3, 40, 24), (19, 64, 8, 21, 9)])
+def test_moe_paths_match_a_naive_loop(T: int, E: int, k: int, D: int, inter: int) -> None:
+    g = torch.Generator().manual_seed(T * 100 + E)
+    x = torch.randn(T, D, generator=g)
+    w_gate_up, w_down = torch.randn(E, 2 * inter, D, generator=g), torch.randn(E, D, inter, generator=g)
+    weights, ids = ref.moe_route(torch.randn(T, E, generator=g), k, normalize=True)
+    assert torch.allclose(weights.sum(-1), torch.ones(T))
+    expected = naive_moe(x, weights, ids, w_gate_up, w_down)
+    for path in (ref.moe_experts_gather, ref.moe_experts_grouped):
+        assert torch.allclose(path(x, weights, ids, w_gate_up, w_down), expected, atol=1e-3, rtol=1e-4), path
+
+
+def test_moe_route_without_normalisation_keeps_softmax_mass() -> None:
+    logits = torch.tensor([[0.0, 1.0, 2.0, 3.0]])
+    w, i = ref.moe_route(logits, 2, normalize=False)
+    p = torch.softmax(logits, -1)[0]
+    assert i.tolist() == [[3, 2]] and torch.allclose(w[0], p[[3, 2]])
+
+
+@pytest.mark.parametrize(("T", "S", "H", "KVH", "hd", "window"),
+                         [(1, 1, 4, 2, 8, None), (1, 37, 6, 2, 16, None), (7, 29, 4, 4, 8, None),
+                          (5, 23, 8, 2, 16, 6), (1, 40, 2, 1, 8, 9)])
+def test_attention_matches_explicit_softmax(T, S, H, KVH, hd, window) -> None:
+    g = torch.Generator().manual_seed(S)
+    q = torch.randn(T, H, hd, generator=g)
+    k, v = torch.randn(KVH, S, hd, generator=g), torch.randn(KVH, S, hd, generator=g)
+    scale = hd**-0.5
+    out = ref.attention(q, k, v, scale, window)
+    expected = torch.empty(T, H, hd)
+    for t in range(T):
+        p = S - T + t
+        lo = 0 if window is None else max(0, p - window + 1)
+        for h in range(H):
+            kv = h // (H // KVH)
+            scores = (k[kv, lo:p + 1] @ q[t, h]) * scale
+            expected[t, h] = torch.softmax(scores, -1) @ v[kv, lo:p + 1]
+    assert torch.allclose(out, expected.reshape(T, H * hd), atol=1e-5)
+
+
+def test_rope_is_a_rotation_by_position() -> None:
+    hd, pos = 10, torch.tensor([0, 3, 11])
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    cos, sin = ref.rope_cos_sin(pos, inv, 1.0, torch.float32)
+    x = torch.randn(3, 2, hd, generator=torch.Generator().manual_seed(0))
+    y = ref.apply_rope(x, cos, sin)
+    # as complex numbers: (x_i + j x_{i+hd/2}) * exp(j * pos * inv_i)
+    turn = torch.polar(torch.ones(3, hd // 2), pos[:, None] * inv)[:, None]
+    z = torch.complex(x[..., : hd // 2], x[..., hd // 2:]) * turn
+    assert torch.allclose(y, torch.cat([z.real, z.imag], -1), atol=1e-5)
+    assert torch.allclose(y.norm(dim=-1), x.norm(dim=-1), atol=1e-5)
+
+
+def test_rms_norm_and_silu_mul() -> None:
+    x = torch.randn(3, 7, dtype=torch.float64)
+    w = torch.randn(7, dtype=torch.float64)
+    expected = w * (x.float() / torch.sqrt((x.float() ** 2).mean(-1, keepdim=True) + 1e-5)).double()
+    assert torch.allclose(ref.rms_norm(x, w, 1e-5), expected, atol=1e-6)
+    gu = torch.randn(4, 10)
+    assert torch.allclose(ref.silu_mul(gu), gu[:, :5] * torch.sigmoid(gu[:, :5]) * gu[:, 5:])
+    assert not math.isnan(float(ref.rms_norm(torch.zeros(1, 4), torch.ones(4), 1e-6).sum()))

@@ -1,0 +1,57 @@
+"""The `streamserve` command, run as a user would run it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+from helpers import make_checkpoint
+
+
+def run(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "streamserve", *args], input=stdin, capture_output=True,
+                          text=True, timeout=120)
+
+
+def test_help_explains_every_command() -> None:
+    out = run("--help")
+    assert out.returncode == 0
+    assert "generate" in out.stdout and "info" in out.stdout and "default model" in out.stdout
+    gen = run("generate", "--help").stdout
+    for flag in ("--model", "--device", "--dtype", "--prompt", "--max-tokens", "--temperature", "--top-p", "--seed"):
+        assert flag in gen
+
+
+def test_generate_with_a_prompt_streams_text(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "qwen3_moe")
+    out = run("generate", "--model", str(tmp_path), "--prompt", "abc", "--max-tokens", "6", "--seed", "1",
+              "--temperature", "0.9")
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("abc") and len(out.stdout) > len("abc\n")
+    assert "Qwen3MoeForCausalLM" in out.stderr
+
+
+def test_interactive_mode_reads_lines_into_one_session(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "llama")
+    out = run("generate", "--model", str(tmp_path), "--max-tokens", "4", stdin="first line\n\nsecond line\n")
+    assert out.returncode == 0, out.stderr
+    assert len(out.stdout.splitlines()) == 2  # one reply per non-empty line
+
+
+def test_errors_are_one_clear_line() -> None:
+    out = run("generate", "--model", "/nonexistent/model", "--prompt", "x")
+    assert out.returncode == 1
+    assert "error" in out.stderr and "not found" in out.stderr and "Traceback" not in out.stderr
+    bad = run("generate", "--device", "tpu")
+    assert bad.returncode == 2 and "invalid choice" in bad.stderr
+
+
+def test_info_prints_json(tmp_path: Path) -> None:
+    import json
+
+    make_checkpoint(tmp_path, "olmoe")
+    out = run("info", "--model", str(tmp_path))
+    assert out.returncode == 0, out.stderr
+    info = json.loads(out.stdout)
+    assert info["architecture"] == "OlmoeForCausalLM" and info["experts"] == 8 and info["experts_per_token"] == 3
