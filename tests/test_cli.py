@@ -34,9 +34,11 @@ def test_generate_with_a_prompt_streams_text(tmp_path: Path) -> None:
 
 def test_interactive_mode_reads_lines_into_one_session(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, "llama")
-    out = run("generate", "--model", str(tmp_path), "--max-tokens", "4", stdin="first line\n\nsecond line\n")
-    assert out.returncode == 0, out.stderr
-    assert len(out.stdout.splitlines()) == 2  # one reply per non-empty line
+    one = run("generate", "--model", str(tmp_path), "--max-tokens", "4", stdin="first line\n")
+    two = run("generate", "--model", str(tmp_path), "--max-tokens", "4", stdin="first line\n\nsecond line\n")
+    assert one.returncode == 0 and two.returncode == 0, (one.stderr, two.stderr)
+    # the second reply continues the same session: the first reply is unchanged, another one follows
+    assert two.stdout.startswith(one.stdout) and len(two.stdout) > len(one.stdout), (one.stdout, two.stdout)
 
 
 def test_errors_are_one_clear_line() -> None:

@@ -6,6 +6,7 @@ import json
 import logging
 import threading
 import time
+import weakref
 from pathlib import Path
 from typing import Any
 
@@ -67,7 +68,8 @@ class Engine:
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
         self._lock = threading.Lock()
-        self._sessions: dict[str, Session] = {}
+        # weak: a session dropped without close() is garbage-collected with its KV memory, never leaked
+        self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
                           "prefill_seconds": 0.0, "decode_seconds": 0.0}
 

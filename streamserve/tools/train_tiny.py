@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import random
 import re
 import shutil
 import subprocess
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> None:
         tok = train_tokenizer(text, args.vocab)
     eos_id = tok.token_to_id(EOS)
     docs = text.split("\n\n")
+    random.Random(args.seed).shuffle(docs)  # the held-out tail is then a sample of the corpus, not its end
     ids: list[int] = []
     for enc in tok.encode_batch(docs):
         ids.extend(enc.ids)
@@ -133,14 +135,14 @@ def main(argv: list[str] | None = None) -> None:
     gen = torch.Generator().manual_seed(args.seed)
 
     def batch(source: torch.Tensor) -> torch.Tensor:
-        starts = torch.randint(0, len(source) - args.seq - 1, (args.batch,), generator=gen)
-        return torch.stack([source[s: s + args.seq + 1] for s in starts.tolist()])
+        starts = torch.randint(0, len(source) - args.seq, (args.batch,), generator=gen)
+        return torch.stack([source[s: s + args.seq] for s in starts.tolist()])
 
     t0 = time.perf_counter()
     model.train()
     for step in range(1, args.steps + 1):
         x = batch(train)
-        out = model(input_ids=x[:, :-1], labels=x[:, 1:].contiguous(), output_router_logits=True)
+        out = model(input_ids=x, labels=x, output_router_logits=True)  # transformers shifts the labels
         opt.zero_grad(set_to_none=True)
         out.loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
@@ -156,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     # Validation loss without the auxiliary router loss: the language-model loss alone (nats/token).
     model.eval()
     with torch.no_grad():
-        losses = [model(input_ids=b[:, :-1], labels=b[:, 1:].contiguous(), output_router_logits=False).loss.item()
+        losses = [model(input_ids=b, labels=b, output_router_logits=False).loss.item()
                   for b in (batch(val) for _ in range(8))]
     val_loss = sum(losses) / len(losses)
     print(f"validation loss {val_loss:.3f} nats/token, {train_s:.0f}s of training", flush=True)

@@ -179,3 +179,18 @@ def test_generate_with_a_full_context_window_of_sliding_attention(engines) -> No
         for i in range(0, 70, 7):
             b.append(token_ids=ids[i:i + 7])
         assert torch.allclose(la, b._logits, atol=1e-5)
+
+
+def test_a_dropped_session_is_collected_with_its_memory(engines) -> None:
+    import gc
+    import weakref
+
+    engine = engines["qwen3"]
+    before = engine.stats()["sessions_open"]
+    s = engine.open_session()
+    s.append(token_ids=random_ids(50, seed=14))
+    keys = weakref.ref(s.kv.k[0])
+    assert engine.stats()["sessions_open"] == before + 1
+    del s
+    gc.collect()
+    assert engine.stats()["sessions_open"] == before and keys() is None

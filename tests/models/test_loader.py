@@ -134,3 +134,13 @@ def test_legacy_rope_scaling_keys_are_read() -> None:
         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, head_dim=64)
     assert old.rope_type == new.rope_type == "llama3" and old.theta == new.theta == 500000.0
     assert torch.equal(old.inv_freq()[0], new.inv_freq()[0])
+
+
+def test_large_loads_show_a_progress_bar(monkeypatch, capsys, checkpoints) -> None:
+    from streamserve.models import loader
+
+    Engine.from_pretrained(checkpoints["llama"][0], device="cpu")
+    assert "loading" not in capsys.readouterr().err  # small: silent
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
+    Engine.from_pretrained(checkpoints["llama"][0], device="cpu")
+    assert "loading llama" in capsys.readouterr().err
