@@ -10,7 +10,7 @@ threads, alternating rep by rep, and the median of each is kept.
 - decode tok/s: greedy tokens after that prompt. transformers' `generate` includes its prefill, so its
   decode time is generate(N) - generate(1) over N - 1 tokens; the engine's is timed the same way.
 It also times the two torch MoE paths (gather vs grouped) at several token counts on the 64-expert
-shapes: the crossover sets `MOE_GATHER_MAX_TOKENS` in streamserve/models/ops.py.
+shapes, which is why a CPU always takes the grouped path (streamserve/models/ops.py).
 The last line printed is one JSON object with every figure and the engine/transformers ratios.
 """
 
@@ -120,6 +120,9 @@ def main() -> None:
     args = p.parse_args()
     if args.quick:
         args.prompt, args.new, args.reps = 16, 4, 1
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
     torch.manual_seed(0)
     results = {"torch": torch.__version__, "threads": torch.get_num_threads(), "models": []}
     with tempfile.TemporaryDirectory() as tmp:

@@ -92,24 +92,30 @@ def moe_experts_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 
 def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                         w_down: torch.Tensor) -> torch.Tensor:
-    """Many tokens (appends): group the (token, slot) pairs by expert and run each hit expert once.
+    """Group the (token, slot) pairs by expert and run each hit expert once, reading its weights in place.
 
-    Same shapes and result as `moe_experts_gather`; syncs to the host to learn which experts are hit.
+    Same shapes and result as `moe_experts_gather`. Uses torch's grouped GEMM (`F.grouped_mm`, one call
+    for all experts) where this torch has it and the rows are 16-byte aligned, else one matmul per hit
+    expert (a host sync).
     """
     t, k = ids.shape
     flat = ids.reshape(-1)
     order = torch.argsort(flat, stable=True)  # (token, slot) pairs sorted by expert
-    counts = torch.bincount(flat, minlength=w_gate_up.shape[0]).tolist()
-    token_of = order // k
-    w_sorted = weights.reshape(-1)[order]
+    counts = torch.bincount(flat, minlength=w_gate_up.shape[0])
+    token_of = order // k  # [T*k] the token of each sorted pair
+    xs = x.index_select(0, token_of)  # [T*k, D]
+    itemsize = x.element_size()
+    if hasattr(F, "grouped_mm") and (x.shape[1] * itemsize) % 16 == 0 and (w_down.shape[2] * itemsize) % 16 == 0:
+        offs = torch.cumsum(counts, 0).to(torch.int32)  # [E] end of each expert's rows
+        h = silu_mul(F.grouped_mm(xs, w_gate_up.transpose(1, 2), offs=offs))  # [T*k, I]
+        y = F.grouped_mm(h, w_down.transpose(1, 2), offs=offs)  # [T*k, D]
+    else:
+        y = torch.empty_like(xs)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                y[start:start + n] = F.linear(silu_mul(F.linear(xs[start:start + n], w_gate_up[e])), w_down[e])
+                start += n
     out = torch.zeros(t, x.shape[1], dtype=torch.float32, device=x.device)
-    start = 0
-    for e, n in enumerate(counts):
-        if n == 0:
-            continue
-        tok = token_of[start:start + n]
-        h = silu_mul(F.linear(x.index_select(0, tok), w_gate_up[e]))
-        y = F.linear(h, w_down[e]).float() * w_sorted[start:start + n, None]
-        out.index_add_(0, tok, y)
-        start += n
+    out.index_add_(0, token_of, y.float() * weights.reshape(-1)[order, None])
     return out.to(x.dtype)

@@ -14,15 +14,16 @@ import torch
 from streamserve.errors import InvalidInputError
 from streamserve.kernels import reference as ref
 
-# Up to this many tokens the MoE runs the gather path (no host sync, copies k experts per token);
-# above it, the grouped path (one matmul per hit expert). Measured with benchmarks/decode.py.
-MOE_GATHER_MAX_TOKENS = 1
+# On CUDA, up to this many tokens take the gather path: no host sync, so decode steps can be captured
+# in CUDA graphs. On a CPU the grouped path always wins: gathering copies k experts' weights per token
+# (64 experts, top-8, D=512, I=256, one token: gather 1438 us, grouped 343 us; benchmarks/decode.py).
+MOE_GATHER_MAX_TOKENS_CUDA = 16
 
 
 def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor) -> torch.Tensor:
-    """x [T, D] -> [T, D]; dispatches by token count between the two torch reference paths."""
-    if x.shape[0] <= MOE_GATHER_MAX_TOKENS:
+    """x [T, D] -> [T, D]; picks the torch reference path by device and token count."""
+    if x.is_cuda and x.shape[0] <= MOE_GATHER_MAX_TOKENS_CUDA:
         return ref.moe_experts_gather(x, weights, ids, w_gate_up, w_down)
     return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
 

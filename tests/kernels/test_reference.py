@@ -21,7 +21,13 @@ def naive_moe(x, weights, ids, w_gate_up, w_down):
     return out.to(x.dtype)
 
 
-@pytest.mark.parametrize(("T", "E", "k", "D", "inter"), [(1, 8, 2, 33, 17), (5, 13, 3, 40, 24), (19, 64, 8, 21, 9)])
+MOE_SHAPES = [
+    (1, 8, 2, 33, 17), (5, 13, 3, 40, 24), (19, 64, 8, 21, 9),  # odd sizes: the per-expert fallback
+    (7, 16, 4, 64, 32), (1, 64, 8, 128, 48),  # 16-byte aligned rows: torch's grouped GEMM
+]
+
+
+@pytest.mark.parametrize(("T", "E", "k", "D", "inter"), MOE_SHAPES)
 def test_moe_paths_match_a_naive_loop(T: int, E: int, k: int, D: int, inter: int) -> None:
     g = torch.Generator().manual_seed(T * 100 + E)
     x = torch.randn(T, D, generator=g)
