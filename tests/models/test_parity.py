@@ -33,3 +33,20 @@ def test_greedy_tokens_match_transformers(arch: str, checkpoints, engines) -> No
         ours = s.generate(max_tokens=32, stop_token_ids=())
     assert len(ref) == 32
     assert ours == ref
+
+
+def test_qwen3_sliding_window_layers_match_transformers(tmp_path) -> None:
+    """Qwen3 with use_sliding_window: layers from max_window_layers on attend to the last 16 tokens only."""
+    from helpers import make_checkpoint
+
+    from streamserve import Engine
+
+    hf = make_checkpoint(tmp_path, "qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    assert engine.config.sliding_windows == (None, 16, 16)
+    ids = random_ids(50, seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    with engine.open_session() as s:
+        ours = engine.forward(s.kv, ids, all_logits=True)
+    assert (ours - ref).abs().max().item() <= 1e-4
