@@ -55,6 +55,10 @@ class ContiguousKVCache:
         self.length += self._pending
         self._pending = 0
 
+    def truncate(self, to: int) -> None:
+        """Forget the committed tokens from position `to` on."""
+        self.length = max(0, min(self.length, to))
+
     def abort(self) -> None:
         self._pending = 0
 

@@ -84,24 +84,26 @@ def _load(args: argparse.Namespace) -> Any:
 
 def _reply(session: Any, text: str, sampling: SamplingConfig, chat: bool) -> None:
     engine = session.engine
-    if chat:
+    if chat:  # the rendered template carries its own special tokens (BOS, turn markers)
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
-    session.append(text=text)
-    detok = engine.tokenizer.detokenizer()
     try:
-        for tok in session.iter_generate(sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.seed):
+        session.append(text=text, add_special_tokens=False if chat else None)
+        # the context lets decoders that strip a leading space (SentencePiece) see what came before
+        detok = engine.tokenizer.detokenizer(context=session.token_ids[-8:])
+        for tok in session.iter_generate(sampling.max_tokens, sampling.temperature, sampling.top_p):
             sys.stdout.write(detok.push([tok]))
             sys.stdout.flush()
+        sys.stdout.write(detok.flush())
     except KeyboardInterrupt:
         sys.stdout.write(" [stopped]")
-    sys.stdout.write(detok.flush() + "\n")
+    sys.stdout.write("\n")
     sys.stdout.flush()
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _load(args)
     sampling: SamplingConfig = config_from_args(SamplingConfig, args)
-    with engine.open_session() as session:
+    with engine.open_session(seed=sampling.seed) as session:
         if args.prompt is not None:
             if not args.chat:
                 sys.stdout.write(args.prompt)  # a continuation reads best after its prompt

@@ -94,11 +94,12 @@ class Engine:
         eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
         return cls(net, tokenizer, path, eos_ids)
 
-    def open_session(self) -> Session:
+    def open_session(self, seed: int | None = None) -> Session:
+        """A new persistent session. `seed` seeds its sampling for the whole session (reproducible runs)."""
         cfg = self.config
         kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings,
                                self.dtype, self.device)
-        s = Session(self, kv)
+        s = Session(self, kv, seed)
         self._sessions[s.id] = s
         return s
 
@@ -118,14 +119,14 @@ class Engine:
                 ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
                 pos = torch.arange(kv.length, kv.length + n, device=self.device)
                 logits = self.model(ids_t, pos, kv, all_logits=all_logits)
+                kind = "decode" if n == 1 else "prefill"
+                self._counters[f"{kind}_tokens"] += n
+                self._counters[f"{kind}_seconds"] += time.perf_counter() - t0
+                self._counters["forward_calls"] += 1
             except BaseException:
                 kv.abort()
                 raise
-            kv.commit()
-            kind = "decode" if n == 1 else "prefill"
-            self._counters[f"{kind}_tokens"] += n
-            self._counters[f"{kind}_seconds"] += time.perf_counter() - t0
-            self._counters["forward_calls"] += 1
+            kv.commit()  # last: nothing after it can fail between the cache and the caller's bookkeeping
         return logits
 
     def stats(self) -> dict[str, Any]:

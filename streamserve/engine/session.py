@@ -2,7 +2,8 @@
 
 Each `append` runs only the new tokens against the cached prefix. Generated tokens join the session
 too; the last one enters the KV lazily, with the next append or generate, so a reply costs exactly one
-forward per generated token.
+forward per generated token. `token_ids` is the one record of the session; the tokens not yet in the
+KV are always `token_ids[kv.length:]`, so an exception or interrupt anywhere leaves the two consistent.
 """
 
 from __future__ import annotations
@@ -29,16 +30,24 @@ if TYPE_CHECKING:
 
 
 class Session:
-    def __init__(self, engine: Engine, kv: ContiguousKVCache) -> None:
+    def __init__(self, engine: Engine, kv: ContiguousKVCache, seed: int | None = None) -> None:
         self.id = secrets.token_urlsafe(16)
         self.engine = engine
         self.kv = kv
         self.token_ids: list[int] = []  # everything appended or generated, in order
-        self._pending: list[int] = []  # the tail of token_ids not yet in the KV cache
-        self._logits: torch.Tensor | None = None  # [V] after the last token in the KV (if nothing pending)
+        self._logits: torch.Tensor | None = None  # [V] after the first `_logits_at` tokens
+        self._logits_at = -1
         self._generator = torch.Generator(device=engine.device)
-        self._generator.seed()
+        if seed is None:
+            self._generator.seed()
+        else:
+            self._generator.manual_seed(seed)
         self.closed = False
+
+    @property
+    def _pending(self) -> list[int]:
+        """The tokens of the session not yet in the KV cache (at most the last generated one)."""
+        return self.token_ids[self.kv.length:]
 
     def __enter__(self) -> Session:
         return self
@@ -53,10 +62,13 @@ class Session:
         if self.closed:
             raise SessionClosedError(f"session {self.id} is closed; open a new one")
 
-    def append(self, text: str | None = None, token_ids: Sequence[int] | None = None) -> int:
+    def append(self, text: str | None = None, token_ids: Sequence[int] | None = None,
+               add_special_tokens: bool | None = None) -> int:
         """Append a chunk of text or token ids; returns the number of tokens appended.
 
-        The first text chunk of a session is encoded with the tokenizer's special tokens (e.g. BOS).
+        `add_special_tokens` (text only): run the tokenizer's post-processor (e.g. add BOS). None means
+        yes for the first chunk of a session and no after it; pass False for chat-templated text, which
+        carries its own special tokens.
         """
         self._check_open()
         if (text is None) == (token_ids is None):
@@ -64,7 +76,8 @@ class Session:
         if text is not None:
             if not isinstance(text, str):
                 raise InvalidInputError(f"text must be a str, got {type(text).__name__}")
-            ids = self.engine.tokenizer.encode(text, add_special_tokens=not self.token_ids)
+            special = not self.token_ids if add_special_tokens is None else add_special_tokens
+            ids = self.engine.tokenizer.encode(text, add_special_tokens=special)
         else:
             ids = self._check_ids(token_ids)
         if not ids:
@@ -86,15 +99,26 @@ class Session:
         return ids
 
     def _run(self, ids: list[int]) -> None:
-        """Forward pending + ids; on success they are committed and the logits of the last one kept."""
+        """Forward pending + ids; on success they join the session and the logits of the last one are kept."""
         chunk = self._pending + ids
         limit = self.engine.config.max_position_embeddings
         if self.kv.length + len(chunk) > limit:
             raise ContextLengthError(f"appending {len(ids)} tokens to a session of {len(self.token_ids)} "
                                      f"would exceed the model's context of {limit}; rewind or open a new session")
-        self._logits = self.engine.forward(self.kv, chunk)
+        logits = self.engine.forward(self.kv, chunk)
         self.token_ids.extend(ids)
-        self._pending = []
+        self._logits, self._logits_at = logits, self.kv.length
+
+    def _catch_up(self) -> torch.Tensor:
+        """The logits after the whole session, running the pending token first if there is one."""
+        if not self._pending and self._logits_at != len(self.token_ids):
+            # an interrupt landed between a forward and its bookkeeping: run the last token again
+            self.kv.truncate(self.kv.length - 1)
+        if self._pending:
+            self._logits = self.engine.forward(self.kv, self._pending)
+            self._logits_at = self.kv.length
+        assert self._logits is not None
+        return self._logits
 
     def iter_generate(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                       top_p: float = SD.top_p, seed: int | None = SD.seed,
@@ -113,16 +137,11 @@ class Session:
                   stops: set[int]) -> Iterator[int]:
         limit = self.engine.config.max_position_embeddings
         for _ in range(max_tokens):
+            self._check_open()
             if len(self.token_ids) >= limit:  # the context is full: the reply ends here
                 return
-            if self._pending:
-                self._check_open()
-                self._logits = self.engine.forward(self.kv, self._pending)
-                self._pending = []
-            assert self._logits is not None
-            tok = sample(self._logits, temperature, top_p, gen)
-            self.token_ids.append(tok)
-            self._pending = [tok]
+            tok = sample(self._catch_up(), temperature, top_p, gen)
+            self.token_ids.append(tok)  # pending from here on: it enters the KV with the next forward
             yield tok
             if tok in stops:
                 return

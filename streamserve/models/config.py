@@ -25,14 +25,21 @@ class ArchSpec:
     qk_norm: QKNorm
     moe: bool
     always_normalize_topk: bool = False  # Mixtral renormalises the top-k weights regardless of config
+    defaults: tuple[tuple[str, Any], ...] = ()  # transformers' defaults for keys a config.json may omit
 
 
 ARCHITECTURES: dict[str, ArchSpec] = {
-    "Qwen3MoeForCausalLM": ArchSpec(qk_norm="per_head", moe=True),
-    "Qwen3ForCausalLM": ArchSpec(qk_norm="per_head", moe=False),
-    "MixtralForCausalLM": ArchSpec(qk_norm="none", moe=True, always_normalize_topk=True),
-    "OlmoeForCausalLM": ArchSpec(qk_norm="full", moe=True),
-    "LlamaForCausalLM": ArchSpec(qk_norm="none", moe=False),
+    "Qwen3MoeForCausalLM": ArchSpec(qk_norm="per_head", moe=True, defaults=(
+        ("rms_norm_eps", 1e-6), ("max_position_embeddings", 32768), ("rope_theta", 10000.0))),
+    "Qwen3ForCausalLM": ArchSpec(qk_norm="per_head", moe=False, defaults=(
+        ("rms_norm_eps", 1e-6), ("max_position_embeddings", 32768), ("rope_theta", 10000.0),
+        ("max_window_layers", 28))),
+    "MixtralForCausalLM": ArchSpec(qk_norm="none", moe=True, always_normalize_topk=True, defaults=(
+        ("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096 * 32), ("rope_theta", 1e6))),
+    "OlmoeForCausalLM": ArchSpec(qk_norm="full", moe=True, defaults=(
+        ("rms_norm_eps", 1e-5), ("max_position_embeddings", 4096), ("rope_theta", 10000.0))),
+    "LlamaForCausalLM": ArchSpec(qk_norm="none", moe=False, defaults=(
+        ("rms_norm_eps", 1e-6), ("max_position_embeddings", 2048), ("rope_theta", 10000.0))),
 }
 
 
@@ -87,6 +94,17 @@ class ModelConfig:
                 f"architecture {', '.join(archs) or '(none given)'} is not supported; supported: "
                 f"{', '.join(ARCHITECTURES)}")
         spec = ARCHITECTURES[arch]
+        if cfg.get("quantization_config"):
+            method = cfg["quantization_config"].get("quant_method", "?")
+            raise ModelLoadError(f"quantized checkpoints ({method}) are not supported yet; use a bf16/fp16/fp32 one")
+        cfg = {**dict(spec.defaults), **{k: v for k, v in cfg.items() if v is not None}}
+        try:
+            return cls._parse(cfg, arch, spec)
+        except (KeyError, TypeError, ValueError) as e:
+            raise ModelLoadError(f"config.json of this {arch} checkpoint lacks or mangles {e}") from None
+
+    @classmethod
+    def _parse(cls, cfg: dict[str, Any], arch: str, spec: ArchSpec) -> ModelConfig:
         if cfg.get("hidden_act", "silu") != "silu":
             raise ModelLoadError(f"hidden_act {cfg['hidden_act']!r} is not supported (only silu)")
         hidden, heads = int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
@@ -137,7 +155,9 @@ def _moe_config(cfg: dict[str, Any], spec: ArchSpec, layers: int) -> MoEConfig |
 
 def _sliding_windows(cfg: dict[str, Any], arch: str, layers: int) -> tuple[int | None, ...]:
     window = cfg.get("sliding_window")
-    if arch == "Qwen3ForCausalLM" or arch == "Qwen3MoeForCausalLM":
+    if arch == "Qwen3MoeForCausalLM":  # transformers windows every layer of Qwen3-MoE
+        return (int(window) if cfg.get("use_sliding_window") and window else None,) * layers
+    if arch == "Qwen3ForCausalLM":
         if not cfg.get("use_sliding_window", False):
             return (None,) * layers
         types = cfg.get("layer_types") or [

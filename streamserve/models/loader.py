@@ -145,8 +145,8 @@ def load_model(folder: Path, cfg: ModelConfig, device: torch.device, dtype: torc
     ckpt = Checkpoint(folder)
     recipes = param_recipes(cfg)
     with torch.device("meta"):
-        model = CausalLM(cfg, ops)
-    model = model.to_empty(device=device).to(dtype)
+        model = CausalLM(cfg, ops).to(dtype)  # the dtype first: memory is only taken once, at its final size
+    model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # materialising "meta" parameters unties them
         model.lm_head.weight = model.embed_tokens.weight
     inv_freq, _ = cfg.rope.inv_freq()

@@ -38,6 +38,12 @@ class RopeConfig:
                                  f"{', '.join(SUPPORTED_ROPE_TYPES)}")
         if float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor") or 1.0)) != 1.0:
             raise ModelLoadError("partial_rotary_factor != 1 is not supported")
+        if rope_type in ("llama3", "yarn"):  # as transformers: the pre-scaling context defaults to the context
+            params.setdefault("original_max_position_embeddings", cfg.get("max_position_embeddings", 2048))
+        for key in {"linear": ("factor",), "llama3": ("factor", "low_freq_factor", "high_freq_factor")}.get(
+                rope_type, ()):
+            if key not in params:
+                raise ModelLoadError(f"rope type {rope_type!r} needs {key!r} in its parameters")
         return cls(theta=float(theta), head_dim=head_dim, rope_type=rope_type, params=params,
                    max_position_embeddings=int(cfg.get("max_position_embeddings", 2048)))
 
@@ -57,7 +63,7 @@ class RopeConfig:
 
 def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
-    old_ctx = float(p["original_max_position_embeddings"])
+    old_ctx = float(p["original_max_position_embeddings"])  # from_hf fills it in when a config omits it
     low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
     wavelen = 2 * math.pi / inv_freq
     scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)

@@ -68,8 +68,15 @@ class Tokenizer:
         if not self.chat_template:
             raise ChatTemplateError("this checkpoint has no chat template (tokenizer_config.json has no "
                                     "chat_template); append plain text instead")
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda x, indent=None, **_: json.dumps(x, ensure_ascii=False, indent=indent)
+        # the environment transformers renders chat templates in: loop controls, its tojson signature
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                            extensions=["jinja2.ext.loopcontrols"])
+
+        def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
+                   separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env.filters["tojson"] = tojson
 
         def raise_exception(message: str) -> None:
             raise ChatTemplateError(message)
@@ -83,8 +90,9 @@ class Tokenizer:
         except TemplateError as e:
             raise ChatTemplateError(f"the chat template failed to render: {e}") from None
 
-    def detokenizer(self, skip_special_tokens: bool = True) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self, skip_special_tokens)
+    def detokenizer(self, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> IncrementalDetokenizer:
+        """A detokenizer for a stream that follows `context` (the ids before it, e.g. the session so far)."""
+        return IncrementalDetokenizer(self, skip_special_tokens, context)
 
 
 class IncrementalDetokenizer:
@@ -96,12 +104,14 @@ class IncrementalDetokenizer:
     spaces (SentencePiece's Metaspace) see the context they need.
     """
 
-    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+    CONTEXT_TOKENS = 5  # context ids decoded with the first tokens, so decoders see what precedes them
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True, context: Sequence[int] = ()) -> None:
         self._tok = tokenizer
         self._skip = skip_special_tokens
-        self._ids: list[int] = []
+        self._ids: list[int] = list(context[-self.CONTEXT_TOKENS:]) if context else []
         self._prefix = 0  # start of the decode window
-        self._read = 0  # tokens before this have been emitted as text
+        self._read = len(self._ids)  # tokens before this have been emitted as text (or are context)
 
     def push(self, ids: Iterable[int]) -> str:
         """Add token ids; return the new complete text (possibly "")."""

@@ -46,6 +46,10 @@ def make_random_checkpoint(folder: Path, arch: str, seed: int = 0, **config: Any
     kwargs.update(config)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(cls(**kwargs), dtype=torch.float32).eval()
+    with torch.no_grad():  # norms start at 1 and biases at 0: perturb them so a mis-loaded one shows
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.2 * torch.randn_like(p))
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder)
     write_byte_tokenizer(folder)

@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from helpers import random_ids
+from helpers import make_checkpoint, random_ids
 
 from streamserve.errors import (
     ContextLengthError,
@@ -53,13 +53,91 @@ def test_one_token_chunks_and_interleaved_generation(engines) -> None:
         assert s.generate(max_tokens=5, stop_token_ids=()) == r2
 
 
-def test_text_append_and_stop_at_eos(engines) -> None:
+def test_text_append_and_stop_at_eos(engines, monkeypatch) -> None:
     engine = engines["llama"]
     with engine.open_session() as s:
         n = s.append(text="hello")
         assert n == len("hello") and s.token_ids == engine.tokenizer.encode("hello")
-        out = s.generate(max_tokens=40, stop_token_ids=[s.generate(max_tokens=1)[0]])
-        assert len(out) <= 40
+        free = s.generate(max_tokens=12, stop_token_ids=())
+    stop = free[5]
+    first = free.index(stop)
+    monkeypatch.setattr(engine, "eos_token_ids", (stop,))
+    with engine.open_session() as s:
+        s.append(text="hello")
+        assert s.generate(max_tokens=12) == free[: first + 1]  # stops at the model's EOS, which it includes
+
+
+def test_a_closed_session_ends_its_running_generator(engines) -> None:
+    engine = engines["qwen3"]
+    s = engine.open_session()
+    s.append(token_ids=[1, 2, 3])
+    stream = s.iter_generate(max_tokens=10, stop_token_ids=())
+    next(stream)
+    s.close()
+    with pytest.raises(SessionClosedError):
+        next(stream)
+
+
+def test_an_interrupt_after_a_forward_keeps_the_session_consistent(engines, monkeypatch) -> None:
+    engine = engines["qwen3_moe"]
+    prompt = random_ids(12, seed=15)
+    with engine.open_session() as ref:
+        ref.append(token_ids=prompt)
+        expected = ref.generate(max_tokens=10, stop_token_ids=())
+    real = type(engine).forward
+    calls = {"n": 0}
+
+    def forward_then_interrupt(self, kv, ids, all_logits=False):
+        out = real(self, kv, ids, all_logits)
+        calls["n"] += 1
+        if calls["n"] == 3:  # the forward committed, then Ctrl-C arrives before the session saw its result
+            raise KeyboardInterrupt
+        return out
+
+    with engine.open_session() as s:
+        monkeypatch.setattr(type(engine), "forward", forward_then_interrupt)
+        s.append(token_ids=prompt)
+        got = []
+        with pytest.raises(KeyboardInterrupt):
+            for tok in s.iter_generate(max_tokens=10, stop_token_ids=()):
+                got.append(tok)
+        monkeypatch.setattr(type(engine), "forward", real)
+        got += s.generate(max_tokens=10 - len(got), stop_token_ids=())
+        assert got == expected and s.kv.length == len(s.token_ids) - 1
+
+
+def test_session_seed_makes_a_whole_session_reproducible(engines) -> None:
+    engine = engines["qwen3"]
+
+    def run() -> list[int]:
+        with engine.open_session(seed=9) as s:
+            s.append(token_ids=[5, 6, 7])
+            a = s.generate(max_tokens=6, temperature=1.0, stop_token_ids=())
+            s.append(token_ids=[8])
+            return a + s.generate(max_tokens=6, temperature=1.0, stop_token_ids=())
+
+    assert run() == run()
+
+
+def test_special_tokens_only_on_the_first_text_chunk(tmp_path) -> None:
+    from tokenizers import processors
+
+    from streamserve import Engine
+    from streamserve.models import Tokenizer
+
+    make_checkpoint(tmp_path, "llama")
+    tok = Tokenizer.from_dir(tmp_path)._tok
+    tok.post_processor = processors.TemplateProcessing(single="<|endoftext|> $A",
+                                                       special_tokens=[("<|endoftext|>", 256)])
+    tok.save(str(tmp_path / "tokenizer.json"))
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    with engine.open_session() as s:
+        s.append(text="ab")
+        s.append(text="c")
+        assert s.token_ids[0] == 256 and s.token_ids.count(256) == 1
+    with engine.open_session() as s:  # chat-templated text brings its own BOS
+        s.append(text="ab", add_special_tokens=False)
+        assert 256 not in s.token_ids
 
 
 def test_sampling_is_seeded_and_top_p_tiny_is_greedy(engines) -> None:
@@ -111,8 +189,6 @@ def test_bad_input_is_typed(engines) -> None:
 
 
 def test_context_limit_is_a_typed_error_and_generation_stops_there(tmp_path) -> None:
-    from helpers import make_checkpoint
-
     from streamserve import Engine
 
     make_checkpoint(tmp_path, "qwen3", max_position_embeddings=20)

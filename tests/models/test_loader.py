@@ -122,18 +122,24 @@ def test_unsupported_rope_type_is_refused(tmp_path: Path, checkpoints) -> None:
         Engine.from_pretrained(dst, device="cpu")
 
 
-def test_legacy_rope_scaling_keys_are_read() -> None:
+@pytest.mark.parametrize("rope_scaling", [
+    {"type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 8192},
+    {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
+    {"type": "linear", "factor": 2.0},
+])
+def test_legacy_rope_scaling_keys_match_transformers(rope_scaling) -> None:
     """Configs written before transformers 5 keep rope_theta and rope_scaling at the top level."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
     from streamserve.models.rope import RopeConfig
 
-    old = RopeConfig.from_hf({"rope_theta": 500000.0, "rope_scaling": {
-        "type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-        "original_max_position_embeddings": 8192}}, head_dim=64)
-    new = RopeConfig.from_hf({"rope_parameters": {
-        "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}}, head_dim=64)
-    assert old.rope_type == new.rope_type == "llama3" and old.theta == new.theta == 500000.0
-    assert torch.equal(old.inv_freq()[0], new.inv_freq()[0])
+    raw = {"rope_theta": 500000.0, "rope_scaling": rope_scaling, "max_position_embeddings": 8192}
+    ours, scaling = RopeConfig.from_hf(raw, head_dim=64).inv_freq()
+    hf_cfg = LlamaConfig(hidden_size=256, num_attention_heads=4, head_dim=64, **raw)
+    theirs, hf_scaling = ROPE_INIT_FUNCTIONS[rope_scaling["type"]](hf_cfg, "cpu")
+    assert torch.allclose(ours, theirs) and scaling == pytest.approx(hf_scaling)
 
 
 def test_large_loads_show_a_progress_bar(monkeypatch, capsys, checkpoints) -> None:
@@ -144,3 +150,28 @@ def test_large_loads_show_a_progress_bar(monkeypatch, capsys, checkpoints) -> No
     monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", 0)
     Engine.from_pretrained(checkpoints["llama"][0], device="cpu")
     assert "loading llama" in capsys.readouterr().err
+
+
+def test_quantized_checkpoints_are_refused(tmp_path: Path, checkpoints) -> None:
+    dst = copy_ckpt(checkpoints["qwen3"][0], tmp_path / "q")
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ModelLoadError, match="quantized checkpoints \\(fp8\\)"):
+        Engine.from_pretrained(dst, device="cpu")
+
+
+def test_config_gaps_get_transformers_defaults_or_a_typed_error() -> None:
+    from streamserve.models import ModelConfig
+
+    base = {"architectures": ["MixtralForCausalLM"], "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "intermediate_size": 40, "num_local_experts": 4, "num_experts_per_tok": 2}
+    cfg = ModelConfig.from_hf(base)
+    assert cfg.rms_norm_eps == 1e-5 and cfg.rope.theta == 1e6  # Mixtral's own defaults, not Llama's
+    del base["num_experts_per_tok"]
+    with pytest.raises(ModelLoadError, match="num_experts_per_tok"):
+        ModelConfig.from_hf(base)
+    llama3 = {"architectures": ["LlamaForCausalLM"], "vocab_size": 300, "hidden_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "intermediate_size": 40, "max_position_embeddings": 512,
+              "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}}
+    assert ModelConfig.from_hf(llama3).rope.params["original_max_position_embeddings"] == 512

@@ -50,3 +50,19 @@ def test_qwen3_sliding_window_layers_match_transformers(tmp_path) -> None:
     with engine.open_session() as s:
         ours = engine.forward(s.kv, ids, all_logits=True)
     assert (ours - ref).abs().max().item() <= 1e-4
+
+
+def test_qwen3_moe_sliding_window_windows_every_layer(tmp_path) -> None:
+    from helpers import make_checkpoint
+
+    from streamserve import Engine
+
+    hf = make_checkpoint(tmp_path, "qwen3_moe", use_sliding_window=True, sliding_window=16)
+    engine = Engine.from_pretrained(tmp_path, device="cpu")
+    assert engine.config.sliding_windows == (16, 16, 16)
+    ids = random_ids(50, seed=6)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    with engine.open_session() as s:
+        ours = engine.forward(s.kv, ids, all_logits=True)
+    assert (ours - ref).abs().max().item() <= 1e-4

@@ -77,3 +77,28 @@ def test_chat_template_from_jinja_file_and_raise_exception(tmp_path: Path) -> No
 def test_no_chat_template_is_a_typed_error(tok: Tokenizer) -> None:
     with pytest.raises(ChatTemplateError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "hi"}])
+
+
+def test_detokenizer_context_keeps_sentencepiece_spaces(tmp_path: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers
+
+    raw = HFTokenizer(models.WordLevel({"▁In": 0, "▁the": 1, "▁beginning": 2, "<unk>": 3}, unk_token="<unk>"))
+    raw.pre_tokenizer = pre_tokenizers.Metaspace()
+    raw.decoder = decoders.Metaspace()
+    raw.save(str(tmp_path / "tokenizer.json"))
+    tok = Tokenizer.from_dir(tmp_path)
+    assert tok.decode([1]) == "the"  # alone, the decoder strips the leading space
+    d = tok.detokenizer(context=[0])
+    assert d.push([1]) + d.push([2]) == " the beginning"
+
+
+def test_chat_templates_may_use_loop_controls_and_tojson_options(tmp_path: Path) -> None:
+    write_byte_tokenizer(tmp_path)
+    (tmp_path / "chat_template.jinja").write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] }}"
+        "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}")
+    tok = Tokenizer.from_dir(tmp_path)
+    msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
+            {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
+    assert tok.apply_chat_template(msgs) == 'u1a1{"a": 2, "b": 1}'
