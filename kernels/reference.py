@@ -39,27 +39,73 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-              window: int | None = None) -> torch.Tensor:
-    """Causal attention of T new queries against S cached keys, the last T of which are the queries' own.
+def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding: int | None = None, sinks: int = 0,
+            window: int | None = None) -> torch.Tensor:
+    """Which keys each query may attend to: q_pos [T], k_pos [S] (absolute positions) -> bool [T, S].
 
-    q [T, H, hd]; k, v [KVH, S, hd] (query i sits at cache position S - T + i); H % KVH == 0 (GQA).
-    `window`: a model-native sliding window; a query at p sees keys at p - window < j <= p.
-    Returns [T, H * hd].
+    Causal; `sliding`: the model's own sliding window (keys at p - sliding < j <= p); `window`/`sinks`:
+    the session's stream policy (keys among the first `sinks` tokens or at p - window < j <= p).
+    """
+    q, k = q_pos[:, None], k_pos[None, :]
+    mask = k <= q
+    if sliding is not None:
+        mask &= k > q - sliding
+    if window is not None:
+        mask &= (k < sinks) | (k > q - window)
+    return mask
+
+
+def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor, k_pos: torch.Tensor,
+              scale: float, sliding: int | None = None, sinks: int = 0, window: int | None = None) -> torch.Tensor:
+    """Attention of T new queries over S cached keys (which include the queries' own).
+
+    q [T, H, hd] (RoPE applied); k, v [KVH, S, hd]; q_pos [T], k_pos [S] absolute positions;
+    H % KVH == 0 (GQA). Masking as in `visible`. Returns [T, H * hd].
     """
     t, h, hd = q.shape
-    kvh, s, _ = k.shape
-    qh = q.transpose(0, 1).unsqueeze(0)  # [1, H, T, hd]
+    kvh = k.shape[0]
     mask = None
-    if t > 1 or (window is not None and s > window):
-        qpos = torch.arange(s - t, s, device=q.device)[:, None]
-        kpos = torch.arange(s, device=q.device)[None, :]
-        mask = kpos <= qpos
-        if window is not None:
-            mask &= kpos > qpos - window
-    out = F.scaled_dot_product_attention(qh, k.unsqueeze(0), v.unsqueeze(0), attn_mask=mask, scale=scale,
-                                         enable_gqa=kvh != h)
+    if t > 1 or sliding is not None or window is not None:
+        mask = visible(q_pos, k_pos, sliding, sinks, window)
+    out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
+                                         attn_mask=mask, scale=scale, enable_gqa=kvh != h)
     return out[0].transpose(0, 1).reshape(t, h * hd)
+
+
+def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
+                      k_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float, scale: float,
+                      sinks: int, window: int, sliding: int | None = None) -> torch.Tensor:
+    """StreamingLLM attention: keys cached before RoPE, positions counted inside the cache.
+
+    q [T, H, hd] and k [KVH, S, hd] without RoPE; v [KVH, S, hd]; q_pos [T], k_pos [S] absolute.
+    Query p sees the first `sinks` tokens and the last `window` tokens up to itself; inside that cache
+    a sink s sits at position s and the query at c = min(p, sinks + window - 1), so the sink distance is
+    c - s while a window key j keeps its distance p - j. Rotations use positions relative to the oldest
+    window key, so they stay bounded however long the stream. Returns [T, H * hd].
+    """
+    t, h, hd = q.shape
+    kvh = k.shape[0]
+    is_sink = k_pos < sinks
+    base = k_pos[~is_sink].min() if not bool(is_sink.all()) else k_pos.new_zeros(())  # oldest window key
+    cq = torch.clamp(q_pos, max=sinks + window - 1)
+    # sink keys rotated by their own position; window keys by their distance from the oldest key
+    k_rot_pos = torch.where(is_sink, k_pos, k_pos - base)
+    kc, ks = rope_cos_sin(k_rot_pos, inv_freq, rope_scaling, k.dtype)
+    k_rot = apply_rope(k.transpose(0, 1), kc, ks).transpose(0, 1)  # [KVH, S, hd]
+    qc_s, qs_s = rope_cos_sin(cq, inv_freq, rope_scaling, q.dtype)
+    qc_w, qs_w = rope_cos_sin(q_pos - base, inv_freq, rope_scaling, q.dtype)
+    q_sink, q_win = apply_rope(q, qc_s, qs_s), apply_rope(q, qc_w, qs_w)  # [T, H, hd] each
+    group = h // kvh
+    k_full = k_rot.repeat_interleave(group, dim=0)  # [H, S, hd]
+    v_full = v.repeat_interleave(group, dim=0)
+    scores_sink = torch.einsum("thd,hsd->hts", q_sink.float(), k_full.float())
+    scores_win = torch.einsum("thd,hsd->hts", q_win.float(), k_full.float())
+    scores = torch.where(is_sink[None, None, :], scores_sink, scores_win) * scale  # [H, T, S]
+    mask = visible(q_pos, k_pos, sliding, sinks, window)
+    scores = scores.masked_fill(~mask[None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
+    out = torch.einsum("hts,hsd->thd", probs, v_full)
+    return out.reshape(t, h * hd)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

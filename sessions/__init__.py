@@ -1,9 +1,12 @@
 """streamserve.sessions: the KV memory of persistent sessions.
 
-`ContiguousKVCache` keeps one session's keys and values in growing per-layer buffers. It depends only
-on torch and `streamserve.errors`, never on the engine above it.
+A global paged pool (`KVPool`, `PageAllocator`) holds every session's keys and values; each session's
+`PagedSessionKV` maps its tokens to pages under a `WindowPolicy` ([sinks | window], absolute or rolling
+positions). Depends only on torch and `streamserve.errors`, never on the engine above it.
 """
 
-from streamserve.sessions.kv_cache import ContiguousKVCache
+from streamserve.sessions.paged_kv import HostPages, PagedSessionKV
+from streamserve.sessions.policy import WindowPolicy
+from streamserve.sessions.pool import DEFAULT_PAGE_SIZE, KVPool, PageAllocator
 
-__all__ = ["ContiguousKVCache"]
+__all__ = ["DEFAULT_PAGE_SIZE", "HostPages", "KVPool", "PageAllocator", "PagedSessionKV", "WindowPolicy"]

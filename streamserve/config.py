@@ -17,6 +17,24 @@ class EngineConfig:
     dtype: str | None = field(default=None, metadata={
         "help": "weight and activation dtype; default: the checkpoint's, but float32 on cpu for 16-bit "
                 "checkpoints", "choices": ("float32", "bfloat16", "float16")})
+    kv_memory: str | None = field(default=None, metadata={
+        "help": "KV pool budget: bytes (e.g. 2GiB, 512MB) or a fraction of free device memory (e.g. 0.5); "
+                "default: 1GiB on cpu, 0.5 of free memory on a GPU"})
+    page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    idle_ttl: float | None = field(default=None, metadata={
+        "help": "close sessions idle for this many seconds (default: never)"})
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    window: int | None = field(default=None, metadata={
+        "help": "keep only the last WINDOW tokens (plus the sinks) of each session: constant memory on endless "
+                "streams (default: keep everything up to the model's context)"})
+    sinks: int = field(default=4, metadata={"help": "first tokens kept for ever when a window is set"})
+    positions: str | None = field(default=None, metadata={
+        "help": "position numbering with a window: rolling (StreamingLLM, endless) or absolute (model-native, "
+                "up to the context); default: rolling with a window", "choices": ("absolute", "rolling")})
+    page_cap: int | None = field(default=None, metadata={"help": "the most KV pages one session may hold"})
 
 
 @dataclass(frozen=True)
@@ -29,4 +47,5 @@ class SamplingConfig:
 
 
 ENGINE_DEFAULTS = EngineConfig()
+SESSION_DEFAULTS = SessionConfig()
 SAMPLING_DEFAULTS = SamplingConfig()

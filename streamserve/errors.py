@@ -37,6 +37,30 @@ class SessionClosedError(StreamserveError):
     code = "session_closed"
 
 
+class CapacityError(StreamserveError):
+    """No KV memory for this now: the pool is full and no idle session could be parked. Retry later."""
+
+    code = "capacity_exceeded"
+
+
+class PageCapError(InvalidInputError):
+    """The session would hold more KV pages than its cap allows."""
+
+    code = "session_page_cap"
+
+
+class RewindError(InvalidInputError):
+    """A rewind point before the start, past the end, or inside what the window already dropped."""
+
+    code = "invalid_rewind"
+
+
+class SnapshotError(StreamserveError):
+    """A snapshot that cannot be restored here: another model, another format version, a damaged file."""
+
+    code = "snapshot_mismatch"
+
+
 class ModelLoadError(StreamserveError):
     """A checkpoint could not be loaded: missing files, tensors, or an unsupported configuration."""
 

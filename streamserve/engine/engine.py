@@ -1,4 +1,10 @@
-"""`Engine`: a loaded model + tokenizer that opens persistent sessions."""
+"""`Engine`: a loaded model and tokenizer, the global paged KV pool, and the sessions on it.
+
+Admission: a step that cannot get pages parks (offloads to host memory) the least recently active idle
+session and tries again; when no session can be parked it fails with `CapacityError`, having taken
+nothing. A parked session comes back transparently on its next use. Sessions idle past `idle_ttl` are
+closed. One forward runs at a time (a lock); every page is counted (`check_integrity`).
+"""
 
 from __future__ import annotations
 
@@ -7,80 +13,79 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from streamserve.config import ENGINE_DEFAULTS
-from streamserve.engine.session import Session
-from streamserve.errors import InvalidInputError, ModelLoadError
+from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS
+from streamserve.engine.loading import (
+    DEFAULT_MODEL_DIR,
+    model_fingerprint,
+    resolve_device,
+    resolve_dtype,
+    resolve_kv_bytes,
+    resolve_model_path,
+)
+from streamserve.engine.session import Session, SessionState
+from streamserve.engine.snapshot import Snapshot
+from streamserve.errors import CapacityError, InvalidInputError, SnapshotError
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model
-from streamserve.sessions import ContiguousKVCache
+from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy
 
 log = logging.getLogger("streamserve")
 
-DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def resolve_model_path(model: str | Path) -> Path:
-    if str(model) == "default":
-        return DEFAULT_MODEL_DIR
-    path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ModelLoadError(f"model {str(model)!r} not found: pass 'default' or a folder holding config.json, "
-                             "safetensors weights and tokenizer.json (models are never downloaded)")
-    return path
-
-
-def resolve_device(device: str | torch.device) -> torch.device:
-    if str(device) == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(device)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InvalidInputError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
-    return dev
-
-
-def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
-        return dtype
-    if dtype is not None:
-        if dtype not in _DTYPES:
-            raise InvalidInputError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
-        return _DTYPES[dtype]
-    chosen = _DTYPES.get(checkpoint_dtype, torch.float32)
-    # 16-bit matmuls on a CPU are slow and round differently from the GPU kernels: compute in fp32 there
-    return torch.float32 if device.type == "cpu" else chosen
+__all__ = ["DEFAULT_MODEL_DIR", "Engine"]
 
 
 class Engine:
-    """Holds the model and tokenizer; sessions share them. Thread-safe: one forward at a time."""
+    """Holds the model, tokenizer and KV pool; sessions share them. Thread-safe: one forward at a time."""
 
-    def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...]) -> None:
+    def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...],
+                 kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.cfg
         self.path = path
         self.name = "default" if path == DEFAULT_MODEL_DIR else path.name
         self.eos_token_ids = eos_token_ids
+        self.idle_ttl = idle_ttl
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self._lock = threading.Lock()
-        # weak: a session dropped without close() is garbage-collected with its KV memory, never leaked
+        self.fingerprint = model_fingerprint(path, model.embed_tokens.weight)
+        cfg = self.config
+        per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype)
+        if kv_bytes < per_page:
+            raise InvalidInputError(f"kv_memory of {kv_bytes} bytes is less than one page ({per_page} bytes)")
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_bytes // per_page, page_size,
+                           self.dtype, self.device)
+        self._lock = threading.RLock()
+        # weak: a session dropped without close() is garbage-collected, and its finalizer returns its pages
         self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
-                          "prefill_seconds": 0.0, "decode_seconds": 0.0}
+                          "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
+                          "sessions_expired_total": 0}
 
     @classmethod
-    def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model, device: str | torch.device =
-                        ENGINE_DEFAULTS.device, dtype: str | torch.dtype | None = ENGINE_DEFAULTS.dtype) -> Engine:
-        """Load "default" (the embedded model) or a Hugging Face checkpoint folder."""
+    def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model,
+                        device: str | torch.device = ENGINE_DEFAULTS.device,
+                        dtype: str | torch.dtype | None = ENGINE_DEFAULTS.dtype,
+                        kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
+                        page_size: int = ENGINE_DEFAULTS.page_size,
+                        idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl) -> Engine:
+        """Load "default" (the embedded model) or a Hugging Face checkpoint folder.
+
+        kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
+        (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
+        session is closed (None: never).
+        """
         path = resolve_model_path(model)
         cfg = ModelConfig.from_file(path / "config.json")
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, cfg.dtype, dev)
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise InvalidInputError(f"page_size must be an integer >= 1, got {page_size!r}")
         tokenizer = Tokenizer.from_dir(path)
         t0 = time.perf_counter()
         net = load_model(path, cfg, dev, dt)
@@ -92,33 +97,93 @@ class Engine:
             eos += g if isinstance(g, list) else [g] if g is not None else []
         eos += tokenizer.eos_token_ids
         eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
-        return cls(net, tokenizer, path, eos_ids)
+        return cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl)
 
-    def open_session(self, seed: int | None = None) -> Session:
-        """A new persistent session. `seed` seeds its sampling for the whole session (reproducible runs)."""
-        cfg = self.config
-        kv = ContiguousKVCache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, cfg.max_position_embeddings,
-                               self.dtype, self.device)
+    # ---- sessions -------------------------------------------------------------------------------------
+    def open_session(self, window: int | None = SESSION_DEFAULTS.window, sinks: int = SESSION_DEFAULTS.sinks,
+                     positions: str | None = SESSION_DEFAULTS.positions, seed: int | None = None,
+                     page_cap: int | None = SESSION_DEFAULTS.page_cap) -> Session:
+        """A new persistent session.
+
+        window/sinks: keep the first `sinks` and the last `window` tokens (None: everything, up to the
+        model's context). positions: "absolute" or "rolling" (default: rolling with a window, else
+        absolute). seed: seeds the session's sampling. page_cap: the most KV pages it may hold.
+        """
+        self.expire_idle()
+        if page_cap is not None and (isinstance(page_cap, bool) or not isinstance(page_cap, int) or page_cap < 1):
+            raise InvalidInputError(f"page_cap must be an integer >= 1, got {page_cap!r}")
+        policy = WindowPolicy(window=window, sinks=sinks, mode=positions)  # type: ignore[arg-type]
+        kv = PagedSessionKV(self.pool, policy, self.config.max_position_embeddings, page_cap)
         s = Session(self, kv, seed)
         self._sessions[s.id] = s
+        return s
+
+    def restore(self, snapshot: Snapshot | str | Path) -> Session:
+        """A new session equal to the snapshot (a `Snapshot` or a file written by `Session.snapshot`)."""
+        snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.load(snapshot)
+        if snap.model != self.fingerprint:
+            raise SnapshotError(f"the snapshot was taken on model {snap.model_name!r} (fingerprint {snap.model}); "
+                                f"this engine serves {self.name!r} (fingerprint {self.fingerprint})")
+        if snap.page_size != self.pool.page_size:
+            raise SnapshotError(f"the snapshot has pages of {snap.page_size} tokens, this pool "
+                                f"{self.pool.page_size}; start the engine with page_size={snap.page_size}")
+        s = self.open_session(snap.policy.window, snap.policy.sinks, snap.policy.mode)
+        self.admit(s, lambda: s.kv.load_host(snap.pages))
+        s._load_state(snap)
         return s
 
     def _release(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
 
-    def forward(self, kv: ContiguousKVCache, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+    def sessions(self) -> list[Session]:
+        return list(self._sessions.values())
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """Close the sessions idle for longer than `idle_ttl`; returns how many."""
+        if self.idle_ttl is None:
+            return 0
+        now = time.monotonic() if now is None else now
+        stale = [s for s in self.sessions() if s.state != SessionState.RESPONDING and
+                 now - s.last_active > self.idle_ttl]
+        for s in stale:
+            s.close()
+        self._counters["sessions_expired_total"] += len(stale)
+        return len(stale)
+
+    def admit(self, session: Session, take: Callable[[], None]) -> None:
+        """Run `take` (which takes pages, or raises CapacityError having taken none), parking the least
+        recently active idle sessions one by one until it succeeds or there is none left to park."""
+        with self._lock:
+            while True:
+                try:
+                    take()
+                    return
+                except CapacityError:
+                    idle = [s for s in self.sessions() if s is not session and s.state == SessionState.OPEN
+                            and s.kv.page_table]
+                    if not idle:
+                        raise CapacityError(f"the KV pool is full ({self.pool.num_pages} pages of "
+                                            f"{self.pool.page_size} tokens) and no idle session can be parked; "
+                                            "retry later, close sessions, or raise kv_memory") from None
+                    victim = min(idle, key=lambda s: s.last_active)
+                    victim.park()
+                    self._counters["sessions_parked_total"] += 1
+
+    def forward(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False,
+                session: Session | None = None) -> torch.Tensor:
         """Run `ids` after the session's committed tokens; commit them only if the forward succeeds.
 
         -> logits [V] of the last token (fp32), or [T, V] with `all_logits`.
         """
         n = len(ids)
         with self._lock:
+            if kv.parked is not None:
+                self.admit(session, kv.unpark) if session else kv.unpark()
+            self.admit(session, lambda: kv.begin(n)) if session else kv.begin(n)
             t0 = time.perf_counter()
-            kv.begin(n)
             try:
                 ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-                pos = torch.arange(kv.length, kv.length + n, device=self.device)
-                logits = self.model(ids_t, pos, kv, all_logits=all_logits)
+                logits = self.model(ids_t, kv, all_logits=all_logits)
                 kind = "decode" if n == 1 else "prefill"
                 self._counters[f"{kind}_tokens"] += n
                 self._counters[f"{kind}_seconds"] += time.perf_counter() - t0
@@ -129,16 +194,31 @@ class Engine:
             kv.commit()  # last: nothing after it can fail between the cache and the caller's bookkeeping
         return logits
 
+    # ---- accounting -----------------------------------------------------------------------------------
+    def check_integrity(self) -> None:
+        """Every page is free or held by exactly the sessions that list it (AssertionError otherwise)."""
+        with self._lock:
+            self.pool.allocator.check([s.kv.held_pages for s in self.sessions()])
+
     def stats(self) -> dict[str, Any]:
         c = self._counters
+        sessions = self.sessions()
+        alloc = self.pool.allocator
+        per_page = KVPool.bytes_per_page(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
+                                         self.pool.page_size, self.dtype)
         return {
             "model": self.name,
             "architecture": self.config.architecture,
             "parameters": sum(p.numel() for p in self.model.parameters()),
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
-            "sessions_open": len(self._sessions),
-            "kv_bytes": sum(s.kv.nbytes for s in list(self._sessions.values())),
+            "sessions_open": len(sessions),
+            "sessions_parked": sum(1 for s in sessions if s.state == SessionState.PARKED),
+            "kv_pages_used": alloc.used_count,
+            "kv_pages_total": alloc.num_pages,
+            "kv_page_size": self.pool.page_size,
+            "kv_bytes": alloc.used_count * per_page,
+            "kv_parked_bytes": sum(s.kv.parked.nbytes for s in sessions if s.kv.parked is not None),
             **c,
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_seconds"] if c["prefill_seconds"] else 0.0,
             "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,

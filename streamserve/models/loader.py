@@ -189,4 +189,4 @@ def load_model(folder: Path, cfg: ModelConfig, device: torch.device, dtype: torc
     unused = sorted(n for n in ckpt.meta if n not in used and not n.endswith(_IGNORED_SUFFIXES))
     if unused:
         log.warning("%d checkpoint tensors are not used by streamserve, e.g. %s", len(unused), unused[:5])
-    return model.eval()
+    return model.eval().requires_grad_(False)

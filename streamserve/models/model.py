@@ -1,6 +1,6 @@
 """The decoder-only transformer every supported checkpoint maps onto.
 
-One sequence per forward (batch 1): `forward(ids [T], positions [T], kv)` runs T new tokens against
+One sequence per forward (batch 1): `forward(ids [T], kv)` runs T new tokens (at positions `kv.q_pos`) against
 the session's cached prefix. All compute goes through the op layer (`self.ops`), so a kernel backend
 swap touches no code here. Projections that read the same input are fused at load time
 (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`): fewer, larger matmuls at batch 1.
@@ -8,7 +8,7 @@ swap touches no code here. Projections that read the same input are fused at loa
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -17,12 +17,30 @@ from streamserve.models.config import ModelConfig
 from streamserve.models.ops import TORCH_OPS, Ops
 
 
+class StreamPolicy(Protocol):
+    window: int | None
+    sinks: int
+
+
 class LayerKV(Protocol):
-    """What a forward needs from a KV cache: store this step's keys/values, return the whole layer."""
+    """What a forward needs from a session's KV: this step's positions, and per layer a place to store
+    the new keys/values and read back the ones its queries may see."""
+
+    rolling: bool  # keys cached before RoPE, positions counted inside the cache (StreamingLLM)
+    policy: StreamPolicy
+    q_pos: torch.Tensor  # [T] absolute positions of this step's tokens
+    k_pos: torch.Tensor  # [S] absolute positions of the keys `update` returns
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [T, KVH, hd] -> (keys, values) [KVH, S, hd] for the cached prefix plus these T tokens."""
+        """k, v [T, KVH, hd] -> (keys, values) [KVH, S, hd] at positions `k_pos`, these T tokens included."""
         ...
+
+
+class Rope(NamedTuple):
+    cos: torch.Tensor  # [T, hd] for this step's absolute positions
+    sin: torch.Tensor
+    inv_freq: torch.Tensor  # [hd/2] fp32, for rotations done inside attention (rolling positions)
+    scaling: float
 
 
 class Attention(nn.Module):
@@ -42,8 +60,7 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(h * hd))
             self.k_norm = nn.Parameter(torch.ones(kvh * hd))
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
-                ops: Ops) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, ops: Ops) -> torch.Tensor:
         """x [T, D] -> [T, D]."""
         cfg, t = self.cfg, x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, H*hd], [T, KVH*hd], [T, KVH*hd]
@@ -57,9 +74,16 @@ class Attention(nn.Module):
         v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        q, k = ops.apply_rope(q, cos, sin), ops.apply_rope(k, cos, sin)
-        keys, values = kv.update(self.layer, k, v)  # [KVH, S, hd]
-        return self.o_proj(ops.attention(q, keys, values, self.scale, self.window))
+        pol = kv.policy
+        if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
+            keys, values = kv.update(self.layer, k, v)  # [KVH, S, hd]
+            out = ops.attention_rolling(q, keys, values, kv.q_pos, kv.k_pos, rope.inv_freq, rope.scaling,
+                                        self.scale, pol.sinks, pol.window, self.window)
+        else:
+            q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
+            keys, values = kv.update(self.layer, k, v)
+            out = ops.attention(q, keys, values, kv.q_pos, kv.k_pos, self.scale, self.window, pol.sinks, pol.window)
+        return self.o_proj(out)
 
 
 class DenseMLP(nn.Module):
@@ -99,9 +123,8 @@ class DecoderLayer(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV,
-                ops: Ops) -> torch.Tensor:
-        x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), cos, sin, kv, ops)
+    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, ops: Ops) -> torch.Tensor:
+        x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), rope, kv, ops)
         return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm, self.eps), ops)
 
 
@@ -119,13 +142,16 @@ class CausalLM(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2] fp32
 
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, kv: LayerKV,
-                all_logits: bool = False) -> torch.Tensor:
-        """ids, positions [T] -> logits [T, V] if `all_logits` else [V] for the last token (fp32)."""
+    def forward(self, ids: torch.Tensor, kv: LayerKV, all_logits: bool = False) -> torch.Tensor:
+        """ids [T] at positions kv.q_pos -> logits [T, V] if `all_logits` else [V] for the last token (fp32)."""
         ops = self.ops
         x = self.embed_tokens(ids)  # [T, D]
-        cos, sin = ops.rope_cos_sin(positions, self.inv_freq, self.rope_scaling, x.dtype)  # [T, hd]
+        if kv.rolling:  # rotations happen inside attention
+            cos = sin = x.new_empty(0)
+        else:
+            cos, sin = ops.rope_cos_sin(kv.q_pos, self.inv_freq, self.rope_scaling, x.dtype)  # [T, hd]
+        rope = Rope(cos, sin, self.inv_freq, self.rope_scaling)
         for layer in self.layers:
-            x = layer(x, cos, sin, kv, ops)
+            x = layer(x, rope, kv, ops)
         logits = self.lm_head(ops.rms_norm(x if all_logits else x[-1:], self.norm, self.cfg.rms_norm_eps)).float()
         return logits if all_logits else logits[0]

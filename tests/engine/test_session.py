@@ -87,8 +87,8 @@ def test_an_interrupt_after_a_forward_keeps_the_session_consistent(engines, monk
     real = type(engine).forward
     calls = {"n": 0}
 
-    def forward_then_interrupt(self, kv, ids, all_logits=False):
-        out = real(self, kv, ids, all_logits)
+    def forward_then_interrupt(self, kv, ids, all_logits=False, session=None):
+        out = real(self, kv, ids, all_logits, session)
         calls["n"] += 1
         if calls["n"] == 3:  # the forward committed, then Ctrl-C arrives before the session saw its result
             raise KeyboardInterrupt
@@ -241,7 +241,8 @@ def test_stats_and_close_release_memory(engines) -> None:
         s.close()
     st = engine.stats()
     assert st["sessions_open"] == before
-    assert all(not s.kv.k for s in sessions)
+    assert all(not s.kv.page_table for s in sessions)
+    engine.check_integrity()
 
 
 def test_generate_with_a_full_context_window_of_sliding_attention(engines) -> None:
@@ -263,10 +264,13 @@ def test_a_dropped_session_is_collected_with_its_memory(engines) -> None:
 
     engine = engines["qwen3"]
     before = engine.stats()["sessions_open"]
+    used = engine.stats()["kv_pages_used"]
     s = engine.open_session()
     s.append(token_ids=random_ids(50, seed=14))
-    keys = weakref.ref(s.kv.k[0])
-    assert engine.stats()["sessions_open"] == before + 1
+    kv = weakref.ref(s.kv)
+    assert engine.stats()["sessions_open"] == before + 1 and engine.stats()["kv_pages_used"] > used
     del s
     gc.collect()
-    assert engine.stats()["sessions_open"] == before and keys() is None
+    assert engine.stats()["sessions_open"] == before and kv() is None
+    assert engine.stats()["kv_pages_used"] == used
+    engine.check_integrity()

@@ -46,24 +46,65 @@ def test_moe_route_without_normalisation_keeps_softmax_mass() -> None:
     assert i.tolist() == [[3, 2]] and torch.allclose(w[0], p[[3, 2]])
 
 
-@pytest.mark.parametrize(("T", "S", "H", "KVH", "hd", "window"),
-                         [(1, 1, 4, 2, 8, None), (1, 37, 6, 2, 16, None), (7, 29, 4, 4, 8, None),
-                          (5, 23, 8, 2, 16, 6), (1, 40, 2, 1, 8, 9)])
-def test_attention_matches_explicit_softmax(T, S, H, KVH, hd, window) -> None:
+def naive_attention(q, k, v, q_pos, k_pos, scale, sliding=None, sinks=0, window=None, rope=None):
+    """One query and one head at a time. `rope` (inv_freq): StreamingLLM positions inside the cache."""
+    T, H, hd = q.shape
+    KVH = k.shape[0]
+    out = torch.zeros(T, H, hd)
+    for t in range(T):
+        p = int(q_pos[t])
+        keys = [j for j, kp in enumerate(k_pos.tolist()) if kp <= p and (sliding is None or kp > p - sliding)
+                and (window is None or kp < sinks or kp > p - window)]
+        for h in range(H):
+            kv = h // (H // KVH)
+            qq, kk = q[t, h], k[kv, keys]
+            if rope is not None:  # the query's cache: its keys in order, numbered 0.. by their place in it
+                c, s = ref.rope_cos_sin(torch.arange(len(keys)), rope, 1.0, torch.float32)
+                kk = ref.apply_rope(kk[:, None], c, s)[:, 0]
+                qq = ref.apply_rope(qq[None, None], c[-1:], s[-1:])[0, 0]
+            out[t, h] = torch.softmax((kk @ qq) * scale, -1) @ v[kv, keys]
+    return out.reshape(T, H * hd)
+
+
+ATTN_SHAPES = [  # T, S, H, KVH, hd, sliding, sinks, window
+    (1, 1, 4, 2, 8, None, 0, None), (1, 37, 6, 2, 16, None, 0, None), (7, 29, 4, 4, 8, None, 0, None),
+    (5, 23, 8, 2, 16, 6, 0, None), (1, 40, 2, 1, 8, 9, 0, None), (6, 41, 4, 2, 8, None, 3, 10),
+    (1, 33, 4, 1, 16, None, 4, 7), (9, 50, 4, 2, 8, 12, 2, 20),
+]
+
+
+@pytest.mark.parametrize(("T", "S", "H", "KVH", "hd", "sliding", "sinks", "window"), ATTN_SHAPES)
+def test_attention_matches_explicit_softmax(T, S, H, KVH, hd, sliding, sinks, window) -> None:
     g = torch.Generator().manual_seed(S)
     q = torch.randn(T, H, hd, generator=g)
     k, v = torch.randn(KVH, S, hd, generator=g), torch.randn(KVH, S, hd, generator=g)
-    scale = hd**-0.5
-    out = ref.attention(q, k, v, scale, window)
-    expected = torch.empty(T, H, hd)
-    for t in range(T):
-        p = S - T + t
-        lo = 0 if window is None else max(0, p - window + 1)
-        for h in range(H):
-            kv = h // (H // KVH)
-            scores = (k[kv, lo:p + 1] @ q[t, h]) * scale
-            expected[t, h] = torch.softmax(scores, -1) @ v[kv, lo:p + 1]
-    assert torch.allclose(out, expected.reshape(T, H * hd), atol=1e-5)
+    q_pos, k_pos = torch.arange(S - T, S), torch.arange(S)
+    out = ref.attention(q, k, v, q_pos, k_pos, hd**-0.5, sliding, sinks, window)
+    expected = naive_attention(q, k, v, q_pos, k_pos, hd**-0.5, sliding, sinks, window)
+    assert torch.allclose(out, expected, atol=1e-5)
+
+
+@pytest.mark.parametrize(("T", "S", "sinks", "window"), [(1, 12, 2, 20), (1, 40, 4, 9), (5, 40, 4, 9),
+                                                         (7, 61, 3, 16), (3, 30, 0, 5)])
+def test_rolling_attention_matches_a_streaming_llm_cache(T, S, sinks, window) -> None:
+    """Each query sees [sinks | last window] numbered by place in its own cache (StreamingLLM)."""
+    H, KVH, hd = 4, 2, 16
+    g = torch.Generator().manual_seed(S + T)
+    q = torch.randn(T, H, hd, generator=g)
+    k, v = torch.randn(KVH, S, hd, generator=g), torch.randn(KVH, S, hd, generator=g)
+    # the keys a session keeps: sinks and the window of the first query
+    q_pos = torch.arange(S - T, S)
+    first = max(sinks, S - T - window + 1)
+    k_pos = torch.cat([torch.arange(min(sinks, first)), torch.arange(first, S)])
+    k, v = k[:, k_pos], v[:, k_pos]
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    out = ref.attention_rolling(q, k, v, q_pos, k_pos, inv, 1.0, hd**-0.5, sinks, window)
+    expected = naive_attention(q, k, v, q_pos, k_pos, hd**-0.5, None, sinks, window, rope=inv)
+    assert torch.allclose(out, expected, atol=1e-4)
+    if sinks + window - 1 <= S - T:  # every cache is full: a million tokens later, the same attention
+        far = 10**6 * (k_pos >= sinks)
+        out_far = ref.attention_rolling(q, k, v, q_pos + 10**6, k_pos + far, inv, 1.0, hd**-0.5, sinks, window)
+        assert torch.allclose(out_far, out, atol=1e-4)
 
 
 def test_rope_is_a_rotation_by_position() -> None:

@@ -1,0 +1,168 @@
+"""One session's keys and values on the global paged pool.
+
+The session's page table maps logical pages (tokens [j*P, (j+1)*P)) to physical pool pages. A step
+(`begin` -> one `update` per layer -> `commit` or `abort`) writes its T new tokens into their slots and
+reads back only the slots its queries may see: the sinks and the window (or everything without a
+window). Nothing already cached is recomputed, moved or copied. After a commit, pages that fell wholly
+outside `[sinks | window]` go back to the pool; after an abort, the pages the step took go back and the
+session is exactly as before (the committed length is the rollback checkpoint).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamserve.errors import ContextLengthError, PageCapError, RewindError
+from streamserve.sessions.policy import WindowPolicy
+from streamserve.sessions.pool import KVPool
+
+
+class HostPages:
+    """A session's held pages copied to host memory: per layer keys/values [n, P, KVH, hd]."""
+
+    def __init__(self, logical: list[int], k: list[torch.Tensor], v: list[torch.Tensor]) -> None:
+        self.logical, self.k, self.v = logical, k, v
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.k + self.v)
+
+
+class PagedSessionKV:
+    def __init__(self, pool: KVPool, policy: WindowPolicy, max_tokens: int, page_cap: int | None = None) -> None:
+        self.pool, self.policy = pool, policy
+        self.max_tokens = max_tokens  # the model's context (absolute positions only)
+        self.page_cap = page_cap
+        self.page_table: dict[int, int] = {}  # logical page -> physical page, for the pages still held
+        self.length = 0  # committed tokens: the rollback checkpoint of the step in flight
+        self.parked: HostPages | None = None
+        self._pending = 0
+        self._step_pages: list[int] = []  # logical pages taken by the step in flight (provisional)
+        self.q_pos = self.k_pos = self._gather = self._write = torch.empty(0, dtype=torch.long)
+
+    # ---- what the model's attention reads -------------------------------------------------------------
+    @property
+    def rolling(self) -> bool:
+        return self.policy.rolling
+
+    @property
+    def held_pages(self) -> list[int]:
+        return list(self.page_table.values())
+
+    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
+        """Logical positions [N] -> flat slot ids in the pool storage viewed as [num_pages * P, KVH, hd]."""
+        P = self.pool.page_size
+        logical = (positions // P).tolist()
+        phys = torch.tensor([self.page_table[j] for j in logical], dtype=torch.long)
+        return (phys * P + positions % P).to(self.pool.device)
+
+    def begin(self, n: int) -> None:
+        """Prepare a step of n tokens after the committed ones: take the pages it needs, plan its reads."""
+        if self.parked is not None:
+            raise RuntimeError("internal: a parked session must be unparked before a step")
+        start, end = self.length, self.length + n
+        if not self.rolling and end > self.max_tokens:
+            raise ContextLengthError(f"{end} tokens exceed the model's context of {self.max_tokens}; "
+                                     "open the session with a window (rolling positions) for endless streams")
+        P = self.pool.page_size
+        missing = [j for j in range((start + P - 1) // P if start % P else start // P, (end + P - 1) // P)
+                   if j not in self.page_table]
+        if self.page_cap is not None and len(self.page_table) + len(missing) > self.page_cap:
+            raise PageCapError(f"this step needs {len(self.page_table) + len(missing)} pages, over the session's "
+                               f"cap of {self.page_cap}; use a window or rewind")
+        taken = self.pool.allocator.alloc(len(missing))  # CapacityError: nothing taken
+        self.page_table.update(zip(missing, taken, strict=True))
+        self._step_pages, self._pending = missing, n
+        pos = torch.arange(end, dtype=torch.long)
+        first = self.policy.first_needed(start)
+        keys = pos if first == 0 else torch.cat([pos[: min(self.policy.sinks, first)], pos[first:]])
+        self.q_pos, self.k_pos = pos[start:], keys
+        self._gather, self._write = self._slots(keys), self._slots(pos[start:])
+        dev = self.pool.device
+        self.q_pos, self.k_pos = self.q_pos.to(dev), self.k_pos.to(dev)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [T, KVH, hd] -> keys, values [KVH, S, hd] at positions `k_pos` (this step's included)."""
+        kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
+        vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
+        kf.index_copy_(0, self._write, k.to(kf.dtype))
+        vf.index_copy_(0, self._write, v.to(vf.dtype))
+        return kf.index_select(0, self._gather).transpose(0, 1), vf.index_select(0, self._gather).transpose(0, 1)
+
+    def commit(self) -> None:
+        self.length += self._pending
+        self._pending, self._step_pages = 0, []
+        self._drop_outside_window()
+
+    def abort(self) -> None:
+        """Undo a step that failed: its pages go back, the committed state is untouched."""
+        self.pool.allocator.release([self.page_table.pop(j) for j in self._step_pages])
+        self._pending, self._step_pages = 0, []
+
+    def _drop_outside_window(self) -> None:
+        if self.policy.window is None:
+            return
+        P = self.pool.page_size
+        first = self.policy.first_needed(self.length)
+        sink_pages = (self.policy.sinks + P - 1) // P
+        drop = [j for j in self.page_table if j >= sink_pages and (j + 1) * P <= first]
+        self.pool.allocator.release([self.page_table.pop(j) for j in drop])
+
+    # ---- rewind ---------------------------------------------------------------------------------------
+    def check_rewind(self, to: int) -> None:
+        if isinstance(to, bool) or not isinstance(to, int):
+            raise RewindError(f"rewind position must be an int, got {to!r}")
+        if not 0 <= to <= self.length:
+            raise RewindError(f"cannot rewind to {to}: the session holds positions 0..{self.length}")
+        P = self.pool.page_size
+        first = self.policy.first_needed(to)
+        needed = range(first // P, (to + P - 1) // P) if to > first else range(0)
+        if any(j not in self.page_table for j in needed):
+            raise RewindError(f"cannot rewind to {to}: the window already dropped tokens a query there would "
+                              f"see (the oldest kept non-sink position is {self.oldest_kept()})")
+
+    def oldest_kept(self) -> int:
+        P, sink_pages = self.pool.page_size, (self.policy.sinks + self.pool.page_size - 1) // self.pool.page_size
+        rest = [j for j in self.page_table if j >= sink_pages]
+        return min(rest) * P if rest else self.length
+
+    def truncate(self, to: int) -> None:
+        """Forget positions >= `to` (checked with `check_rewind` first); whole pages past it go back."""
+        self.check_rewind(to)
+        P = self.pool.page_size
+        drop = [j for j in self.page_table if j * P >= to]
+        self.pool.allocator.release([self.page_table.pop(j) for j in drop])
+        self.length = to
+
+    # ---- host copies: parking and snapshots -----------------------------------------------------------
+    def to_host(self) -> HostPages:
+        logical = sorted(self.page_table)
+        idx = torch.tensor([self.page_table[j] for j in logical], dtype=torch.long, device=self.pool.device)
+        return HostPages(logical, [t.index_select(0, idx).cpu() for t in self.pool.k],
+                         [t.index_select(0, idx).cpu() for t in self.pool.v])
+
+    def load_host(self, host: HostPages) -> None:
+        """Take pages for `host` from the pool (CapacityError: nothing taken) and copy it in."""
+        pages = self.pool.allocator.alloc(len(host.logical))
+        idx = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
+        for dst, src in zip(self.pool.k + self.pool.v, host.k + host.v, strict=True):
+            dst.index_copy_(0, idx, src.to(device=dst.device, dtype=dst.dtype))
+        self.page_table = dict(zip(host.logical, pages, strict=True))
+
+    def park(self) -> None:
+        """Move the held pages to host memory and give them back to the pool."""
+        if self.parked is None:
+            host = self.to_host()
+            self.release()
+            self.parked = host
+
+    def unpark(self) -> None:
+        if self.parked is not None:
+            self.load_host(self.parked)
+            self.parked = None
+
+    def release(self) -> None:
+        """Give every held page back (close, expiry, park). Safe to call twice."""
+        self.pool.allocator.release(list(self.page_table.values()))
+        self.page_table = {}
+        self._pending, self._step_pages = 0, []

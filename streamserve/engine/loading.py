@@ -1,0 +1,88 @@
+"""Resolving what `Engine.from_pretrained` was asked for: model folder, device, dtype, KV pool size."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from streamserve.errors import InvalidInputError, ModelLoadError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def resolve_model_path(model: str | Path) -> Path:
+    if str(model) == "default":
+        return DEFAULT_MODEL_DIR
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise ModelLoadError(f"model {str(model)!r} not found: pass 'default' or a folder holding config.json, "
+                             "safetensors weights and tokenizer.json (models are never downloaded)")
+    return path
+
+
+def resolve_device(device: str | torch.device) -> torch.device:
+    if str(device) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(device)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InvalidInputError("device 'cuda' was asked for but torch sees no CUDA device; use --device cpu")
+    return dev
+
+
+def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str, device: torch.device) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype is not None:
+        if dtype not in _DTYPES:
+            raise InvalidInputError(f"dtype {dtype!r} is not one of {sorted(_DTYPES)}")
+        return _DTYPES[dtype]
+    chosen = _DTYPES.get(checkpoint_dtype, torch.float32)
+    # 16-bit matmuls on a CPU are slow and round differently from the GPU kernels: compute in fp32 there
+    return torch.float32 if device.type == "cpu" else chosen
+
+
+DEFAULT_KV_MEMORY_CPU = 1 << 30  # 1 GiB when no budget is given on a CPU
+DEFAULT_KV_FRACTION_CUDA = 0.5  # of the memory free after the weights, on a GPU
+_UNITS = {"": 1, "b": 1, "k": 1e3, "kb": 1e3, "kib": 2**10, "m": 1e6, "mb": 1e6, "mib": 2**20, "g": 1e9, "gb": 1e9,
+          "gib": 2**30}
+
+
+def resolve_kv_bytes(kv_memory: int | float | str | None, device: torch.device) -> int:
+    """A KV budget: bytes (int, or "512MiB", "2GB"), or a fraction (0, 1] of the device memory still free."""
+    if kv_memory is None:
+        if device.type == "cuda":
+            return int(torch.cuda.mem_get_info(device)[0] * DEFAULT_KV_FRACTION_CUDA)
+        return DEFAULT_KV_MEMORY_CPU
+    value: float
+    if isinstance(kv_memory, str):
+        m = re.fullmatch(r"\s*([0-9.]+)\s*([a-zA-Z]*)\s*", kv_memory)
+        if not m or m.group(2).lower() not in _UNITS:
+            raise InvalidInputError(f"kv_memory {kv_memory!r} is neither bytes (e.g. 512MiB, 2GB) nor a fraction")
+        value = float(m.group(1)) * _UNITS[m.group(2).lower()]
+    elif isinstance(kv_memory, (int, float)) and not isinstance(kv_memory, bool):
+        value = float(kv_memory)
+    else:
+        raise InvalidInputError(f"kv_memory must be bytes or a fraction, got {kv_memory!r}")
+    if 0 < value <= 1:  # a fraction of what the device has free
+        free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else _host_memory()
+        return int(free * value)
+    if value < 1:
+        raise InvalidInputError(f"kv_memory must be > 0, got {kv_memory!r}")
+    return int(value)
+
+
+def _host_memory() -> int:
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def model_fingerprint(path: Path, embed: torch.Tensor) -> str:
+    """Identifies a model: its config and a sample of its embedding weights (two random checkpoints of one
+    config differ). Snapshots carry it, so a session is never restored onto another model."""
+    h = hashlib.sha256((path / "config.json").read_bytes())
+    h.update(embed[:8].float().cpu().numpy().tobytes())
+    return h.hexdigest()[:16]

@@ -1,0 +1,96 @@
+"""Session snapshots: everything a session is, on the host or in a file, restorable on the same model.
+
+File format (version 1): `torch.save` of a plain dict of str/int/float/list/tensor (loaded with
+`weights_only=True`, so a file can carry no code): format, version, model fingerprint and name, page
+size, window policy, token ids, timeline, committed KV length, the held pages' keys/values per layer
+`[n, P, KVH, hd]` with their logical page numbers, the last logits and the next chunk seq.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamserve.errors import SnapshotError
+from streamserve.sessions import HostPages, WindowPolicy
+
+FORMAT = "streamserve.session"
+VERSION = 1
+
+
+@dataclass(frozen=True)
+class ChunkRecord:
+    """One entry of a session's timeline: an appended chunk (with its seq) or a generated reply."""
+
+    kind: str  # "input" or "reply"
+    seq: int | None
+    start: int  # token range [start, end) in the session
+    end: int
+    capture_time: float | None = None
+    deadline: float | None = None
+
+
+@dataclass
+class Snapshot:
+    model: str  # fingerprint of the model it was taken on
+    model_name: str
+    page_size: int
+    policy: WindowPolicy
+    token_ids: list[int]
+    timeline: list[ChunkRecord]
+    kv_length: int
+    pages: HostPages
+    logits: torch.Tensor | None  # [V] after the first `logits_at` tokens
+    logits_at: int
+    next_seq: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.pages.nbytes
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "format": FORMAT, "version": VERSION, "model": self.model, "model_name": self.model_name,
+            "page_size": self.page_size,
+            "policy": {"window": self.policy.window, "sinks": self.policy.sinks, "mode": self.policy.mode},
+            "token_ids": list(self.token_ids), "timeline": [asdict(r) for r in self.timeline],
+            "kv_length": self.kv_length, "logical_pages": list(self.pages.logical),
+            "k": list(self.pages.k), "v": list(self.pages.v),
+            "logits": self.logits, "logits_at": self.logits_at, "next_seq": self.next_seq,
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Snapshot:
+        if not isinstance(d, dict) or d.get("format") != FORMAT:
+            raise SnapshotError("not a streamserve session snapshot")
+        if d.get("version") != VERSION:
+            raise SnapshotError(f"snapshot format version {d.get('version')} is not supported (this build reads "
+                                f"version {VERSION})")
+        try:
+            return cls(model=d["model"], model_name=d["model_name"], page_size=int(d["page_size"]),
+                       policy=WindowPolicy(**d["policy"]), token_ids=[int(i) for i in d["token_ids"]],
+                       timeline=[ChunkRecord(**r) for r in d["timeline"]], kv_length=int(d["kv_length"]),
+                       pages=HostPages([int(j) for j in d["logical_pages"]], list(d["k"]), list(d["v"])),
+                       logits=d["logits"], logits_at=int(d["logits_at"]), next_seq=int(d["next_seq"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise SnapshotError(f"damaged snapshot: {e}") from None
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        torch.save(self.to_dict(), tmp)
+        tmp.replace(path)  # never a half-written snapshot under the real name
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Snapshot:
+        try:
+            data = torch.load(Path(path), map_location="cpu", weights_only=True)
+        except FileNotFoundError:
+            raise SnapshotError(f"snapshot file {path} not found") from None
+        except Exception as e:  # a truncated or foreign file: say so, whatever torch raised
+            raise SnapshotError(f"cannot read snapshot {path}: {e}") from None
+        return cls.from_dict(data)
