@@ -150,7 +150,7 @@ class Engine:
         self._counters["sessions_expired_total"] += len(stale)
         return len(stale)
 
-    def admit(self, session: Session, take: Callable[[], None]) -> None:
+    def admit(self, session: Session | None, take: Callable[[], None]) -> None:
         """Run `take` (which takes pages, or raises CapacityError having taken none), parking the least
         recently active idle sessions one by one until it succeeds or there is none left to park."""
         with self._lock:
@@ -178,8 +178,8 @@ class Engine:
         n = len(ids)
         with self._lock:
             if kv.parked is not None:
-                self.admit(session, kv.unpark) if session else kv.unpark()
-            self.admit(session, lambda: kv.begin(n)) if session else kv.begin(n)
+                self.admit(session, kv.unpark)
+            self.admit(session, lambda: kv.begin(n))
             t0 = time.perf_counter()
             try:
                 ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
