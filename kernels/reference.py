@@ -84,27 +84,27 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     window key, so they stay bounded however long the stream. Returns [T, H * hd].
     """
     t, h, hd = q.shape
-    kvh = k.shape[0]
-    is_sink = k_pos < sinks
-    base = k_pos[~is_sink].min() if not bool(is_sink.all()) else k_pos.new_zeros(())  # oldest window key
-    cq = torch.clamp(q_pos, max=sinks + window - 1)
-    # sink keys rotated by their own position; window keys by their distance from the oldest key
-    k_rot_pos = torch.where(is_sink, k_pos, k_pos - base)
-    kc, ks = rope_cos_sin(k_rot_pos, inv_freq, rope_scaling, k.dtype)
-    k_rot = apply_rope(k.transpose(0, 1), kc, ks).transpose(0, 1)  # [KVH, S, hd]
-    qc_s, qs_s = rope_cos_sin(cq, inv_freq, rope_scaling, q.dtype)
-    qc_w, qs_w = rope_cos_sin(q_pos - base, inv_freq, rope_scaling, q.dtype)
-    q_sink, q_win = apply_rope(q, qc_s, qs_s), apply_rope(q, qc_w, qs_w)  # [T, H, hd] each
+    kvh, n = k.shape[0], k.shape[1]
     group = h // kvh
-    k_full = k_rot.repeat_interleave(group, dim=0)  # [H, S, hd]
-    v_full = v.repeat_interleave(group, dim=0)
-    scores_sink = torch.einsum("thd,hsd->hts", q_sink.float(), k_full.float())
-    scores_win = torch.einsum("thd,hsd->hts", q_win.float(), k_full.float())
-    scores = torch.where(is_sink[None, None, :], scores_sink, scores_win) * scale  # [H, T, S]
-    mask = visible(q_pos, k_pos, sliding, sinks, window)
-    scores = scores.masked_fill(~mask[None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    out = torch.einsum("hts,hsd->thd", probs, v_full)
+    is_sink = k_pos < sinks  # the session lists its sink keys first: [sinks | window]
+    n_sink = int(is_sink.sum())
+    base = k_pos[n_sink] if n_sink < n else k_pos.new_zeros(())  # the oldest window key
+    # sink keys rotated by their own position; window keys by their distance from the oldest window key
+    kc, ks = rope_cos_sin(torch.where(is_sink, k_pos, k_pos - base), inv_freq, rope_scaling, k.dtype)
+    k_rot = apply_rope(k.transpose(0, 1), kc, ks).transpose(0, 1)  # [KVH, S, hd]
+    qc, qs = rope_cos_sin(q_pos - base, inv_freq, rope_scaling, q.dtype)
+
+    def grouped(x: torch.Tensor) -> torch.Tensor:  # [T, H, hd] -> [KVH, G*T, hd], GQA without copies of K/V
+        return x.view(t, kvh, group, hd).permute(1, 2, 0, 3).reshape(kvh, group * t, hd)
+
+    scores = grouped(apply_rope(q, qc, qs)) @ k_rot.transpose(1, 2)  # [KVH, G*T, S]
+    if n_sink:  # the query sits at c = min(p, sinks + window - 1) for its sinks
+        sc, ss = rope_cos_sin(torch.clamp(q_pos, max=sinks + window - 1), inv_freq, rope_scaling, q.dtype)
+        scores[..., :n_sink] = grouped(apply_rope(q, sc, ss)) @ k_rot[:, :n_sink].transpose(1, 2)
+    mask = visible(q_pos, k_pos, sliding, sinks, window)  # [T, S]
+    scores = (scores.float() * scale).view(kvh, group, t, n).masked_fill(~mask, float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kvh, group * t, n)
+    out = (probs @ v).view(kvh, group, t, hd).permute(2, 0, 1, 3)  # [T, KVH, G, hd]
     return out.reshape(t, h * hd)
 
 

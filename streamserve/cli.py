@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from streamserve import __version__
-from streamserve.config import EngineConfig, SamplingConfig
+from streamserve.config import EngineConfig, SamplingConfig, SessionConfig
 from streamserve.errors import StreamserveError
 
 DESCRIPTION = """\
@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
                                      "lines from standard input, each appended to one persistent session "
                                      "and answered in turn (Ctrl-C stops a reply, Ctrl-D quits).")
     add_config_args(gen, EngineConfig)
+    add_config_args(gen, SessionConfig)
     add_config_args(gen, SamplingConfig)
     gen.add_argument("--prompt", help="text to continue; omit for the interactive mode")
     gen.add_argument("--chat", action="store_true",
@@ -75,7 +76,8 @@ def _load(args: argparse.Namespace) -> Any:
 
     cfg: EngineConfig = config_from_args(EngineConfig, args)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype)
+    engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_memory=cfg.kv_memory,
+                                    page_size=cfg.page_size, idle_ttl=cfg.idle_ttl)
     st = engine.stats()
     print(f"streamserve: {st['model']} ({st['architecture']}, {st['parameters'] / 1e6:.1f}M parameters) "
           f"on {st['device']} as {st['dtype']}, loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
@@ -103,7 +105,9 @@ def _reply(session: Any, text: str, sampling: SamplingConfig, chat: bool) -> Non
 def cmd_generate(args: argparse.Namespace) -> int:
     engine = _load(args)
     sampling: SamplingConfig = config_from_args(SamplingConfig, args)
-    with engine.open_session(seed=sampling.seed) as session:
+    sc: SessionConfig = config_from_args(SessionConfig, args)
+    with engine.open_session(window=sc.window, sinks=sc.sinks, positions=sc.positions, seed=sampling.seed,
+                             page_cap=sc.page_cap) as session:
         if args.prompt is not None:
             if not args.chat:
                 sys.stdout.write(args.prompt)  # a continuation reads best after its prompt

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 import math
 import secrets
+import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
@@ -43,6 +44,11 @@ class SessionState(enum.Enum):
     CLOSED = "closed"
 
 
+def _release_locked(lock: threading.RLock, kv: PagedSessionKV) -> None:
+    with lock:
+        kv.release()
+
+
 class Session:
     def __init__(self, engine: Engine, kv: PagedSessionKV, seed: int | None = None) -> None:
         self.id = secrets.token_urlsafe(16)
@@ -62,7 +68,7 @@ class Session:
             self._generator.manual_seed(seed)
         self.closed = False
         # a session dropped without close() still gives its pages back when it is collected
-        self._finalizer = weakref.finalize(self, kv.release)
+        self._finalizer = weakref.finalize(self, _release_locked, engine._lock, kv)
 
     def __enter__(self) -> Session:
         return self
