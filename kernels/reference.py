@@ -7,6 +7,8 @@ E experts, k experts per token, I expert intermediate size, S cached tokens (pre
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import torch.nn.functional as F
 
@@ -72,35 +74,53 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out[0].transpose(0, 1).reshape(t, h * hd)
 
 
+class RollingRope(NamedTuple):
+    """Rotations of one rolling step, shared by all layers (see `attention_rolling`)."""
+
+    k_cos: torch.Tensor  # [S, hd] per key: a sink by its index, a window key by its distance from the oldest
+    k_sin: torch.Tensor
+    q_cos: torch.Tensor  # [T, hd] per query, against window keys: p - oldest window key
+    q_sin: torch.Tensor
+    qs_cos: torch.Tensor  # [T, hd] per query, against sinks: its place in its cache, min(p, sinks + window - 1)
+    qs_sin: torch.Tensor
+    n_sink: int  # the first n_sink keys are sinks
+
+
+def rolling_rope(q_pos: torch.Tensor, k_pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, sinks: int,
+                 window: int, dtype: torch.dtype) -> RollingRope:
+    """q_pos [T], k_pos [S] absolute (the session lists its sink keys first) -> the step's rotations."""
+    is_sink = k_pos < sinks
+    n_sink = int(is_sink.sum())
+    base = k_pos[n_sink] if n_sink < k_pos.shape[0] else k_pos.new_zeros(())  # the oldest window key
+    kc, ks = rope_cos_sin(torch.where(is_sink, k_pos, k_pos - base), inv_freq, scaling, dtype)
+    qc, qs = rope_cos_sin(q_pos - base, inv_freq, scaling, dtype)
+    sc, ss = rope_cos_sin(torch.clamp(q_pos, max=sinks + window - 1), inv_freq, scaling, dtype)
+    return RollingRope(kc, ks, qc, qs, sc, ss, n_sink)
+
+
 def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
-                      k_pos: torch.Tensor, inv_freq: torch.Tensor, rope_scaling: float, scale: float,
-                      sinks: int, window: int, sliding: int | None = None) -> torch.Tensor:
+                      k_pos: torch.Tensor, rope: RollingRope, scale: float, sinks: int, window: int,
+                      sliding: int | None = None) -> torch.Tensor:
     """StreamingLLM attention: keys cached before RoPE, positions counted inside the cache.
 
     q [T, H, hd] and k [KVH, S, hd] without RoPE; v [KVH, S, hd]; q_pos [T], k_pos [S] absolute.
     Query p sees the first `sinks` tokens and the last `window` tokens up to itself; inside that cache
     a sink s sits at position s and the query at c = min(p, sinks + window - 1), so the sink distance is
     c - s while a window key j keeps its distance p - j. Rotations use positions relative to the oldest
-    window key, so they stay bounded however long the stream. Returns [T, H * hd].
+    window key (`rolling_rope`), so they stay bounded however long the stream. Returns [T, H * hd].
     """
     t, h, hd = q.shape
     kvh, n = k.shape[0], k.shape[1]
     group = h // kvh
-    is_sink = k_pos < sinks  # the session lists its sink keys first: [sinks | window]
-    n_sink = int(is_sink.sum())
-    base = k_pos[n_sink] if n_sink < n else k_pos.new_zeros(())  # the oldest window key
-    # sink keys rotated by their own position; window keys by their distance from the oldest window key
-    kc, ks = rope_cos_sin(torch.where(is_sink, k_pos, k_pos - base), inv_freq, rope_scaling, k.dtype)
-    k_rot = apply_rope(k.transpose(0, 1), kc, ks).transpose(0, 1)  # [KVH, S, hd]
-    qc, qs = rope_cos_sin(q_pos - base, inv_freq, rope_scaling, q.dtype)
+    n_sink = rope.n_sink
+    k_rot = apply_rope(k.transpose(0, 1), rope.k_cos, rope.k_sin).transpose(0, 1)  # [KVH, S, hd]
 
     def grouped(x: torch.Tensor) -> torch.Tensor:  # [T, H, hd] -> [KVH, G*T, hd], GQA without copies of K/V
         return x.view(t, kvh, group, hd).permute(1, 2, 0, 3).reshape(kvh, group * t, hd)
 
-    scores = grouped(apply_rope(q, qc, qs)) @ k_rot.transpose(1, 2)  # [KVH, G*T, S]
-    if n_sink:  # the query sits at c = min(p, sinks + window - 1) for its sinks
-        sc, ss = rope_cos_sin(torch.clamp(q_pos, max=sinks + window - 1), inv_freq, rope_scaling, q.dtype)
-        scores[..., :n_sink] = grouped(apply_rope(q, sc, ss)) @ k_rot[:, :n_sink].transpose(1, 2)
+    scores = grouped(apply_rope(q, rope.q_cos, rope.q_sin)) @ k_rot.transpose(1, 2)  # [KVH, G*T, S]
+    if n_sink:  # against its sinks the query sits at its place in its own cache
+        scores[..., :n_sink] = grouped(apply_rope(q, rope.qs_cos, rope.qs_sin)) @ k_rot[:, :n_sink].transpose(1, 2)
     mask = visible(q_pos, k_pos, sliding, sinks, window)  # [T, S]
     scores = (scores.float() * scale).view(kvh, group, t, n).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kvh, group * t, n)

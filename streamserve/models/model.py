@@ -13,6 +13,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
+from streamserve.kernels.reference import RollingRope
 from streamserve.models.config import ModelConfig
 from streamserve.models.ops import TORCH_OPS, Ops
 
@@ -37,10 +38,9 @@ class LayerKV(Protocol):
 
 
 class Rope(NamedTuple):
-    cos: torch.Tensor  # [T, hd] for this step's absolute positions
+    cos: torch.Tensor  # [T, hd] for this step's absolute positions (absolute mode)
     sin: torch.Tensor
-    inv_freq: torch.Tensor  # [hd/2] fp32, for rotations done inside attention (rolling positions)
-    scaling: float
+    rolling: RollingRope | None  # the step's rotations inside the cache (rolling mode)
 
 
 class Attention(nn.Module):
@@ -77,8 +77,9 @@ class Attention(nn.Module):
         pol = kv.policy
         if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
             keys, values = kv.update(self.layer, k, v)  # [KVH, S, hd]
-            out = ops.attention_rolling(q, keys, values, kv.q_pos, kv.k_pos, rope.inv_freq, rope.scaling,
-                                        self.scale, pol.sinks, pol.window, self.window)
+            assert rope.rolling is not None and pol.window is not None
+            out = ops.attention_rolling(q, keys, values, kv.q_pos, kv.k_pos, rope.rolling, self.scale, pol.sinks,
+                                        pol.window, self.window)
         else:
             q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
             keys, values = kv.update(self.layer, k, v)
@@ -146,11 +147,13 @@ class CausalLM(nn.Module):
         """ids [T] at positions kv.q_pos -> logits [T, V] if `all_logits` else [V] for the last token (fp32)."""
         ops = self.ops
         x = self.embed_tokens(ids)  # [T, D]
-        if kv.rolling:  # rotations happen inside attention
-            cos = sin = x.new_empty(0)
+        if kv.rolling:  # rotations happen inside attention, the same for every layer
+            assert kv.policy.window is not None
+            rope = Rope(x.new_empty(0), x.new_empty(0), ops.rolling_rope(
+                kv.q_pos, kv.k_pos, self.inv_freq, self.rope_scaling, kv.policy.sinks, kv.policy.window, x.dtype))
         else:
             cos, sin = ops.rope_cos_sin(kv.q_pos, self.inv_freq, self.rope_scaling, x.dtype)  # [T, hd]
-        rope = Rope(cos, sin, self.inv_freq, self.rope_scaling)
+            rope = Rope(cos, sin, None)
         for layer in self.layers:
             x = layer(x, rope, kv, ops)
         logits = self.lm_head(ops.rms_norm(x if all_logits else x[-1:], self.norm, self.cfg.rms_norm_eps)).float()

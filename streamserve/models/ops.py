@@ -36,6 +36,7 @@ class Ops:
     apply_rope: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
+    rolling_rope: Callable[..., ref.RollingRope]
     attention_rolling: Callable[..., torch.Tensor]
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_experts: Callable[..., torch.Tensor]
@@ -48,6 +49,7 @@ TORCH_OPS = Ops(
     apply_rope=ref.apply_rope,
     silu_mul=ref.silu_mul,
     attention=ref.attention,
+    rolling_rope=ref.rolling_rope,
     attention_rolling=ref.attention_rolling,
     moe_route=ref.moe_route,
     moe_experts=moe_experts_torch,

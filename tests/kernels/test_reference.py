@@ -98,12 +98,14 @@ def test_rolling_attention_matches_a_streaming_llm_cache(T, S, sinks, window) ->
     k_pos = torch.cat([torch.arange(min(sinks, first)), torch.arange(first, S)])
     k, v = k[:, k_pos], v[:, k_pos]
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
-    out = ref.attention_rolling(q, k, v, q_pos, k_pos, inv, 1.0, hd**-0.5, sinks, window)
+    rope = ref.rolling_rope(q_pos, k_pos, inv, 1.0, sinks, window, torch.float32)
+    out = ref.attention_rolling(q, k, v, q_pos, k_pos, rope, hd**-0.5, sinks, window)
     expected = naive_attention(q, k, v, q_pos, k_pos, hd**-0.5, None, sinks, window, rope=inv)
     assert torch.allclose(out, expected, atol=1e-4)
     if sinks + window - 1 <= S - T:  # every cache is full: a million tokens later, the same attention
         far = 10**6 * (k_pos >= sinks)
-        out_far = ref.attention_rolling(q, k, v, q_pos + 10**6, k_pos + far, inv, 1.0, hd**-0.5, sinks, window)
+        rope_far = ref.rolling_rope(q_pos + 10**6, k_pos + far, inv, 1.0, sinks, window, torch.float32)
+        out_far = ref.attention_rolling(q, k, v, q_pos + 10**6, k_pos + far, rope_far, hd**-0.5, sinks, window)
         assert torch.allclose(out_far, out, atol=1e-4)
 
 
