@@ -98,3 +98,20 @@ def test_park_and_unpark_are_invisible(engines) -> None:
         assert s.generate(max_tokens=8, stop_token_ids=()) == expected
         assert s.state.value == "open"
         engine.check_integrity()
+
+
+def test_closed_sessions_and_bad_windows_are_typed(engines) -> None:
+    from streamserve.errors import InvalidInputError
+
+    engine = engines["qwen3"]
+    s = engine.open_session()
+    s.append(token_ids=[1, 2])
+    s.close()
+    for call in (s.snapshot, s.park, lambda: s.append(token_ids=[1])):
+        with pytest.raises(SessionClosedError):
+            call()
+    for kw in ({"window": 2, "sinks": 4}, {"window": 0}, {"positions": "rolling"}, {"page_cap": 0},
+               {"window": "16"}):
+        with pytest.raises(InvalidInputError):
+            engine.open_session(**kw)
+    engine.check_integrity()
