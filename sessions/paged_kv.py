@@ -49,12 +49,16 @@ class PagedSessionKV:
     def held_pages(self) -> list[int]:
         return list(self.page_table.values())
 
-    def _slots(self, positions: torch.Tensor) -> torch.Tensor:
-        """Logical positions [N] -> flat slot ids in the pool storage viewed as [num_pages * P, KVH, hd]."""
+    def _slots(self, start: int, end: int) -> torch.Tensor:
+        """Logical positions [start, end) -> flat slot ids [end - start] in the pool storage viewed as
+        [num_pages * P, KVH, hd]. One page-table lookup per page, not per token."""
+        if end <= start:
+            return torch.empty(0, dtype=torch.long, device=self.pool.device)
         P = self.pool.page_size
-        logical = (positions // P).tolist()
-        phys = torch.tensor([self.page_table[j] for j in logical], dtype=torch.long)
-        return (phys * P + positions % P).to(self.pool.device)
+        lo = start // P
+        table = torch.tensor([self.page_table[j] for j in range(lo, (end - 1) // P + 1)], dtype=torch.long)
+        pos = torch.arange(start, end, dtype=torch.long)
+        return (table[pos // P - lo] * P + pos % P).to(self.pool.device)
 
     def begin(self, n: int) -> None:
         """Prepare a step of n tokens after the committed ones: take the pages it needs, plan its reads."""
@@ -73,13 +77,14 @@ class PagedSessionKV:
         taken = self.pool.allocator.alloc(len(missing))  # CapacityError: nothing taken
         self.page_table.update(zip(missing, taken, strict=True))
         self._step_pages, self._pending = missing, n
-        pos = torch.arange(end, dtype=torch.long)
-        first = self.policy.first_needed(start)
-        keys = pos if first == 0 else torch.cat([pos[: min(self.policy.sinks, first)], pos[first:]])
-        self.q_pos, self.k_pos = pos[start:], keys
-        self._gather, self._write = self._slots(keys), self._slots(pos[start:])
+        # the keys this step reads: [sinks | from the first query's window on], this step's own included
+        first = min(self.policy.first_needed(start), end)
+        n_sink = min(self.policy.sinks, first)
         dev = self.pool.device
-        self.q_pos, self.k_pos = self.q_pos.to(dev), self.k_pos.to(dev)
+        self.q_pos = torch.arange(start, end, device=dev)
+        self.k_pos = torch.cat([torch.arange(n_sink), torch.arange(first, end)]).to(dev)
+        self._gather = torch.cat([self._slots(0, n_sink), self._slots(first, end)])
+        self._write = self._gather[-n:]
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """k, v [T, KVH, hd] -> keys, values [KVH, S, hd] at positions `k_pos` (this step's included)."""
