@@ -74,6 +74,35 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out[0].transpose(0, 1).reshape(t, h * hd)
 
 
+class PagedKeys(NamedTuple):
+    """One layer's keys and values as a step sees them: the pool's pages and the slots to read."""
+
+    k_pool: torch.Tensor  # [num_pages * P, KVH, hd] the layer's keys, flattened pages
+    v_pool: torch.Tensor
+    slots: torch.Tensor  # [S] int64 flat slot of each key the step may read, sinks first
+    k_pos: torch.Tensor  # [S] int64 absolute positions of those keys
+
+
+def gather(paged: PagedKeys) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> keys, values [KVH, S, hd] copied out of their pages (the torch path; kernels read pages in place)."""
+    return (paged.k_pool.index_select(0, paged.slots).transpose(0, 1),
+            paged.v_pool.index_select(0, paged.slots).transpose(0, 1))
+
+
+def paged_attention(q: torch.Tensor, paged: PagedKeys, q_pos: torch.Tensor, scale: float, sliding: int | None = None,
+                    sinks: int = 0, window: int | None = None) -> torch.Tensor:
+    """`attention` over paged keys: q [T, H, hd] -> [T, H * hd]."""
+    k, v = gather(paged)
+    return attention(q, k, v, q_pos, paged.k_pos, scale, sliding, sinks, window)
+
+
+def paged_attention_rolling(q: torch.Tensor, paged: PagedKeys, q_pos: torch.Tensor, rope: RollingRope,
+                            scale: float, sinks: int, window: int, sliding: int | None = None) -> torch.Tensor:
+    """`attention_rolling` over paged keys: q [T, H, hd] unrotated -> [T, H * hd]."""
+    k, v = gather(paged)
+    return attention_rolling(q, k, v, q_pos, paged.k_pos, rope, scale, sinks, window, sliding)
+
+
 class RollingRope(NamedTuple):
     """Rotations of one rolling step, shared by all layers (see `attention_rolling`)."""
 
@@ -84,6 +113,9 @@ class RollingRope(NamedTuple):
     qs_cos: torch.Tensor  # [T, hd] per query, against sinks: its place in its cache, min(p, sinks + window - 1)
     qs_sin: torch.Tensor
     n_sink: int  # the first n_sink keys are sinks
+    base: torch.Tensor  # [] the oldest window key's position (0 without one)
+    inv_freq: torch.Tensor  # [hd/2] fp32, for kernels that rotate keys in registers
+    scaling: float
 
 
 def rolling_rope(q_pos: torch.Tensor, k_pos: torch.Tensor, inv_freq: torch.Tensor, scaling: float, sinks: int,
@@ -95,7 +127,7 @@ def rolling_rope(q_pos: torch.Tensor, k_pos: torch.Tensor, inv_freq: torch.Tenso
     kc, ks = rope_cos_sin(torch.where(is_sink, k_pos, k_pos - base), inv_freq, scaling, dtype)
     qc, qs = rope_cos_sin(q_pos - base, inv_freq, scaling, dtype)
     sc, ss = rope_cos_sin(torch.clamp(q_pos, max=sinks + window - 1), inv_freq, scaling, dtype)
-    return RollingRope(kc, ks, qc, qs, sc, ss, n_sink)
+    return RollingRope(kc, ks, qc, qs, sc, ss, n_sink, base, inv_freq, scaling)
 
 
 def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from streamserve.errors import ContextLengthError, PageCapError, RewindError
+from streamserve.kernels.reference import PagedKeys
 from streamserve.sessions.policy import WindowPolicy
 from streamserve.sessions.pool import KVPool
 
@@ -86,13 +87,14 @@ class PagedSessionKV:
         self._gather = torch.cat([self._slots(0, n_sink), self._slots(first, end)])
         self._write = self._gather[-n:]
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [T, KVH, hd] -> keys, values [KVH, S, hd] at positions `k_pos` (this step's included)."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
+        """Store this step's k, v [T, KVH, hd] in their slots; -> the layer's pages and the slots of the keys
+        at positions `k_pos` (this step's included) for attention to read."""
         kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
         vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
         kf.index_copy_(0, self._write, k.to(kf.dtype))
         vf.index_copy_(0, self._write, v.to(vf.dtype))
-        return kf.index_select(0, self._gather).transpose(0, 1), vf.index_select(0, self._gather).transpose(0, 1)
+        return PagedKeys(kf, vf, self._gather, self.k_pos)
 
     def commit(self) -> None:
         self.length += self._pending

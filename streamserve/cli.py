@@ -76,7 +76,8 @@ def _load(args: argparse.Namespace) -> Any:
 
     cfg: EngineConfig = config_from_args(EngineConfig, args)
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, kv_memory=cfg.kv_memory,
+    engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
+                                    kv_memory=cfg.kv_memory,
                                     page_size=cfg.page_size, idle_ttl=cfg.idle_ttl)
     st = engine.stats()
     print(f"streamserve: {st['model']} ({st['architecture']}, {st['parameters'] / 1e6:.1f}M parameters) "

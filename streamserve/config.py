@@ -17,6 +17,9 @@ class EngineConfig:
     dtype: str | None = field(default=None, metadata={
         "help": "weight and activation dtype; default: the checkpoint's, but float32 on cpu for 16-bit "
                 "checkpoints", "choices": ("float32", "bfloat16", "float16")})
+    kernels: str = field(default="auto", metadata={
+        "help": "compute kernels: triton (GPU; on a CPU the slow interpreter, for tests), torch (reference), "
+                "auto = triton on cuda, torch on cpu", "choices": ("auto", "torch", "triton")})
     kv_memory: str | None = field(default=None, metadata={
         "help": "KV pool budget: bytes (e.g. 2GiB, 512MB) or a fraction of free device memory (e.g. 0.5); "
                 "default: 1GiB on cpu, 0.5 of free memory on a GPU"})

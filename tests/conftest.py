@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from helpers import ARCH_CONFIGS, make_checkpoint
+
+# Triton kernels run in Triton's interpreter on a CPU; it must be chosen before triton compiles anything.
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -31,7 +31,7 @@ from streamserve.engine.loading import (
 from streamserve.engine.session import Session, SessionState
 from streamserve.engine.snapshot import Snapshot
 from streamserve.errors import CapacityError, InvalidInputError, SnapshotError
-from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model
+from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model
 from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy
 
 log = logging.getLogger("streamserve")
@@ -71,11 +71,13 @@ class Engine:
     def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model,
                         device: str | torch.device = ENGINE_DEFAULTS.device,
                         dtype: str | torch.dtype | None = ENGINE_DEFAULTS.dtype,
+                        kernels: str = ENGINE_DEFAULTS.kernels,
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl) -> Engine:
         """Load "default" (the embedded model) or a Hugging Face checkpoint folder.
 
+        kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
         session is closed (None: never).
@@ -88,7 +90,8 @@ class Engine:
             raise InvalidInputError(f"page_size must be an integer >= 1, got {page_size!r}")
         tokenizer = Tokenizer.from_dir(path)
         t0 = time.perf_counter()
-        net = load_model(path, cfg, dev, dt)
+        ops = get_ops(kernels, dev)
+        net = load_model(path, cfg, dev, dt, ops)
         log.info("loaded %s (%s) on %s as %s in %.1fs", path, cfg.architecture, dev, dt, time.perf_counter() - t0)
         eos = list(cfg.eos_token_ids)
         gen_cfg = path / "generation_config.json"

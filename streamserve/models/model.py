@@ -13,7 +13,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from streamserve.kernels.reference import RollingRope
+from streamserve.kernels.reference import PagedKeys, RollingRope
 from streamserve.models.config import ModelConfig
 from streamserve.models.ops import TORCH_OPS, Ops
 
@@ -32,8 +32,8 @@ class LayerKV(Protocol):
     q_pos: torch.Tensor  # [T] absolute positions of this step's tokens
     k_pos: torch.Tensor  # [S] absolute positions of the keys `update` returns
 
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """k, v [T, KVH, hd] -> (keys, values) [KVH, S, hd] at positions `k_pos`, these T tokens included."""
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
+        """Store k, v [T, KVH, hd]; -> the pages and slots of the keys at `k_pos`, these T tokens included."""
         ...
 
 
@@ -76,14 +76,14 @@ class Attention(nn.Module):
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         pol = kv.policy
         if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
-            keys, values = kv.update(self.layer, k, v)  # [KVH, S, hd]
+            paged = kv.update(self.layer, k, v)
             assert rope.rolling is not None and pol.window is not None
-            out = ops.attention_rolling(q, keys, values, kv.q_pos, kv.k_pos, rope.rolling, self.scale, pol.sinks,
-                                        pol.window, self.window)
+            out = ops.attention_rolling(q, paged, kv.q_pos, rope.rolling, self.scale, pol.sinks, pol.window,
+                                        self.window)
         else:
             q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
-            keys, values = kv.update(self.layer, k, v)
-            out = ops.attention(q, keys, values, kv.q_pos, kv.k_pos, self.scale, self.window, pol.sinks, pol.window)
+            paged = kv.update(self.layer, k, v)
+            out = ops.attention(q, paged, kv.q_pos, self.scale, self.window, pol.sinks, pol.window)
         return self.o_proj(out)
 
 

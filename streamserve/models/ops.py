@@ -1,13 +1,15 @@
 """The one op layer: model code calls `ops.<name>(...)` and never a kernel directly.
 
-A backend is a frozen table of callables with the signatures of `streamserve.kernels.reference`.
-Swapping the table (e.g. for Triton kernels) changes no model code.
+A backend is a frozen table of callables with the signatures of `streamserve.kernels.reference`:
+"torch" (the references) or "triton" (`streamserve.kernels.triton_backend`: kernels where they exist,
+the references elsewhere). Swapping the table changes no model code.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -48,18 +50,39 @@ TORCH_OPS = Ops(
     rope_cos_sin=ref.rope_cos_sin,
     apply_rope=ref.apply_rope,
     silu_mul=ref.silu_mul,
-    attention=ref.attention,
+    attention=ref.paged_attention,
     rolling_rope=ref.rolling_rope,
-    attention_rolling=ref.attention_rolling,
+    attention_rolling=ref.paged_attention_rolling,
     moe_route=ref.moe_route,
     moe_experts=moe_experts_torch,
 )
 
-BACKENDS: dict[str, Ops] = {"torch": TORCH_OPS}
+BACKENDS = ("auto", "torch", "triton")
 
 
-def get_ops(name: str) -> Ops:
+def triton_ops(device: torch.device) -> Ops:
+    """The Triton backend; on a CPU its kernels run in Triton's interpreter (slow: for tests)."""
+    if device.type == "cpu":
+        # must be set before triton compiles the kernels: it decides at decoration time
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     try:
-        return BACKENDS[name]
-    except KeyError:
-        raise InvalidInputError(f"unknown kernel backend {name!r}; choose one of {sorted(BACKENDS)}") from None
+        from streamserve.kernels import triton_backend as tb
+    except ImportError as e:
+        raise InvalidInputError(f"kernels='triton' needs the triton package ({e}); pip install triton, "
+                                "or use kernels='torch'") from None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise InvalidInputError("kernels='triton' on a CPU needs TRITON_INTERPRET=1 (set before triton is imported)")
+    return replace(TORCH_OPS, name="triton", attention=tb.paged_attention,
+                   attention_rolling=tb.paged_attention_rolling, moe_experts=tb.moe_experts)
+
+
+def get_ops(name: str, device: torch.device | str = "cpu") -> Ops:
+    """"torch", "triton", or "auto" (Triton on CUDA, torch elsewhere)."""
+    device = torch.device(device)
+    if name == "auto":
+        name = "triton" if device.type == "cuda" else "torch"
+    if name == "torch":
+        return TORCH_OPS
+    if name == "triton":
+        return triton_ops(device)
+    raise InvalidInputError(f"unknown kernel backend {name!r}; choose one of {list(BACKENDS)}")

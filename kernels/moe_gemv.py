@@ -1,0 +1,109 @@
+"""MoE for a few tokens (decode, draft verification): gather + gemv, no sort, no padding, no host sync.
+
+Two kernels:
+1. `_gate_up_kernel`, grid (T * k, cdiv(INTER, BLOCK_I)): one program per (token, expert slot) pair and block
+   of the intermediate dimension reads its expert id on the device, computes the gate and up rows
+   against x[t] and writes silu(gate) * up in fp32 to a scratch `h [T * k, INTER]`.
+2. `_down_kernel`, grid (T, cdiv(D, BLOCK_D)): one program per output block loops over the token's k
+   experts, applies the routing weight in fp32 and writes the output once.
+Weights are read in place (never copied); top-k ids never leave the device, so the step can be captured
+in a CUDA graph. Reference: `streamserve.kernels.reference.moe_experts_gather`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from streamserve.kernels.checks import check_tensor
+
+MAX_TOKENS = 16
+MAX_TOP_K = 8
+MAX_EXPERTS = 256
+
+
+@triton.jit
+def _gate_up_kernel(x_ptr, ids_ptr, w_ptr, h_ptr, D, INTER, K: tl.constexpr,
+                    BLOCK_I: tl.constexpr, BLOCK_D: tl.constexpr):
+    pair = tl.program_id(0)  # token * K + slot
+    ib = tl.program_id(1)
+    t = pair // K
+    e = tl.load(ids_ptr + pair).to(tl.int64)
+    rows = ib * BLOCK_I + tl.arange(0, BLOCK_I)  # [BLOCK_I] rows of the gate half
+    row_ok = rows < INTER
+    gate = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    up = tl.zeros((BLOCK_I,), dtype=tl.float32)
+    w_e = w_ptr + e * (2 * INTER) * D  # w_gate_up[e]: [2I, D], gate rows first
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        col_ok = cols < D
+        xv = tl.load(x_ptr + t * D + cols, mask=col_ok, other=0.0).to(tl.float32)  # [BLOCK_D]
+        m = row_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w_e + rows[:, None] * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        wu = tl.load(w_e + (rows[:, None] + INTER) * D + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        gate += tl.sum(wg * xv[None, :], axis=1)
+        up += tl.sum(wu * xv[None, :], axis=1)
+    h = gate / (1.0 + tl.exp(-gate)) * up  # silu(gate) * up, in registers
+    tl.store(h_ptr + pair * INTER + rows, h, mask=row_ok)
+
+
+@triton.jit
+def _down_kernel(h_ptr, ids_ptr, rw_ptr, w_ptr, out_ptr, D, INTER, K: tl.constexpr,
+                 BLOCK_D: tl.constexpr, BLOCK_I: tl.constexpr):
+    t = tl.program_id(0)
+    db = tl.program_id(1)
+    rows = db * BLOCK_D + tl.arange(0, BLOCK_D)  # [BLOCK_D] output features
+    row_ok = rows < D
+    acc = tl.zeros((BLOCK_D,), dtype=tl.float32)
+    for j in range(K):
+        e = tl.load(ids_ptr + t * K + j).to(tl.int64)
+        rw = tl.load(rw_ptr + t * K + j)  # routing weight, fp32
+        w_e = w_ptr + e * D * INTER  # w_down[e]: [D, INTER]
+        part = tl.zeros((BLOCK_D,), dtype=tl.float32)
+        for i0 in range(0, INTER, BLOCK_I):
+            cols = i0 + tl.arange(0, BLOCK_I)
+            col_ok = cols < INTER
+            hv = tl.load(h_ptr + (t * K + j) * INTER + cols, mask=col_ok, other=0.0)  # [BLOCK_I] fp32
+            w = tl.load(w_e + rows[:, None] * INTER + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                        other=0.0).to(tl.float32)
+            part += tl.sum(w * hv[None, :], axis=1)
+        acc += rw * part
+    tl.store(out_ptr + t * D + rows, acc.to(out_ptr.dtype.element_ty), mask=row_ok)
+
+
+def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+             w_down: torch.Tensor, block_i: int = 32, block_d: int = 64,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """x [T, D]; weights [T, k] fp32; ids [T, k] int32/int64; w_gate_up [E, 2I, D]; w_down [E, D, I] -> [T, D].
+
+    T <= 16, k <= 8, E <= 256; D and I of any size (masked tails). Weights in fp32/fp16/bf16, accumulation
+    in fp32, output in x's dtype.
+    """
+    check_tensor("x", x, dims=2, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    t, d = x.shape
+    check_tensor("w_gate_up", w_gate_up, dims=3, dtypes=(torch.float32, torch.float16, torch.bfloat16),
+                 device=x.device, contiguous=True)
+    e, two_i, d_w = w_gate_up.shape
+    inter = two_i // 2
+    if d_w != d or two_i % 2:
+        raise ValueError(f"w_gate_up has shape {list(w_gate_up.shape)}; expected [E, 2*I, {d}] for x [T, {d}]")
+    check_tensor("w_down", w_down, shape=(e, d, inter), dtypes=(w_gate_up.dtype,), device=x.device, contiguous=True)
+    check_tensor("ids", ids, dims=2, dtypes=(torch.int32, torch.int64), device=x.device)
+    k = ids.shape[1]
+    check_tensor("ids", ids, shape=(t, k))
+    check_tensor("weights", weights, shape=(t, k), dtypes=(torch.float32,), device=x.device)
+    if not 1 <= t <= MAX_TOKENS:
+        raise ValueError(f"moe_gemv takes 1..{MAX_TOKENS} tokens, got {t}; use the grouped path for more")
+    if not 1 <= k <= MAX_TOP_K or e > MAX_EXPERTS:
+        raise ValueError(f"moe_gemv supports top-k <= {MAX_TOP_K} and E <= {MAX_EXPERTS}, got k={k}, E={e}")
+    x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
+    h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
+    if out is None:
+        out = torch.empty_like(x)
+    check_tensor("out", out, shape=(t, d), dtypes=(x.dtype,), device=x.device, contiguous=True)
+    _gate_up_kernel[(t * k, triton.cdiv(inter, block_i))](x, ids, w_gate_up, h, d, inter, K=k,
+                                                           BLOCK_I=block_i, BLOCK_D=block_d)
+    _down_kernel[(t, triton.cdiv(d, block_d))](h, ids, weights, w_down, out, d, inter, K=k,
+                                               BLOCK_D=block_d, BLOCK_I=block_i)
+    return out

@@ -1,0 +1,41 @@
+"""The Triton implementations of the op table's entries, with the torch reference where no kernel pays yet.
+
+Importing this module imports triton; on a CPU, set TRITON_INTERPRET=1 before (the op layer does).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamserve.kernels import reference as ref
+from streamserve.kernels.decode_attention import decode_attention
+from streamserve.kernels.moe_gemv import MAX_TOKENS, moe_gemv
+
+
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """x [T, D] -> [T, D]: gather + gemv up to 16 tokens, the grouped path beyond."""
+    if x.shape[0] <= MAX_TOKENS:
+        return moe_gemv(x, weights, ids.to(torch.int32), w_gate_up, w_down)
+    return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
+
+
+def paged_attention(q: torch.Tensor, paged: ref.PagedKeys, q_pos: torch.Tensor, scale: float,
+                    sliding: int | None = None, sinks: int = 0, window: int | None = None) -> torch.Tensor:
+    """q [T, H, hd] -> [T, H * hd]; one token reads its pages in place, a chunk takes the reference."""
+    if q.shape[0] == 1:
+        return decode_attention(q[0], paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale, sliding,
+                                sinks, window)[None]
+    return ref.paged_attention(q, paged, q_pos, scale, sliding, sinks, window)
+
+
+def paged_attention_rolling(q: torch.Tensor, paged: ref.PagedKeys, q_pos: torch.Tensor, rope: ref.RollingRope,
+                            scale: float, sinks: int, window: int, sliding: int | None = None) -> torch.Tensor:
+    """Rolling positions: the query rotated both ways here, the keys in the kernel's registers."""
+    if q.shape[0] == 1:
+        q_win = ref.apply_rope(q, rope.q_cos, rope.q_sin)[0]
+        q_sink = ref.apply_rope(q, rope.qs_cos, rope.qs_sin)[0]
+        return decode_attention(q_win, paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale, sliding,
+                                sinks, window, q_sink=q_sink, base=rope.base.reshape(1), inv_freq=rope.inv_freq,
+                                rope_scaling=rope.scaling)[None]
+    return ref.paged_attention_rolling(q, paged, q_pos, rope, scale, sinks, window, sliding)
