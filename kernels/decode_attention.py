@@ -4,10 +4,11 @@ Split-KV: grid (KVH, splits). A program takes one KV head (all its G = H / KVH q
 and one contiguous share of the session's key slots, gathers the keys and values from their pages, runs
 an online softmax and writes its partial output and log-sum-exp; `decode_attention` merges the splits
 by log-sum-exp (and folds in optional learned per-head sink logits). Masking is `reference.visible`
-(causal, model sliding window, session sinks + window). In rolling mode the keys are cached without
-RoPE and rotated in registers: a sink by its position, a window key by its distance from the oldest
-window key; the caller passes the query rotated both ways (`rolling_rope`). Head dims are handled in
-two halves (the rotate-half RoPE convention), so 64, 80, 128, 256 all work (masked to a power of two).
+(causal, model sliding window, session sinks + window; `rolling_visible` with rolling positions). In
+rolling mode the keys are cached without RoPE and rotated in registers: a sink by its position, a
+window key by its distance from the oldest window key; the caller passes the query rotated both ways
+(`rolling_rope`). Head dims are handled in two halves (the rotate-half RoPE convention), so 64, 80,
+128, 256 all work (masked to a power of two).
 Reference: `reference.attention` / `reference.attention_rolling` with T = 1.
 """
 
@@ -82,7 +83,10 @@ def _decode_attn_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, slots_ptr, kpos_ptr, qpos_p
         else:
             scores = _scores(q1, q2, k1, k2, PRECISION)  # [BLOCK_G, BLOCK_N]
         ok = n_ok & (kpos <= qpos)
-        ok = ok & ((sliding == 0) | (kpos > qpos - sliding))
+        dist = qpos - kpos
+        if ROLLING:  # against a sink the query sits at its place in its own cache
+            dist = tl.where(kpos < sinks, tl.minimum(qpos, sinks + window - 1) - kpos, dist)
+        ok = ok & ((sliding == 0) | (dist < sliding))
         ok = ok & ((window == 0) | (kpos < sinks) | (kpos > qpos - window))
         scores = tl.where(ok[None, :], scores * scale, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(scores, axis=1))

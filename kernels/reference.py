@@ -74,6 +74,18 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     return out[0].transpose(0, 1).reshape(t, h * hd)
 
 
+def rolling_visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sinks: int, window: int,
+                    sliding: int | None = None) -> torch.Tensor:
+    """`visible` for rolling positions: the model's own sliding window counts distances inside the query's
+    cache, where a sink s sits at c - s from the query (c = min(p, sinks + window - 1))."""
+    mask = visible(q_pos, k_pos, None, sinks, window)
+    if sliding is not None:
+        cq = torch.clamp(q_pos, max=sinks + window - 1)[:, None]
+        dist = torch.where(k_pos[None, :] < sinks, cq - k_pos[None, :], q_pos[:, None] - k_pos[None, :])
+        mask &= dist < sliding
+    return mask
+
+
 class PagedKeys(NamedTuple):
     """One layer's keys and values as a step sees them: the pool's pages and the slots to read."""
 
@@ -153,7 +165,7 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     scores = grouped(apply_rope(q, rope.q_cos, rope.q_sin)) @ k_rot.transpose(1, 2)  # [KVH, G*T, S]
     if n_sink:  # against its sinks the query sits at its place in its own cache
         scores[..., :n_sink] = grouped(apply_rope(q, rope.qs_cos, rope.qs_sin)) @ k_rot[:, :n_sink].transpose(1, 2)
-    mask = visible(q_pos, k_pos, sliding, sinks, window)  # [T, S]
+    mask = rolling_visible(q_pos, k_pos, sinks, window, sliding)  # [T, S]
     scores = (scores.float() * scale).view(kvh, group, t, n).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kvh, group * t, n)
     out = (probs @ v).view(kvh, group, t, hd).permute(2, 0, 1, 3)  # [T, KVH, G, hd]

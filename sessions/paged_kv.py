@@ -69,23 +69,35 @@ class PagedSessionKV:
         if not self.rolling and end > self.max_tokens:
             raise ContextLengthError(f"{end} tokens exceed the model's context of {self.max_tokens}; "
                                      "open the session with a window (rolling positions) for endless streams")
-        P = self.pool.page_size
-        missing = [j for j in range((start + P - 1) // P if start % P else start // P, (end + P - 1) // P)
-                   if j not in self.page_table]
+        missing = self._missing_pages(start, end)
         if self.page_cap is not None and len(self.page_table) + len(missing) > self.page_cap:
             raise PageCapError(f"this step needs {len(self.page_table) + len(missing)} pages, over the session's "
                                f"cap of {self.page_cap}; use a window or rewind")
         taken = self.pool.allocator.alloc(len(missing))  # CapacityError: nothing taken
         self.page_table.update(zip(missing, taken, strict=True))
         self._step_pages, self._pending = missing, n
-        # the keys this step reads: [sinks | from the first query's window on], this step's own included
-        first = min(self.policy.first_needed(start), end)
-        n_sink = min(self.policy.sinks, first)
-        dev = self.pool.device
-        self.q_pos = torch.arange(start, end, device=dev)
-        self.k_pos = torch.cat([torch.arange(n_sink), torch.arange(first, end)]).to(dev)
-        self._gather = torch.cat([self._slots(0, n_sink), self._slots(first, end)])
-        self._write = self._gather[-n:]
+        try:  # the keys this step reads: [sinks | from the first query's window on], this step's own included
+            first = min(self.policy.first_needed(start), end)
+            n_sink = min(self.policy.sinks, first)
+            dev = self.pool.device
+            self.q_pos = torch.arange(start, end, device=dev)
+            self.k_pos = torch.cat([torch.arange(n_sink), torch.arange(first, end)]).to(dev)
+            self._gather = torch.cat([self._slots(0, n_sink), self._slots(first, end)])
+            self._write = self._gather[-n:]
+        except BaseException:
+            self.abort()  # a step that cannot be planned takes nothing
+            raise
+
+    def _missing_pages(self, start: int, end: int) -> list[int]:
+        """The logical pages positions [start, end) need that the session does not hold."""
+        P = self.pool.page_size
+        return [j for j in range(start // P, (end + P - 1) // P) if j not in self.page_table]
+
+    def pages_needed(self, n: int) -> int:
+        """How many free pool pages a step of n tokens (or bringing a parked session back) takes."""
+        if self.parked is not None:
+            return len(self.parked.logical) + len(self._missing_pages(self.length, self.length + n))
+        return len(self._missing_pages(self.length, self.length + n))
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
         """Store this step's k, v [T, KVH, hd] in their slots; -> the layer's pages and the slots of the keys
@@ -148,12 +160,28 @@ class PagedSessionKV:
         return HostPages(logical, [t.index_select(0, idx).cpu() for t in self.pool.k],
                          [t.index_select(0, idx).cpu() for t in self.pool.v])
 
+    def check_host(self, host: HostPages) -> None:
+        """ValueError unless `host` has this pool's layers and page shape, one page per logical number."""
+        pool, n = self.pool, len(host.logical)
+        shape = (n, pool.page_size, pool.num_kv_heads, pool.head_dim)
+        if len(host.k) != pool.num_layers or len(host.v) != pool.num_layers:
+            raise ValueError(f"{len(host.k)} layers of keys for a pool of {pool.num_layers}")
+        bad = [tuple(t.shape) for t in host.k + host.v if tuple(t.shape) != shape]
+        if bad or len(set(host.logical)) != n or any(j < 0 for j in host.logical):
+            raise ValueError(f"pages of shape {bad[:1] or '?'} or page numbers {host.logical[:4]}..., "
+                             f"expected {list(shape)} and distinct page numbers")
+
     def load_host(self, host: HostPages) -> None:
         """Take pages for `host` from the pool (CapacityError: nothing taken) and copy it in."""
+        self.check_host(host)
         pages = self.pool.allocator.alloc(len(host.logical))
-        idx = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
-        for dst, src in zip(self.pool.k + self.pool.v, host.k + host.v, strict=True):
-            dst.index_copy_(0, idx, src.to(device=dst.device, dtype=dst.dtype))
+        try:
+            idx = torch.tensor(pages, dtype=torch.long, device=self.pool.device)
+            for dst, src in zip(self.pool.k + self.pool.v, host.k + host.v, strict=True):
+                dst.index_copy_(0, idx, src.to(device=dst.device, dtype=dst.dtype))
+        except BaseException:
+            self.pool.allocator.release(pages)
+            raise
         self.page_table = dict(zip(host.logical, pages, strict=True))
 
     def park(self) -> None:

@@ -53,7 +53,7 @@ class Engine:
         self.idle_ttl = idle_ttl
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.fingerprint = model_fingerprint(path, model.embed_tokens.weight)
+        self.fingerprint = model_fingerprint(path)
         cfg = self.config
         per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype)
         if kv_bytes < per_page:
@@ -130,9 +130,19 @@ class Engine:
         if snap.page_size != self.pool.page_size:
             raise SnapshotError(f"the snapshot has pages of {snap.page_size} tokens, this pool "
                                 f"{self.pool.page_size}; start the engine with page_size={snap.page_size}")
-        s = self.open_session(snap.policy.window, snap.policy.sinks, snap.policy.mode)
-        self.admit(s, lambda: s.kv.load_host(snap.pages))
-        s._load_state(snap)
+        s = self.open_session(snap.policy.window, snap.policy.sinks, snap.policy.mode, page_cap=snap.page_cap)
+        try:
+            try:
+                s.kv.check_host(snap.pages)
+            except ValueError as e:
+                raise SnapshotError(f"damaged snapshot: {e}") from None
+            if not snap.kv_length <= len(snap.token_ids) <= snap.kv_length + 1:
+                raise SnapshotError(f"damaged snapshot: {len(snap.token_ids)} tokens for a KV of {snap.kv_length}")
+            self.admit(s, lambda: s.kv.load_host(snap.pages), len(snap.pages.logical))
+            s._load_state(snap)
+        except BaseException:
+            s.close()  # a failed restore leaves nothing behind
+            raise
         return s
 
     def _release(self, session: Session) -> None:
@@ -153,23 +163,27 @@ class Engine:
         self._counters["sessions_expired_total"] += len(stale)
         return len(stale)
 
-    def admit(self, session: Session | None, take: Callable[[], None]) -> None:
-        """Run `take` (which takes pages, or raises CapacityError having taken none), parking the least
-        recently active idle sessions one by one until it succeeds or there is none left to park."""
+    def admit(self, session: Session | None, take: Callable[[], None], needed: int) -> None:
+        """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking the
+        least recently active idle sessions one by one until it succeeds. Fails at once, parking nobody,
+        when even parking every idle session would not free enough."""
         with self._lock:
+            idle = [s for s in self.sessions() if s is not session and s.state == SessionState.OPEN
+                    and s.kv.page_table]
+            if needed > self.pool.allocator.free_count + sum(len(s.kv.page_table) for s in idle):
+                raise CapacityError(f"this needs {needed} KV pages; the pool ({self.pool.num_pages} pages of "
+                                    f"{self.pool.page_size} tokens) has {self.pool.allocator.free_count} free and "
+                                    "not enough idle sessions to park: retry later, close sessions, or raise "
+                                    "kv_memory")
+            idle.sort(key=lambda s: s.last_active)
             while True:
                 try:
                     take()
                     return
                 except CapacityError:
-                    idle = [s for s in self.sessions() if s is not session and s.state == SessionState.OPEN
-                            and s.kv.page_table]
                     if not idle:
-                        raise CapacityError(f"the KV pool is full ({self.pool.num_pages} pages of "
-                                            f"{self.pool.page_size} tokens) and no idle session can be parked; "
-                                            "retry later, close sessions, or raise kv_memory") from None
-                    victim = min(idle, key=lambda s: s.last_active)
-                    victim.park()
+                        raise
+                    idle.pop(0).park()
                     self._counters["sessions_parked_total"] += 1
 
     def forward(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False,
@@ -181,8 +195,8 @@ class Engine:
         n = len(ids)
         with self._lock:
             if kv.parked is not None:
-                self.admit(session, kv.unpark)
-            self.admit(session, lambda: kv.begin(n))
+                self.admit(session, kv.unpark, kv.pages_needed(0))
+            self.admit(session, lambda: kv.begin(n), kv.pages_needed(n))
             t0 = time.perf_counter()
             try:
                 ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)

@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from streamserve.errors import InvalidInputError, ModelLoadError
+from streamserve.models.loader import Checkpoint
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -80,9 +81,14 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
-def model_fingerprint(path: Path, embed: torch.Tensor) -> str:
-    """Identifies a model: its config and a sample of its embedding weights (two random checkpoints of one
-    config differ). Snapshots carry it, so a session is never restored onto another model."""
+def model_fingerprint(path: Path) -> str:
+    """Identifies a model whatever dtype it is loaded in: its config.json, the names, shapes and dtypes of
+    its tensors and the first rows of its embeddings as stored (two random checkpoints of one config
+    differ). Snapshots carry it, so a session is never restored onto another model."""
     h = hashlib.sha256((path / "config.json").read_bytes())
-    h.update(embed[:8].float().cpu().numpy().tobytes())
+    ckpt = Checkpoint(path)
+    for name in sorted(ckpt.meta):
+        h.update(f"{name}{ckpt.meta[name][1:]}".encode())
+    if "model.embed_tokens.weight" in ckpt:
+        h.update(ckpt.head("model.embed_tokens.weight", 8).float().contiguous().numpy().tobytes())
     return h.hexdigest()[:16]

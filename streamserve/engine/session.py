@@ -59,6 +59,8 @@ class Session:
         self.last_active = time.monotonic()
         self._next_seq = 0
         self._responding = False
+        self._reply: Iterator[int] | None = None  # the reply being generated, if any
+        self._reply_start = 0
         self._logits: torch.Tensor | None = None  # [V] after the first `_logits_at` tokens
         self._logits_at = -1
         self._generator = torch.Generator(device=engine.device)
@@ -150,6 +152,8 @@ class Session:
 
     def _run(self, ids: list[int]) -> None:
         """Forward pending + ids; on success they join the session and the logits of the last one are kept."""
+        if self.kv.length > len(self.token_ids):  # an interrupt lost a committed step's bookkeeping
+            self.kv.truncate(len(self.token_ids))
         chunk = self._pending + ids
         limit = self.engine.config.max_position_embeddings
         if not self.kv.rolling and self.kv.length + len(chunk) > limit:
@@ -183,12 +187,20 @@ class Session:
             raise InvalidInputError("generate needs at least one appended token first")
         stops = set(self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
         gen = self._generator if seed is None else torch.Generator(device=self.engine.device).manual_seed(seed)
-        return self._generate(max_tokens, temperature, top_p, gen, stops)
+        self._end_reply()  # one reply at a time: a new one ends the previous
+        self._reply = self._generate(max_tokens, temperature, top_p, gen, stops)
+        return self._reply
+
+    def _end_reply(self) -> None:
+        """Stop a reply in progress (its tokens so far stay in the session)."""
+        reply, self._reply = self._reply, None
+        if reply is not None:
+            reply.close()  # type: ignore[attr-defined]
 
     def _generate(self, max_tokens: int, temperature: float, top_p: float, gen: torch.Generator,
                   stops: set[int]) -> Iterator[int]:
         limit = None if self.kv.rolling else self.engine.config.max_position_embeddings
-        start = len(self.token_ids)
+        start = self._reply_start = len(self.token_ids)
         self._responding = True
         try:
             for _ in range(max_tokens):
@@ -220,6 +232,11 @@ class Session:
         self._check_open()
         if (to is None) == (to_seq is None):
             raise RewindError("rewind takes exactly one of to= or to_seq=")
+        with self.engine._lock:  # never in the middle of another thread's step
+            return self._rewind(to, to_seq)
+
+    def _rewind(self, to: int | None, to_seq: int | None) -> int:
+        self._end_reply()  # a reply in progress ends here: its timeline record is written, then cut
         if to_seq is not None:
             rec = next((r for r in self.timeline if r.kind == "input" and r.seq == to_seq), None)
             if rec is None:
@@ -233,7 +250,7 @@ class Session:
         # the KV keeps all but the last kept token, which runs again to give the logits at `to`
         keep = max(0, to - 1)
         if self.kv.parked is not None:
-            self.engine.admit(self, self.kv.unpark)
+            self.engine.admit(self, self.kv.unpark, self.kv.pages_needed(0))
         self.kv.check_rewind(keep)
         self.kv.truncate(keep)
         del self.token_ids[to:]
@@ -247,18 +264,23 @@ class Session:
     def park(self) -> None:
         """Offload the KV to host memory and give its pages back; the next use brings it back."""
         self._check_open()
-        self.kv.park()
+        with self.engine._lock:
+            self.kv.park()
 
     def snapshot(self, path: str | Path | None = None) -> Snapshot | Path:
         """Everything the session is, copied to host memory (-> Snapshot), or written to `path` (-> Path).
         The session itself goes on unchanged; `engine.restore(...)` makes a new session from it."""
         self._check_open()
-        pages = self.kv.parked if self.kv.parked is not None else self.kv.to_host()
+        with self.engine._lock:
+            pages = self.kv.parked if self.kv.parked is not None else self.kv.to_host()
+        timeline = list(self.timeline)
+        if self._responding and len(self.token_ids) > self._reply_start:  # the reply so far
+            timeline.append(ChunkRecord("reply", None, self._reply_start, len(self.token_ids)))
         snap = Snapshot(model=self.engine.fingerprint, model_name=self.engine.name, page_size=self.kv.pool.page_size,
-                        policy=self.kv.policy, token_ids=list(self.token_ids), timeline=list(self.timeline),
+                        policy=self.kv.policy, token_ids=list(self.token_ids), timeline=timeline,
                         kv_length=self.kv.length, pages=pages,
                         logits=None if self._logits is None else self._logits.detach().cpu().clone(),
-                        logits_at=self._logits_at, next_seq=self._next_seq)
+                        logits_at=self._logits_at, next_seq=self._next_seq, page_cap=self.kv.page_cap)
         return snap.save(path) if path is not None else snap
 
     def _load_state(self, snap: Snapshot) -> None:
@@ -272,6 +294,7 @@ class Session:
     def close(self) -> None:
         """Free the session's KV memory. Closing twice is harmless."""
         if not self.closed:
+            self._end_reply()
             self.closed = True
             with self.engine._lock:
                 self.kv.release()

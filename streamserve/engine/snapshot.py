@@ -3,7 +3,7 @@
 File format (version 1): `torch.save` of a plain dict of str/int/float/list/tensor (loaded with
 `weights_only=True`, so a file can carry no code): format, version, model fingerprint and name, page
 size, window policy, token ids, timeline, committed KV length, the held pages' keys/values per layer
-`[n, P, KVH, hd]` with their logical page numbers, the last logits and the next chunk seq.
+`[n, P, KVH, hd]` with their logical page numbers, the last logits, the next chunk seq, the page cap.
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ class Snapshot:
     logits: torch.Tensor | None  # [V] after the first `logits_at` tokens
     logits_at: int
     next_seq: int
+    page_cap: int | None = None
 
     @property
     def nbytes(self) -> int:
@@ -59,7 +60,7 @@ class Snapshot:
             "token_ids": list(self.token_ids), "timeline": [asdict(r) for r in self.timeline],
             "kv_length": self.kv_length, "logical_pages": list(self.pages.logical),
             "k": list(self.pages.k), "v": list(self.pages.v),
-            "logits": self.logits, "logits_at": self.logits_at, "next_seq": self.next_seq,
+            "logits": self.logits, "logits_at": self.logits_at, "next_seq": self.next_seq, "page_cap": self.page_cap,
         }
 
     @classmethod
@@ -74,7 +75,8 @@ class Snapshot:
                        policy=WindowPolicy(**d["policy"]), token_ids=[int(i) for i in d["token_ids"]],
                        timeline=[ChunkRecord(**r) for r in d["timeline"]], kv_length=int(d["kv_length"]),
                        pages=HostPages([int(j) for j in d["logical_pages"]], list(d["k"]), list(d["v"])),
-                       logits=d["logits"], logits_at=int(d["logits_at"]), next_seq=int(d["next_seq"]))
+                       logits=d["logits"], logits_at=int(d["logits_at"]), next_seq=int(d["next_seq"]),
+                       page_cap=d.get("page_cap"))
         except (KeyError, TypeError, ValueError) as e:
             raise SnapshotError(f"damaged snapshot: {e}") from None
 

@@ -72,6 +72,10 @@ class Checkpoint:
     def get(self, name: str) -> torch.Tensor:
         return self._handles[self.meta[name][0]].get_tensor(name)
 
+    def head(self, name: str, rows: int) -> torch.Tensor:
+        """The first `rows` rows of a tensor, read without loading the rest."""
+        return self._handles[self.meta[name][0]].get_slice(name)[:rows]
+
 
 def param_recipes(cfg: ModelConfig) -> dict[str, list[list[Piece]]]:
     """For each parameter of `CausalLM`, the checkpoint layouts that can fill it, in order of preference.

@@ -65,3 +65,14 @@ def test_idle_sessions_expire(checkpoints) -> None:
     assert engine.expire_idle(now=s.last_active + 30) == 0
     assert engine.expire_idle(now=s.last_active + 61) == 1
     assert s.closed and engine.stats()["kv_pages_used"] == 0
+
+
+def test_a_request_that_can_never_fit_parks_nobody(small: Engine) -> None:
+    a, b = small.open_session(), small.open_session()
+    a.append(token_ids=random_ids(20, seed=47))
+    b.append(token_ids=random_ids(20, seed=48))
+    c = small.open_session()
+    with pytest.raises(CapacityError, match="needs 12 KV pages"):
+        c.append(token_ids=random_ids(90, seed=49))
+    assert small.stats()["sessions_parked"] == 0
+    small.check_integrity()

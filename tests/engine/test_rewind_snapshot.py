@@ -115,3 +115,49 @@ def test_closed_sessions_and_bad_windows_are_typed(engines) -> None:
         with pytest.raises(InvalidInputError):
             engine.open_session(**kw)
     engine.check_integrity()
+
+
+@pytest.mark.parametrize(("window", "sinks"), [(1, 0), (1, 1), (5, 2), (12, 3)])
+def test_rewind_across_dropped_pages_with_small_pages(checkpoints, window, sinks) -> None:
+    engine = Engine.from_pretrained(checkpoints["qwen3"][0], device="cpu", page_size=4, kv_memory="16MiB")
+    ids, c = random_ids(20, seed=37), random_ids(3, seed=38)
+    for to in (19, 16, 11):
+        with engine.open_session(window=window, sinks=sinks) as s:
+            s.append(token_ids=ids)
+            try:
+                s.rewind(to=to)
+            except RewindError:
+                continue  # the window dropped what a query there sees: refused, nothing changed
+            s.append(token_ids=c)
+            assert s.generate(max_tokens=8, stop_token_ids=()) == fresh(engine, ids[:to] + c, window=window,
+                                                                         sinks=sinks)
+        engine.check_integrity()
+
+
+def test_a_damaged_snapshot_is_typed_and_takes_nothing(engines) -> None:
+    engine = engines["llama"]
+    with engine.open_session(page_cap=9) as s:
+        s.append(token_ids=random_ids(40, seed=39))
+        snap = s.snapshot()
+    with engine.restore(snap) as r:
+        assert r.kv.page_cap == 9  # the cap travels with the snapshot
+    used = engine.stats()["kv_pages_used"]
+    sessions = engine.stats()["sessions_open"]
+    snap.pages.logical.append(99)
+    with pytest.raises(SnapshotError, match="damaged"):
+        engine.restore(snap)
+    assert engine.stats()["kv_pages_used"] == used and engine.stats()["sessions_open"] == sessions
+    engine.check_integrity()
+
+
+def test_snapshot_and_rewind_in_the_middle_of_a_reply(engines) -> None:
+    engine = engines["qwen3_moe"]
+    with engine.open_session() as s:
+        s.append(token_ids=random_ids(20, seed=40))
+        reply = s.iter_generate(max_tokens=6, stop_token_ids=())
+        got = [next(reply) for _ in range(3)]
+        snap = s.snapshot()
+        assert snap.timeline[-1].kind == "reply" and (snap.timeline[-1].start, snap.timeline[-1].end) == (20, 23)
+        s.rewind(to=21)  # ends the reply, keeps its first token
+        assert list(reply) == [] and s.token_ids[20:] == got[:1]
+        assert [(r.kind, r.start, r.end) for r in s.timeline] == [("input", 0, 20), ("reply", 20, 21)]

@@ -91,3 +91,24 @@ def test_absolute_window_still_stops_at_the_context(tmp_path) -> None:
         for _ in range(5):
             s.append(token_ids=list(range(40)))
         assert len(s.token_ids) == 200
+
+
+def test_rolling_sessions_count_the_model_sliding_window_inside_the_cache(checkpoints, tmp_path) -> None:
+    """Mixtral's 24-token window never binds when the session's cache holds at most 4 + 16 tokens."""
+    import json
+    import shutil
+
+    from streamserve import Engine
+
+    src = checkpoints["mixtral"][0]
+    shutil.copytree(src, tmp_path / "nowin")
+    cfg = json.loads((tmp_path / "nowin" / "config.json").read_text())
+    cfg["sliding_window"] = None
+    (tmp_path / "nowin" / "config.json").write_text(json.dumps(cfg))
+    ids = random_ids(60, seed=24)
+    outs = []
+    for path in (src, tmp_path / "nowin"):
+        engine = Engine.from_pretrained(path, device="cpu", kv_memory="32MiB")
+        with engine.open_session(window=16, sinks=4) as s:
+            outs.append(torch.stack(chunked_logits(s, ids, 5)))
+    assert (outs[0] - outs[1]).abs().max().item() <= 1e-4

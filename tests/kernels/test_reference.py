@@ -53,8 +53,11 @@ def naive_attention(q, k, v, q_pos, k_pos, scale, sliding=None, sinks=0, window=
     out = torch.zeros(T, H, hd)
     for t in range(T):
         p = int(q_pos[t])
-        keys = [j for j, kp in enumerate(k_pos.tolist()) if kp <= p and (sliding is None or kp > p - sliding)
-                and (window is None or kp < sinks or kp > p - window)]
+        keys = [j for j, kp in enumerate(k_pos.tolist())
+                if kp <= p and (window is None or kp < sinks or kp > p - window)]
+        if sliding is not None:  # distances as the query's cache counts them (StreamingLLM) or absolute
+            dist = [len(keys) - 1 - i if rope is not None else p - int(k_pos[j]) for i, j in enumerate(keys)]
+            keys = [j for j, d in zip(keys, dist, strict=True) if d < sliding]
         for h in range(H):
             kv = h // (H // KVH)
             qq, kk = q[t, h], k[kv, keys]
@@ -84,9 +87,10 @@ def test_attention_matches_explicit_softmax(T, S, H, KVH, hd, sliding, sinks, wi
     assert torch.allclose(out, expected, atol=1e-5)
 
 
-@pytest.mark.parametrize(("T", "S", "sinks", "window"), [(1, 12, 2, 20), (1, 40, 4, 9), (5, 40, 4, 9),
-                                                         (7, 61, 3, 16), (3, 30, 0, 5)])
-def test_rolling_attention_matches_a_streaming_llm_cache(T, S, sinks, window) -> None:
+@pytest.mark.parametrize(("T", "S", "sinks", "window", "sliding"), [
+    (1, 12, 2, 20, None), (1, 40, 4, 9, None), (5, 40, 4, 9, None), (7, 61, 3, 16, None), (3, 30, 0, 5, None),
+    (6, 61, 3, 16, 12), (1, 40, 4, 20, 8)])
+def test_rolling_attention_matches_a_streaming_llm_cache(T, S, sinks, window, sliding) -> None:
     """Each query sees [sinks | last window] numbered by place in its own cache (StreamingLLM)."""
     H, KVH, hd = 4, 2, 16
     g = torch.Generator().manual_seed(S + T)
@@ -99,13 +103,14 @@ def test_rolling_attention_matches_a_streaming_llm_cache(T, S, sinks, window) ->
     k, v = k[:, k_pos], v[:, k_pos]
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     rope = ref.rolling_rope(q_pos, k_pos, inv, 1.0, sinks, window, torch.float32)
-    out = ref.attention_rolling(q, k, v, q_pos, k_pos, rope, hd**-0.5, sinks, window)
-    expected = naive_attention(q, k, v, q_pos, k_pos, hd**-0.5, None, sinks, window, rope=inv)
+    out = ref.attention_rolling(q, k, v, q_pos, k_pos, rope, hd**-0.5, sinks, window, sliding)
+    expected = naive_attention(q, k, v, q_pos, k_pos, hd**-0.5, sliding, sinks, window, rope=inv)
     assert torch.allclose(out, expected, atol=1e-4)
     if sinks + window - 1 <= S - T:  # every cache is full: a million tokens later, the same attention
         far = 10**6 * (k_pos >= sinks)
         rope_far = ref.rolling_rope(q_pos + 10**6, k_pos + far, inv, 1.0, sinks, window, torch.float32)
-        out_far = ref.attention_rolling(q, k, v, q_pos + 10**6, k_pos + far, rope_far, hd**-0.5, sinks, window)
+        out_far = ref.attention_rolling(q, k, v, q_pos + 10**6, k_pos + far, rope_far, hd**-0.5, sinks, window,
+                                        sliding)
         assert torch.allclose(out_far, out, atol=1e-4)
 
 

@@ -75,21 +75,22 @@ def test_decode_attention_absolute(S, H, KVH, hd, P, sliding, sinks, window, dty
     assert rel_err(out, expected) < TOL[dtype]
 
 
-@pytest.mark.parametrize(("S", "hd", "P", "sinks", "window"), [(300, 64, 16, 4, 100), (60, 80, 1, 0, 16),
-                                                                (1025, 128, 16, 4, 256), (9, 64, 16, 4, 16)])
-def test_decode_attention_rolling_rotates_keys_in_registers(S, hd, P, sinks, window) -> None:
+@pytest.mark.parametrize(("S", "hd", "P", "sinks", "window", "sliding"), [
+    (300, 64, 16, 4, 100, None), (60, 80, 1, 0, 16, None), (1025, 128, 16, 4, 256, None), (9, 64, 16, 4, 16, None),
+    (300, 64, 16, 4, 100, 40)])
+def test_decode_attention_rolling_rotates_keys_in_registers(S, hd, P, sinks, window, sliding) -> None:
     H, KVH = 4, 2
     k_pool, v_pool, slots, k_pos, q_pos, g = paged_case(S, KVH, hd, P, sinks, window, torch.float32, S)
     q = torch.randn(1, H, hd, generator=g)
     inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
     rope = ref.rolling_rope(q_pos, k_pos, inv, 1.0, sinks, window, torch.float64)
     k, v = k_pool[slots].transpose(0, 1).double(), v_pool[slots].transpose(0, 1).double()
-    expected = ref.attention_rolling(q.double(), k, v, q_pos, k_pos, rope, hd**-0.5, sinks, window)[0]
+    expected = ref.attention_rolling(q.double(), k, v, q_pos, k_pos, rope, hd**-0.5, sinks, window, sliding)[0]
     from streamserve.kernels.triton_backend import paged_attention_rolling
 
     rope32 = ref.rolling_rope(q_pos, k_pos, inv, 1.0, sinks, window, torch.float32)
     out = paged_attention_rolling(q, ref.PagedKeys(k_pool, v_pool, slots, k_pos), q_pos, rope32, hd**-0.5,
-                                  sinks, window)[0]
+                                  sinks, window, sliding)[0]
     assert rel_err(out, expected) < 1e-5
 
 
