@@ -50,7 +50,7 @@ def test_random_operations_keep_the_pool_exact(checkpoints, seed: int) -> None:
             s = rng.choice(sessions) if sessions else None
             try:
                 if op == "open" or s is None:
-                    w = rng.choice([None, 8, 12])
+                    w = rng.choice([None, 1, 8, 12])
                     sessions.append(engine.open_session(window=w, sinks=rng.choice([0, 2]) if w else 4,
                                                         positions=rng.choice([None, "absolute"]) if w else None,
                                                         page_cap=rng.choice([None, None, 6])))
