@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from streamserve.kernels import reference as ref
+from streamserve.kernels.append_attention import append_attention
 from streamserve.kernels.decode_attention import decode_attention
 from streamserve.kernels.moe_gemv import MAX_TOKENS, moe_gemv
 
@@ -22,20 +23,24 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
 
 def paged_attention(q: torch.Tensor, paged: ref.PagedKeys, q_pos: torch.Tensor, scale: float,
                     sliding: int | None = None, sinks: int = 0, window: int | None = None) -> torch.Tensor:
-    """q [T, H, hd] -> [T, H * hd]; one token reads its pages in place, a chunk takes the reference."""
+    """q [T, H, hd] -> [T, H * hd]: split-KV decode for one token, append attention for a chunk."""
     if q.shape[0] == 1:
         return decode_attention(q[0], paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale, sliding,
                                 sinks, window)[None]
-    return ref.paged_attention(q, paged, q_pos, scale, sliding, sinks, window)
+    return append_attention(q, paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale, sliding, sinks,
+                            window)
 
 
 def paged_attention_rolling(q: torch.Tensor, paged: ref.PagedKeys, q_pos: torch.Tensor, rope: ref.RollingRope,
                             scale: float, sinks: int, window: int, sliding: int | None = None) -> torch.Tensor:
     """Rolling positions: the query rotated both ways here, the keys in the kernel's registers."""
+    q_win = ref.apply_rope(q, rope.q_cos, rope.q_sin)
+    q_sink = ref.apply_rope(q, rope.qs_cos, rope.qs_sin)
+    base = rope.base.reshape(1)
     if q.shape[0] == 1:
-        q_win = ref.apply_rope(q, rope.q_cos, rope.q_sin)[0]
-        q_sink = ref.apply_rope(q, rope.qs_cos, rope.qs_sin)[0]
-        return decode_attention(q_win, paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale, sliding,
-                                sinks, window, q_sink=q_sink, base=rope.base.reshape(1), inv_freq=rope.inv_freq,
+        return decode_attention(q_win[0], paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale,
+                                sliding, sinks, window, q_sink=q_sink[0], base=base, inv_freq=rope.inv_freq,
                                 rope_scaling=rope.scaling)[None]
-    return ref.paged_attention_rolling(q, paged, q_pos, rope, scale, sinks, window, sliding)
+    return append_attention(q_win, paged.k_pool, paged.v_pool, paged.slots, paged.k_pos, q_pos, scale, sliding,
+                            sinks, window, q_sink=q_sink, base=base, inv_freq=rope.inv_freq,
+                            rope_scaling=rope.scaling)

@@ -123,3 +123,37 @@ def test_launchers_name_the_bad_tensor() -> None:
                          torch.tensor([2]), 0.1)
     with pytest.raises(ValueError, match="k_pos has shape"):
         decode_attention(torch.randn(4, 64), pool, pool, torch.arange(3), torch.arange(4), torch.tensor([2]), 0.1)
+
+
+APPEND = [  # T, S, H, KVH, hd, P, sliding, sinks, window, rolling
+    (3, 17, 4, 2, 64, 1, None, 0, None, False), (7, 300, 6, 2, 80, 16, 50, 0, None, False),
+    (16, 1025, 4, 1, 128, 16, None, 4, 256, False), (5, 40, 8, 4, 64, 16, None, 4, 9, True),
+    (7, 300, 4, 2, 64, 1, 40, 2, 100, True), (16, 16, 4, 2, 64, 16, None, 0, None, False),
+]
+
+
+@pytest.mark.parametrize(("T", "S", "H", "KVH", "hd", "P", "sliding", "sinks", "window", "rolling"), APPEND)
+def test_append_attention(T, S, H, KVH, hd, P, sliding, sinks, window, rolling) -> None:
+    from streamserve.kernels.triton_backend import paged_attention, paged_attention_rolling
+
+    g = torch.Generator().manual_seed(T * S)
+    n_pages = (S + P - 1) // P + 2
+    k_pool, v_pool = torch.randn(n_pages * P, KVH, hd, generator=g), torch.randn(n_pages * P, KVH, hd, generator=g)
+    pages = torch.randperm(n_pages, generator=g)
+    q_pos = torch.arange(S - T, S)
+    first = 0 if window is None else max(sinks, S - T - window + 1)
+    k_pos = torch.cat([torch.arange(min(sinks, first)), torch.arange(first, S)])
+    paged = ref.PagedKeys(k_pool, v_pool, pages[k_pos // P] * P + k_pos % P, k_pos)
+    q = torch.randn(T, H, hd, generator=g)
+    k, v = ref.gather(paged)
+    if rolling:
+        inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+        rope64 = ref.rolling_rope(q_pos, k_pos, inv, 1.0, sinks, window, torch.float64)
+        expected = ref.attention_rolling(q.double(), k.double(), v.double(), q_pos, k_pos, rope64, hd**-0.5, sinks,
+                                         window, sliding)
+        rope = ref.rolling_rope(q_pos, k_pos, inv, 1.0, sinks, window, torch.float32)
+        out = paged_attention_rolling(q, paged, q_pos, rope, hd**-0.5, sinks, window, sliding)
+    else:
+        expected = ref.attention(q.double(), k.double(), v.double(), q_pos, k_pos, hd**-0.5, sliding, sinks, window)
+        out = paged_attention(q, paged, q_pos, hd**-0.5, sliding, sinks, window)
+    assert rel_err(out, expected) < 1e-5
