@@ -200,6 +200,20 @@ def moe_experts_gather(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
     return (y.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
 
+def moe_experts_topk_loop(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                          w_down: torch.Tensor) -> torch.Tensor:
+    """A token or two on a CPU: one matmul pair per chosen (token, expert), weights read in place.
+
+    Same shapes and result as `moe_experts_gather`; one host sync to read the ids.
+    """
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+    for t, (row, w) in enumerate(zip(ids.tolist(), weights, strict=True)):
+        xt = x[t:t + 1]
+        for j, e in enumerate(row):
+            out[t] += w[j] * F.linear(silu_mul(F.linear(xt, w_gate_up[e])), w_down[e])[0].float()
+    return out.to(x.dtype)
+
+
 def moe_experts_grouped(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                         w_down: torch.Tensor) -> torch.Tensor:
     """Group the (token, slot) pairs by expert and run each hit expert once, reading its weights in place.

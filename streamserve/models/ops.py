@@ -17,16 +17,22 @@ from streamserve.errors import InvalidInputError
 from streamserve.kernels import reference as ref
 
 # On CUDA, up to this many tokens take the gather path: no host sync, so decode steps can be captured
-# in CUDA graphs. On a CPU the grouped path always wins: gathering copies k experts' weights per token
-# (64 experts, top-8, D=512, I=256, one token: gather 1438 us, grouped 343 us; benchmarks/decode.py).
+# in CUDA graphs (the Triton backend's moe_gemv does the same without copying weights). On a CPU one
+# token takes the top-k loop and more the grouped path; gathering copies k experts' weights per token
+# and never wins there (benchmarks/moe_cpu.py, Qwen3-30B-A3B shapes, T=1: top-k loop 8.0 ms, grouped
+# 8.6, transformers 9.0, gather 60.8; docs/benchmarks.md).
 MOE_GATHER_MAX_TOKENS_CUDA = 16
 
 
 def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                       w_down: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> [T, D]; picks the torch reference path by device and token count."""
-    if x.is_cuda and x.shape[0] <= MOE_GATHER_MAX_TOKENS_CUDA:
-        return ref.moe_experts_gather(x, weights, ids, w_gate_up, w_down)
+    if x.is_cuda:
+        if x.shape[0] <= MOE_GATHER_MAX_TOKENS_CUDA:
+            return ref.moe_experts_gather(x, weights, ids, w_gate_up, w_down)
+        return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
+    if x.shape[0] == 1:
+        return ref.moe_experts_topk_loop(x, weights, ids, w_gate_up, w_down)
     return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
 
 

@@ -35,7 +35,7 @@ def test_moe_paths_match_a_naive_loop(T: int, E: int, k: int, D: int, inter: int
     weights, ids = ref.moe_route(torch.randn(T, E, generator=g), k, normalize=True)
     assert torch.allclose(weights.sum(-1), torch.ones(T))
     expected = naive_moe(x, weights, ids, w_gate_up, w_down)
-    for path in (ref.moe_experts_gather, ref.moe_experts_grouped):
+    for path in (ref.moe_experts_gather, ref.moe_experts_grouped, ref.moe_experts_topk_loop):
         assert torch.allclose(path(x, weights, ids, w_gate_up, w_down), expected, atol=1e-3, rtol=1e-4), path
 
 
