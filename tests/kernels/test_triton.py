@@ -9,7 +9,7 @@ pytest.importorskip("triton")
 
 from streamserve.kernels import reference as ref
 from streamserve.kernels.decode_attention import decode_attention
-from streamserve.kernels.moe_gemv import moe_gemv
+from streamserve.kernels.moe_gemv import moe_gemv, quantize_int8
 
 TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
@@ -157,3 +157,18 @@ def test_append_attention(T, S, H, KVH, hd, P, sliding, sinks, window, rolling) 
         expected = ref.attention(q.double(), k.double(), v.double(), q_pos, k_pos, hd**-0.5, sliding, sinks, window)
         out = paged_attention(q, paged, q_pos, hd**-0.5, sliding, sinks, window)
     assert rel_err(out, expected) < 1e-5
+
+
+@pytest.mark.parametrize(("T", "E", "k", "D", "inter"), [(1, 8, 2, 100, 257), (7, 64, 8, 64, 33)])
+def test_moe_gemv_int8_matches_the_dequantized_reference(T, E, k, D, inter) -> None:
+    g = torch.Generator().manual_seed(T + E)
+    x = torch.randn(T, D, generator=g)
+    q_gu, s_gu = quantize_int8(torch.randn(E, 2 * inter, D, generator=g) / D**0.5)
+    q_d, s_d = quantize_int8(torch.randn(E, D, inter, generator=g) / inter**0.5)
+    weights, ids = ref.moe_route(torch.randn(T, E, generator=g), k, normalize=True)
+    expected = naive_moe64(x, weights, ids, q_gu.double() * s_gu[..., None], q_d.double() * s_d[..., None])
+    out = torch.full((T, D), float("nan"))
+    moe_gemv(x, weights, ids, q_gu, q_d, out=out, scale_gate_up=s_gu, scale_down=s_d)
+    assert rel_err(out, expected) < 1e-5
+    with pytest.raises(ValueError, match="scale_down has shape"):
+        moe_gemv(x, weights, ids, q_gu, q_d, scale_gate_up=s_gu, scale_down=s_d[:, :-1])
