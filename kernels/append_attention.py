@@ -16,6 +16,7 @@ import triton.language as tl
 
 from streamserve.kernels.checks import check_tensor
 from streamserve.kernels.decode_attention import _scores
+from streamserve.kernels.launch_config import launch_config
 
 
 @triton.jit
@@ -94,7 +95,8 @@ def append_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      k_pos: torch.Tensor, q_pos: torch.Tensor, scale: float, sliding: int | None = None,
                      sinks: int = 0, window: int | None = None, q_sink: torch.Tensor | None = None,
                      base: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
-                     rope_scaling: float = 1.0, block_m: int = 32, block_n: int = 32) -> torch.Tensor:
+                     rope_scaling: float = 1.0, block_m: int | None = None,
+                     block_n: int | None = None) -> torch.Tensor:
     """q [T, H, hd] (rotated; rolling: against window keys) at positions q_pos [T]; k_pool, v_pool
     [num_slots, KVH, hd]; slots, k_pos [S] (sinks first, the chunk's own keys included). Rolling mode as
     in `decode_attention` (`q_sink` [T, H, hd], `base` [1], `inv_freq` [hd/2]). Returns [T, H * hd]."""
@@ -116,6 +118,8 @@ def append_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
         if window is None:
             raise ValueError("rolling attention needs a window")
     group = h // kvh
+    cfg = launch_config("append_attention", q.device, q.dtype, f"H{h}_KVH{kvh}_hd{hd}")
+    block_m, block_n = block_m or cfg["block_m"], block_n or cfg["block_n"]
     q = q.contiguous()
     out = torch.empty_like(q)
     _append_attn_kernel[(kvh, triton.cdiv(t * group, block_m))](

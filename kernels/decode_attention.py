@@ -21,9 +21,7 @@ import triton
 import triton.language as tl
 
 from streamserve.kernels.checks import check_tensor
-
-DEFAULT_BLOCK_N = 64
-KEYS_PER_SPLIT = 256  # a split covers this many keys at least; more splits for longer windows
+from streamserve.kernels.launch_config import launch_config
 
 
 @triton.jit
@@ -113,7 +111,7 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
                      sinks: int = 0, window: int | None = None, q_sink: torch.Tensor | None = None,
                      base: torch.Tensor | None = None, inv_freq: torch.Tensor | None = None,
                      rope_scaling: float = 1.0, sink_logits: torch.Tensor | None = None,
-                     block_n: int = DEFAULT_BLOCK_N) -> torch.Tensor:
+                     block_n: int | None = None) -> torch.Tensor:
     """One query token against S paged keys.
 
     q [H, hd] (rotated; in rolling mode: against window keys); k_pool, v_pool [num_slots, KVH, hd] (a layer's
@@ -145,7 +143,9 @@ def decode_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     if n == 0:
         raise ValueError("slots is empty: a decode step attends at least to its own key")
     group = h // kvh
-    splits = max(1, min(64, math.ceil(n / KEYS_PER_SPLIT)))
+    cfg = launch_config("decode_attention", q.device, q.dtype, f"H{h}_KVH{kvh}_hd{hd}")
+    block_n = block_n or cfg["block_n"]
+    splits = max(1, min(64, math.ceil(n / cfg["keys_per_split"])))  # a split takes at least keys_per_split
     per_split = math.ceil(math.ceil(n / splits) / block_n) * block_n
     splits = math.ceil(n / per_split)
     block_g = max(16, triton.next_power_of_2(group))  # tl.dot wants >= 16 rows

@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from streamserve.kernels.checks import check_tensor
+from streamserve.kernels.launch_config import launch_config
 
 MAX_TOKENS = 16
 MAX_TOP_K = 8
@@ -79,7 +80,8 @@ def _down_kernel(h_ptr, ids_ptr, rw_ptr, w_ptr, scale_ptr, out_ptr, D, INTER, K:
 
 
 def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
-             w_down: torch.Tensor, block_i: int = 32, block_d: int = 64, out: torch.Tensor | None = None,
+             w_down: torch.Tensor, block_i: int | None = None, block_d: int | None = None,
+             out: torch.Tensor | None = None,
              scale_gate_up: torch.Tensor | None = None, scale_down: torch.Tensor | None = None) -> torch.Tensor:
     """x [T, D]; weights [T, k] fp32; ids [T, k] int32/int64; w_gate_up [E, 2I, D]; w_down [E, D, I] -> [T, D].
 
@@ -112,6 +114,8 @@ def moe_gemv(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_u
         raise ValueError(f"moe_gemv takes 1..{MAX_TOKENS} tokens, got {t}; use the grouped path for more")
     if not 1 <= k <= MAX_TOP_K or e > MAX_EXPERTS:
         raise ValueError(f"moe_gemv supports top-k <= {MAX_TOP_K} and E <= {MAX_EXPERTS}, got k={k}, E={e}")
+    cfg = launch_config("moe_gemv", x.device, w_gate_up.dtype, f"D{d}_I{inter}")
+    block_i, block_d = block_i or cfg["block_i"], block_d or cfg["block_d"]
     x, ids, weights = x.contiguous(), ids.contiguous(), weights.contiguous()
     h = torch.empty(t * k, inter, dtype=torch.float32, device=x.device)
     if out is None:

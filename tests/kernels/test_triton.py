@@ -172,3 +172,16 @@ def test_moe_gemv_int8_matches_the_dequantized_reference(T, E, k, D, inter) -> N
     assert rel_err(out, expected) < 1e-5
     with pytest.raises(ValueError, match="scale_down has shape"):
         moe_gemv(x, weights, ids, q_gu, q_d, scale_gate_up=s_gu, scale_down=s_d[:, :-1])
+
+
+def test_launch_configs_have_safe_defaults_and_tuned_overrides(monkeypatch) -> None:
+    from streamserve.kernels import launch_config as lc
+
+    cpu = torch.device("cpu")
+    for kernel in ("moe_gemv", "decode_attention", "append_attention"):
+        assert lc.launch_config(kernel, cpu, torch.float32, "any") == lc._table()[kernel]["default"]
+    table = {"moe_gemv": {"default": {"block_i": 32, "block_d": 64},
+                          "cpu": {"bfloat16": {"D64_I32": {"block_d": 16}}}}}
+    monkeypatch.setattr(lc, "_table", lambda: table)
+    assert lc.launch_config("moe_gemv", cpu, torch.bfloat16, "D64_I32") == {"block_i": 32, "block_d": 16}
+    assert lc.launch_config("moe_gemv", cpu, torch.float32, "D64_I32") == {"block_i": 32, "block_d": 64}
