@@ -1,6 +1,6 @@
 """One MoE layer for one token on a CPU: the engine's torch paths against transformers' MoE block.
 
-    python benchmarks/moe_cpu.py [--shape qwen3-30b-a3b|moe64] [--reps 30]
+    python benchmarks/moe_cpu.py [--shape qwen3-30b-a3b|moe64] [--reps 30] [--quick]
 
 Same weights in both (transformers' Qwen3MoeSparseMoeBlock, whose experts are stored like ours:
 gate_up [E, 2I, D], down [E, D, I]), same input, outputs checked equal. Paths timed at T = 1, 2, 4, 8:
@@ -47,7 +47,10 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--shape", choices=sorted(SHAPES), default="qwen3-30b-a3b")
     p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--quick", action="store_true", help="a small run to check the script works")
     args = p.parse_args()
+    if args.quick:
+        args.shape, args.reps = "moe64", 3
     shape = SHAPES[args.shape]
     torch.manual_seed(0)
     cfg = Qwen3MoeConfig(**shape, norm_topk_prob=True)
