@@ -20,6 +20,13 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * xf.to(x.dtype)
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream's add and the next norm: -> (x + delta, rms_norm(x + delta))."""
+    h = x + delta
+    return h, rms_norm(h, weight, eps)
+
+
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, scaling: float,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [T] int, inv_freq [hd/2] fp32 -> cos, sin [T, hd] in `dtype` (computed in fp32)."""

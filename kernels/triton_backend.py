@@ -10,7 +10,10 @@ import torch
 from streamserve.kernels import reference as ref
 from streamserve.kernels.append_attention import append_attention
 from streamserve.kernels.decode_attention import decode_attention
+from streamserve.kernels.elementwise import add_rms_norm, rms_norm, silu_mul
 from streamserve.kernels.moe_gemv import MAX_TOKENS, moe_gemv
+
+__all__ = ["add_rms_norm", "moe_experts", "paged_attention", "paged_attention_rolling", "rms_norm", "silu_mul"]
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,

@@ -125,8 +125,9 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
 
     def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, ops: Ops) -> torch.Tensor:
-        x = x + self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), rope, kv, ops)
-        return x + self.mlp(ops.rms_norm(x, self.post_attention_layernorm, self.eps), ops)
+        h, normed = ops.add_rms_norm(x, self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), rope, kv, ops),
+                                     self.post_attention_layernorm, self.eps)
+        return h + self.mlp(normed, ops)
 
 
 class CausalLM(nn.Module):

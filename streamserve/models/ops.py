@@ -40,6 +40,7 @@ def moe_experts_torch(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
 class Ops:
     name: str
     rms_norm: Callable[..., torch.Tensor]
+    add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     apply_rope: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
@@ -53,6 +54,7 @@ class Ops:
 TORCH_OPS = Ops(
     name="torch",
     rms_norm=ref.rms_norm,
+    add_rms_norm=ref.add_rms_norm,
     rope_cos_sin=ref.rope_cos_sin,
     apply_rope=ref.apply_rope,
     silu_mul=ref.silu_mul,
@@ -78,8 +80,9 @@ def triton_ops(device: torch.device) -> Ops:
                                 "or use kernels='torch'") from None
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise InvalidInputError("kernels='triton' on a CPU needs TRITON_INTERPRET=1 (set before triton is imported)")
-    return replace(TORCH_OPS, name="triton", attention=tb.paged_attention,
-                   attention_rolling=tb.paged_attention_rolling, moe_experts=tb.moe_experts)
+    return replace(TORCH_OPS, name="triton", rms_norm=tb.rms_norm, add_rms_norm=tb.add_rms_norm,
+                   silu_mul=tb.silu_mul, attention=tb.paged_attention, attention_rolling=tb.paged_attention_rolling,
+                   moe_experts=tb.moe_experts)
 
 
 def get_ops(name: str, device: torch.device | str = "cpu") -> Ops:

@@ -185,3 +185,23 @@ def test_launch_configs_have_safe_defaults_and_tuned_overrides(monkeypatch) -> N
     monkeypatch.setattr(lc, "_table", lambda: table)
     assert lc.launch_config("moe_gemv", cpu, torch.bfloat16, "D64_I32") == {"block_i": 32, "block_d": 16}
     assert lc.launch_config("moe_gemv", cpu, torch.float32, "D64_I32") == {"block_i": 32, "block_d": 64}
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 64), (3, 100), (17, 257), (2, 2048)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_row_ops(rows, n, dtype) -> None:
+    from streamserve.kernels import elementwise as ew
+
+    g = torch.Generator().manual_seed(rows * n)
+    x, delta = torch.randn(rows, n, generator=g).to(dtype), torch.randn(rows, n, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(n, generator=g)).to(dtype)
+    assert rel_err(ew.rms_norm(x, w, 1e-6), ref.rms_norm(x.double(), w.double(), 1e-6)) < TOL[dtype]
+    h, y = ew.add_rms_norm(x, delta, w, 1e-6)
+    h_ref, y_ref = ref.add_rms_norm(x.double(), delta.double(), w.double(), 1e-6)
+    assert rel_err(h, h_ref) < TOL[dtype] and rel_err(y, y_ref) < TOL[dtype]
+    gu = torch.randn(rows, 2 * n, generator=g).to(dtype)
+    assert rel_err(ew.silu_mul(gu), ref.silu_mul(gu.double())) < TOL[dtype]
+    with pytest.raises(ValueError, match="odd last dimension"):
+        ew.silu_mul(torch.randn(2, 7))
+    with pytest.raises(ValueError, match="x has last dimension"):
+        ew.rms_norm(torch.randn(2, 7), torch.ones(8), 1e-6)
