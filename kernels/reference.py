@@ -73,9 +73,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Te
     """
     t, h, hd = q.shape
     kvh = k.shape[0]
-    mask = None
-    if t > 1 or sliding is not None or window is not None:
-        mask = visible(q_pos, k_pos, sliding, sinks, window)
+    mask = visible(q_pos, k_pos, sliding, sinks, window)  # also hides keys padded past the query (graphs)
     out = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0),
                                          attn_mask=mask, scale=scale, enable_gqa=kvh != h)
     return out[0].transpose(0, 1).reshape(t, h * hd)
@@ -131,7 +129,6 @@ class RollingRope(NamedTuple):
     q_sin: torch.Tensor
     qs_cos: torch.Tensor  # [T, hd] per query, against sinks: its place in its cache, min(p, sinks + window - 1)
     qs_sin: torch.Tensor
-    n_sink: int  # the first n_sink keys are sinks
     base: torch.Tensor  # [] the oldest window key's position (0 without one)
     inv_freq: torch.Tensor  # [hd/2] fp32, for kernels that rotate keys in registers
     scaling: float
@@ -141,12 +138,15 @@ def rolling_rope(q_pos: torch.Tensor, k_pos: torch.Tensor, inv_freq: torch.Tenso
                  window: int, dtype: torch.dtype) -> RollingRope:
     """q_pos [T], k_pos [S] absolute (the session lists its sink keys first) -> the step's rotations."""
     is_sink = k_pos < sinks
-    n_sink = int(is_sink.sum())
-    base = k_pos[n_sink] if n_sink < k_pos.shape[0] else k_pos.new_zeros(())  # the oldest window key
+    # the oldest window key, found on the device (no host sync: decode steps stay graph-capturable);
+    # padding keys (positions past the query) are never the oldest
+    big = torch.iinfo(k_pos.dtype).max
+    base = torch.where(is_sink, big, k_pos).min()
+    base = torch.where(base == big, 0, base)
     kc, ks = rope_cos_sin(torch.where(is_sink, k_pos, k_pos - base), inv_freq, scaling, dtype)
     qc, qs = rope_cos_sin(q_pos - base, inv_freq, scaling, dtype)
     sc, ss = rope_cos_sin(torch.clamp(q_pos, max=sinks + window - 1), inv_freq, scaling, dtype)
-    return RollingRope(kc, ks, qc, qs, sc, ss, n_sink, base, inv_freq, scaling)
+    return RollingRope(kc, ks, qc, qs, sc, ss, base, inv_freq, scaling)
 
 
 def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: torch.Tensor,
@@ -163,7 +163,7 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     t, h, hd = q.shape
     kvh, n = k.shape[0], k.shape[1]
     group = h // kvh
-    n_sink = rope.n_sink
+    n_sink = int((k_pos < sinks).sum())  # the session lists its sinks first (a host sync: the torch path)
     k_rot = apply_rope(k.transpose(0, 1), rope.k_cos, rope.k_sin).transpose(0, 1)  # [KVH, S, hd]
 
     def grouped(x: torch.Tensor) -> torch.Tensor:  # [T, H, hd] -> [KVH, G*T, hd], GQA without copies of K/V

@@ -20,6 +20,9 @@ class EngineConfig:
     kernels: str = field(default="auto", metadata={
         "help": "compute kernels: triton (GPU; on a CPU the slow interpreter, for tests), torch (reference), "
                 "auto = triton on cuda, torch on cpu", "choices": ("auto", "torch", "triton")})
+    cuda_graphs: str = field(default="auto", metadata={
+        "help": "replay one-token decode steps from captured CUDA graphs; auto = on with cuda + triton; "
+                "'on' on a cpu runs the same fixed-shape steps eagerly (for tests)", "choices": ("auto", "on", "off")})
     kv_memory: str | None = field(default=None, metadata={
         "help": "KV pool budget: bytes (e.g. 2GiB, 512MB) or a fraction of free device memory (e.g. 0.5); "
                 "default: 1GiB on cpu, 0.5 of free memory on a GPU"})

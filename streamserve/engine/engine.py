@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS
+from streamserve.engine.graphs import DecodeGraphs
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
     model_fingerprint,
@@ -60,6 +61,7 @@ class Engine:
             raise InvalidInputError(f"kv_memory of {kv_bytes} bytes is less than one page ({per_page} bytes)")
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_bytes // per_page, page_size,
                            self.dtype, self.device)
+        self.graphs: DecodeGraphs | None = None  # set by from_pretrained when CUDA-graph decode is on
         self._lock = threading.RLock()
         # weak: a session dropped without close() is garbage-collected, and its finalizer returns its pages
         self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
@@ -72,12 +74,14 @@ class Engine:
                         device: str | torch.device = ENGINE_DEFAULTS.device,
                         dtype: str | torch.dtype | None = ENGINE_DEFAULTS.dtype,
                         kernels: str = ENGINE_DEFAULTS.kernels,
+                        cuda_graphs: str = ENGINE_DEFAULTS.cuda_graphs,
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl) -> Engine:
         """Load "default" (the embedded model) or a Hugging Face checkpoint folder.
 
-        kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch".
+        kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
+        CUDA + Triton), "on" or "off".
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
         session is closed (None: never).
@@ -100,7 +104,12 @@ class Engine:
             eos += g if isinstance(g, list) else [g] if g is not None else []
         eos += tokenizer.eos_token_ids
         eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
-        return cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl)
+        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl)
+        if cuda_graphs not in ("auto", "on", "off"):
+            raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
+        if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
+            engine.graphs = DecodeGraphs(net, capture=dev.type == "cuda")
+        return engine
 
     # ---- sessions -------------------------------------------------------------------------------------
     def open_session(self, window: int | None = SESSION_DEFAULTS.window, sinks: int = SESSION_DEFAULTS.sinks,
@@ -199,8 +208,10 @@ class Engine:
             self.admit(session, lambda: kv.begin(n), kv.pages_needed(n))
             t0 = time.perf_counter()
             try:
-                ids_t = torch.tensor(ids, dtype=torch.long, device=self.device)
-                logits = self.model(ids_t, kv, all_logits=all_logits)
+                if self.graphs is not None and n == 1 and not all_logits:
+                    logits = self.graphs.run(kv, ids[0])
+                else:
+                    logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), kv, all_logits)
                 kind = "decode" if n == 1 else "prefill"
                 self._counters[f"{kind}_tokens"] += n
                 self._counters[f"{kind}_seconds"] += time.perf_counter() - t0

@@ -1,0 +1,107 @@
+"""CUDA-graph decode: one-token steps replayed from captured graphs over fixed-size buffers.
+
+A decode step's shapes change with the session (how many keys it reads), so each step is padded to a
+bucket: the key list to the next power of two (at least 64) with padding positions past any query
+(masked as "future" keys) and slot 0. Per (bucket, window policy) one graph is captured the first time
+and replayed after: the step's ids, positions and slots are copied into the static buffers, the graph
+runs, the logits are copied out. Nothing in a captured step syncs to the host (top-k ids, the rolling
+base and the split-KV merge all stay on the device).
+
+On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer step runs
+eagerly, which is how the tests check that padding and fixed shapes change no result.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from streamserve.kernels.reference import PagedKeys
+from streamserve.models import CausalLM
+from streamserve.sessions import PagedSessionKV, WindowPolicy
+
+MIN_BUCKET = 64
+PAD_POSITION = 1 << 62  # a key position no query reaches: masked as a future key
+
+
+def bucket_for(n_keys: int) -> int:
+    return max(MIN_BUCKET, 1 << (n_keys - 1).bit_length())
+
+
+class StaticStepKV:
+    """A one-token step of some session, in fixed-size buffers (the `LayerKV` the model reads)."""
+
+    def __init__(self, kv: PagedSessionKV, bucket: int) -> None:
+        dev = kv.pool.device
+        self.pool, self.policy, self.rolling = kv.pool, kv.policy, kv.policy.rolling
+        self.q_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
+        self.gather = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.write = torch.zeros(1, dtype=torch.long, device=dev)
+
+    def load(self, kv: PagedSessionKV) -> None:
+        """Copy a planned step (after `kv.begin(1)`) into the buffers; the rest stays padding."""
+        n = kv.k_pos.shape[0]
+        self.q_pos.copy_(kv.q_pos)
+        self.k_pos[:n].copy_(kv.k_pos)
+        self.k_pos[n:].fill_(PAD_POSITION)
+        self.gather[:n].copy_(kv._gather)
+        self.gather[n:].zero_()
+        self.write.copy_(kv._write)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
+        kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
+        vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
+        kf.index_copy_(0, self.write, k.to(kf.dtype))
+        vf.index_copy_(0, self.write, v.to(vf.dtype))
+        return PagedKeys(kf, vf, self.gather, self.k_pos)
+
+
+@dataclass
+class _Entry:
+    kv: StaticStepKV
+    ids: torch.Tensor  # [1]
+    logits: torch.Tensor | None = None  # [V], written by each replay
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    def __init__(self, model: CausalLM, capture: bool) -> None:
+        self.model, self.capture = model, capture
+        self._entries: dict[tuple[int, WindowPolicy], _Entry] = {}
+
+    @property
+    def captured(self) -> int:
+        return sum(1 for e in self._entries.values() if e.graph is not None)
+
+    def run(self, kv: PagedSessionKV, token: int) -> torch.Tensor:
+        """The logits [V] of a planned one-token step of `kv` (the caller commits or aborts it)."""
+        key = (bucket_for(kv.k_pos.shape[0]), kv.policy)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = self._entries[key] = _Entry(StaticStepKV(kv, key[0]),
+                                                torch.zeros(1, dtype=torch.long, device=kv.pool.device))
+        entry.kv.load(kv)
+        entry.ids.fill_(token)
+        if not self.capture:
+            return self.model(entry.ids, entry.kv)
+        if entry.graph is None:
+            self._capture(entry)
+        assert entry.graph is not None and entry.logits is not None
+        entry.graph.replay()
+        return entry.logits.clone()
+
+    def _capture(self, entry: _Entry) -> None:
+        # warm up on a side stream (Triton compiles, allocator settles), then capture; the warm-up writes
+        # this step's own key/value slot, which the replay writes again
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                self.model(entry.ids, entry.kv)
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            entry.logits = self.model(entry.ids, entry.kv)
+        entry.graph = graph

@@ -1,0 +1,35 @@
+"""CUDA-graph decode's fixed-shape steps (run eagerly on a CPU) change no result."""
+
+from __future__ import annotations
+
+import pytest
+from helpers import random_ids
+
+from streamserve import Engine
+from streamserve.engine.graphs import bucket_for
+
+
+@pytest.mark.parametrize("kernels", ["torch", "triton"])
+@pytest.mark.parametrize("kw", [{}, {"window": 24, "sinks": 4}, {"window": 24, "sinks": 4, "positions": "absolute"}])
+def test_fixed_shape_decode_equals_plain_decode(checkpoints, engines, kernels, kw) -> None:
+    if kernels == "triton":
+        pytest.importorskip("triton")
+    path = checkpoints["qwen3_moe"][0]
+    graphed = Engine.from_pretrained(path, device="cpu", kernels=kernels, cuda_graphs="on", kv_memory="32MiB")
+    assert graphed.graphs is not None and not graphed.graphs.capture
+    prompt = random_ids(50, seed=61)
+    outs = []
+    for engine in (engines["qwen3_moe"], graphed):
+        with engine.open_session(**kw) as s:
+            s.append(token_ids=prompt)
+            outs.append(s.generate(max_tokens=30, stop_token_ids=()))
+    assert outs[0] == outs[1]
+    # 50..80 keys (or a 28-key window) fall in at most two buckets: the step shapes stay fixed
+    assert len(graphed.graphs._entries) <= 2
+    graphed.check_integrity()
+
+
+def test_buckets_and_the_switch(checkpoints) -> None:
+    assert [bucket_for(n) for n in (1, 64, 65, 1000, 1024, 1025)] == [64, 64, 128, 1024, 1024, 2048]
+    engine = Engine.from_pretrained(checkpoints["llama"][0], device="cpu")
+    assert engine.graphs is None  # auto: off without CUDA
