@@ -179,6 +179,28 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     return out.reshape(t, h * hd)
 
 
+def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
+                  generator: torch.Generator | None = None) -> torch.Tensor:
+    """Sample one token per row on the device, without a host sync.
+
+    logits [B, V] fp32; temperature [B] (0: greedy, lowest id on ties); top_k [B] int (0: no limit);
+    top_p [B] in (0, 1] (keep the smallest head of the sorted distribution whose mass reaches top_p; the
+    most likely token always stays). -> [B] int64. Draws use the exponential race (argmax p / E, E ~ Exp(1)),
+    which samples exactly from p with one pass and no cumulative search.
+    """
+    greedy = torch.argmax(logits, dim=-1)
+    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    probs = torch.softmax(logits / temp[:, None], dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    keep &= (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p[:, None]
+    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    race = torch.empty_like(sorted_p).exponential_(generator=generator)
+    drawn = order.gather(1, torch.argmax(sorted_p / race, dim=-1, keepdim=True))[:, 0]
+    return torch.where(temperature > 0, drawn, greedy)
+
+
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
     """router_logits [T, E] -> (weights [T, k] fp32, expert ids [T, k] int64).
 

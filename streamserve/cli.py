@@ -94,7 +94,8 @@ def _reply(session: Any, text: str, sampling: SamplingConfig, chat: bool) -> Non
         session.append(text=text, add_special_tokens=False if chat else None)
         # the context lets decoders that strip a leading space (SentencePiece) see what came before
         detok = engine.tokenizer.detokenizer(context=session.token_ids[-8:])
-        for tok in session.iter_generate(sampling.max_tokens, sampling.temperature, sampling.top_p):
+        for tok in session.iter_generate(sampling.max_tokens, sampling.temperature, sampling.top_p,
+                                         top_k=sampling.top_k):
             sys.stdout.write(detok.push([tok]))
             sys.stdout.flush()
         sys.stdout.write(detok.flush())

@@ -49,6 +49,7 @@ class SamplingConfig:
     temperature: float = field(default=0.0, metadata={"help": "0 = greedy; higher = more random"})
     top_p: float = field(default=1.0, metadata={"help": "nucleus sampling: keep the smallest set of tokens "
                                                         "whose probability reaches top_p (0 < top_p <= 1)"})
+    top_k: int = field(default=0, metadata={"help": "sample among the k most likely tokens only (0: no limit)"})
     seed: int | None = field(default=None, metadata={"help": "seed for reproducible sampling"})
 
 

@@ -7,9 +7,12 @@ import math
 import torch
 
 from streamserve.errors import InvalidInputError
+from streamserve.kernels.reference import sample_tokens
 
 
-def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
+def check_sampling(max_tokens: int, temperature: float, top_p: float, top_k: int = 0) -> None:
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise InvalidInputError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidInputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
     if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
@@ -18,15 +21,13 @@ def check_sampling(max_tokens: int, temperature: float, top_p: float) -> None:
         raise InvalidInputError(f"top_p must be in (0, 1], got {top_p!r}")
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None) -> int:
-    """logits [V] fp32 -> a token id. temperature 0 is greedy (argmax, lowest id on ties)."""
+def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
+           top_k: int = 0) -> int:
+    """logits [V] fp32 -> a token id, drawn on the device (`kernels.reference.sample_tokens`); greedy at
+    temperature 0 (argmax, lowest id on ties). The one host sync is reading the id back."""
     if temperature == 0:
         return int(torch.argmax(logits))
-    probs = torch.softmax(logits / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # keep a token if the mass before it is below top_p: the first token is always kept
-        keep = (torch.cumsum(sorted_probs, dim=-1) - sorted_probs) < top_p
-        sorted_probs = torch.where(keep, sorted_probs, torch.zeros_like(sorted_probs))
-        return int(order[torch.multinomial(sorted_probs, 1, generator=generator)])
-    return int(torch.multinomial(probs, 1, generator=generator))
+    dev = logits.device
+    tok = sample_tokens(logits[None], torch.tensor([float(temperature)], device=dev),
+                        torch.tensor([int(top_k)], device=dev), torch.tensor([float(top_p)], device=dev), generator)
+    return int(tok[0])

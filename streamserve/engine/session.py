@@ -178,17 +178,17 @@ class Session:
     # ---- output ---------------------------------------------------------------------------------------
     def iter_generate(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                       top_p: float = SD.top_p, seed: int | None = SD.seed,
-                      stop_token_ids: Sequence[int] | None = None) -> Iterator[int]:
+                      stop_token_ids: Sequence[int] | None = None, top_k: int = SD.top_k) -> Iterator[int]:
         """Yield generated token ids one by one. Stops after `max_tokens`, at a stop token (yielded), or
         at the model's context. `stop_token_ids=None` means the model's EOS ids; `()` never stops early."""
         self._check_open()
-        check_sampling(max_tokens, temperature, top_p)
+        check_sampling(max_tokens, temperature, top_p, top_k)
         if not self.token_ids:
             raise InvalidInputError("generate needs at least one appended token first")
         stops = set(self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
         gen = self._generator if seed is None else torch.Generator(device=self.engine.device).manual_seed(seed)
         self._end_reply()  # one reply at a time: a new one ends the previous
-        self._reply = self._generate(max_tokens, temperature, top_p, gen, stops)
+        self._reply = self._generate(max_tokens, temperature, top_p, top_k, gen, stops)
         return self._reply
 
     def _end_reply(self) -> None:
@@ -197,7 +197,7 @@ class Session:
         if reply is not None:
             reply.close()  # type: ignore[attr-defined]
 
-    def _generate(self, max_tokens: int, temperature: float, top_p: float, gen: torch.Generator,
+    def _generate(self, max_tokens: int, temperature: float, top_p: float, top_k: int, gen: torch.Generator,
                   stops: set[int]) -> Iterator[int]:
         limit = None if self.kv.rolling else self.engine.config.max_position_embeddings
         start = self._reply_start = len(self.token_ids)
@@ -207,7 +207,7 @@ class Session:
                 self._check_open()
                 if limit is not None and len(self.token_ids) >= limit:  # the context is full: the reply ends
                     return
-                tok = sample(self._catch_up(), temperature, top_p, gen)
+                tok = sample(self._catch_up(), temperature, top_p, gen, top_k)
                 self.token_ids.append(tok)  # pending from here on: it enters the KV with the next forward
                 yield tok
                 if tok in stops:
@@ -220,9 +220,9 @@ class Session:
 
     def generate(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                  top_p: float = SD.top_p, seed: int | None = SD.seed,
-                 stop_token_ids: Sequence[int] | None = None) -> list[int]:
+                 stop_token_ids: Sequence[int] | None = None, top_k: int = SD.top_k) -> list[int]:
         """Generate a reply; the tokens are returned and also become part of the session."""
-        return list(self.iter_generate(max_tokens, temperature, top_p, seed, stop_token_ids))
+        return list(self.iter_generate(max_tokens, temperature, top_p, seed, stop_token_ids, top_k))
 
     # ---- rewind, park, snapshot -----------------------------------------------------------------------
     def rewind(self, to: int | None = None, to_seq: int | None = None) -> int:

@@ -151,6 +151,7 @@ def test_sampling_is_seeded_and_top_p_tiny_is_greedy(engines) -> None:
 
     assert run(temperature=1.0, seed=3) == run(temperature=1.0, seed=3)
     assert run(temperature=1.0, top_p=1e-6, seed=4) == run(temperature=0.0)
+    assert run(temperature=2.0, top_k=1, seed=5) == run(temperature=0.0)
 
 
 def test_bad_input_is_typed(engines) -> None:
@@ -176,7 +177,7 @@ def test_bad_input_is_typed(engines) -> None:
         s.generate(max_tokens=3)
     s.append(token_ids=[1, 2, 3])
     for kw in ({"max_tokens": 0}, {"temperature": -1.0}, {"temperature": float("nan")}, {"top_p": 0.0},
-               {"top_p": 1.5}, {"max_tokens": True}):
+               {"top_p": 1.5}, {"max_tokens": True}, {"top_k": -1}):
         with pytest.raises(InvalidInputError):
             s.generate(**kw)
     assert s.token_ids == [1, 2, 3]  # nothing above changed the session

@@ -135,3 +135,27 @@ def test_rms_norm_and_silu_mul() -> None:
     gu = torch.randn(4, 10)
     assert torch.allclose(ref.silu_mul(gu), gu[:, :5] * torch.sigmoid(gu[:, :5]) * gu[:, 5:])
     assert not math.isnan(float(ref.rms_norm(torch.zeros(1, 4), torch.ones(4), 1e-6).sum()))
+
+
+def test_device_sampling_follows_the_target_distribution() -> None:
+    """Empirical frequencies approach softmax(logits / T) restricted to top-k / top-p, renormalised."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    n = 40000
+    cases = [(1.0, 0, 1.0), (0.7, 3, 1.0), (1.3, 0, 0.8)]
+    for temperature, top_k, top_p in cases:
+        p = torch.softmax(logits / temperature, -1)
+        keep = torch.ones(6, dtype=torch.bool)
+        if top_k:
+            keep[top_k:] = False
+        keep &= (torch.cumsum(p, -1) - p) < top_p  # logits are sorted already
+        target = torch.where(keep, p, 0) / p[keep].sum()
+        rows = logits.repeat(n, 1)
+        toks = ref.sample_tokens(rows, torch.full((n,), temperature), torch.full((n,), top_k, dtype=torch.long),
+                                 torch.full((n,), top_p), g)
+        freq = torch.bincount(toks, minlength=6).float() / n
+        assert (freq - target).abs().max() < 0.01, (temperature, top_k, top_p, freq, target)
+        assert freq[~keep].sum() == 0
+    greedy = ref.sample_tokens(torch.tensor([[0.0, 3.0, 3.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.long),
+                               torch.ones(1), g)
+    assert greedy.tolist() == [1]
