@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS
-from streamserve.engine.graphs import DecodeGraphs
+from streamserve.engine.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
     model_fingerprint,
@@ -208,8 +208,8 @@ class Engine:
             self.admit(session, lambda: kv.begin(n), kv.pages_needed(n))
             t0 = time.perf_counter()
             try:
-                if self.graphs is not None and n == 1 and not all_logits:
-                    logits = self.graphs.run(kv, ids[0])
+                if self.graphs is not None and n <= MAX_GRAPH_TOKENS:
+                    logits = self.graphs.run(kv, ids, all_logits)
                 else:
                     logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), kv, all_logits)
                 kind = "decode" if n == 1 else "prefill"

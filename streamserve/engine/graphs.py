@@ -1,13 +1,14 @@
-"""CUDA-graph decode: one-token steps replayed from captured graphs over fixed-size buffers.
+"""CUDA-graph decode: small steps (1 to 8 tokens: decode and draft-verification widths) replayed from
+captured graphs over fixed-size buffers.
 
-A decode step's shapes change with the session (how many keys it reads), so each step is padded to a
-bucket: the key list to the next power of two (at least 64) with padding positions past any query
-(masked as "future" keys) and slot 0. Per (bucket, window policy) one graph is captured the first time
-and replayed after: the step's ids, positions and slots are copied into the static buffers, the graph
-runs, the logits are copied out. Nothing in a captured step syncs to the host (top-k ids, the rolling
-base and the split-KV merge all stay on the device).
+A step's shapes change with the session (how many keys it reads), so each step is padded to a bucket:
+the key list to the next power of two (at least 64) with padding positions past any query (masked as
+"future" keys) and slot 0. Per (bucket, tokens, all-logits, window policy) one graph is captured the
+first time and replayed after: the step's ids, positions and slots are copied into the static buffers,
+the graph runs, the logits are copied out. Nothing in a captured step syncs to the host (top-k ids,
+the rolling base and the split-KV merge all stay on the device).
 
-On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer step runs
+On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer steps run
 eagerly, which is how the tests check that padding and fixed shapes change no result.
 """
 
@@ -22,6 +23,7 @@ from streamserve.models import CausalLM
 from streamserve.sessions import PagedSessionKV, WindowPolicy
 
 MIN_BUCKET = 64
+MAX_GRAPH_TOKENS = 8  # the widest step replayed from a graph (a draft of 7 plus the bonus token)
 PAD_POSITION = 1 << 62  # a key position no query reaches: masked as a future key
 
 
@@ -30,18 +32,18 @@ def bucket_for(n_keys: int) -> int:
 
 
 class StaticStepKV:
-    """A one-token step of some session, in fixed-size buffers (the `LayerKV` the model reads)."""
+    """A T-token step of some session, in fixed-size buffers (the `LayerKV` the model reads)."""
 
-    def __init__(self, kv: PagedSessionKV, bucket: int) -> None:
+    def __init__(self, kv: PagedSessionKV, bucket: int, tokens: int) -> None:
         dev = kv.pool.device
         self.pool, self.policy, self.rolling = kv.pool, kv.policy, kv.policy.rolling
-        self.q_pos = torch.zeros(1, dtype=torch.long, device=dev)
+        self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
         self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
         self.gather = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.write = torch.zeros(1, dtype=torch.long, device=dev)
+        self.write = torch.zeros(tokens, dtype=torch.long, device=dev)
 
     def load(self, kv: PagedSessionKV) -> None:
-        """Copy a planned step (after `kv.begin(1)`) into the buffers; the rest stays padding."""
+        """Copy a planned step (after `kv.begin(T)`) into the buffers; the rest stays padding."""
         n = kv.k_pos.shape[0]
         self.q_pos.copy_(kv.q_pos)
         self.k_pos[:n].copy_(kv.k_pos)
@@ -61,31 +63,34 @@ class StaticStepKV:
 @dataclass
 class _Entry:
     kv: StaticStepKV
-    ids: torch.Tensor  # [1]
-    logits: torch.Tensor | None = None  # [V], written by each replay
+    ids: torch.Tensor  # [T]
+    all_logits: bool
+    logits: torch.Tensor | None = None  # [V] or [T, V], written by each replay
     graph: torch.cuda.CUDAGraph | None = None
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, capture: bool) -> None:
         self.model, self.capture = model, capture
-        self._entries: dict[tuple[int, WindowPolicy], _Entry] = {}
+        self._entries: dict[tuple[int, int, bool, WindowPolicy], _Entry] = {}
 
     @property
     def captured(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
 
-    def run(self, kv: PagedSessionKV, token: int) -> torch.Tensor:
-        """The logits [V] of a planned one-token step of `kv` (the caller commits or aborts it)."""
-        key = (bucket_for(kv.k_pos.shape[0]), kv.policy)
+    def run(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False) -> torch.Tensor:
+        """The logits ([V], or [T, V] with `all_logits`) of a planned step of `kv` over `ids`
+        (1 <= T <= MAX_GRAPH_TOKENS); the caller commits or aborts it."""
+        key = (bucket_for(kv.k_pos.shape[0]), len(ids), all_logits, kv.policy)
         entry = self._entries.get(key)
         if entry is None:
-            entry = self._entries[key] = _Entry(StaticStepKV(kv, key[0]),
-                                                torch.zeros(1, dtype=torch.long, device=kv.pool.device))
+            entry = self._entries[key] = _Entry(StaticStepKV(kv, key[0], len(ids)),
+                                                torch.zeros(len(ids), dtype=torch.long, device=kv.pool.device),
+                                                all_logits)
         entry.kv.load(kv)
-        entry.ids.fill_(token)
+        entry.ids.copy_(torch.tensor(ids, dtype=torch.long))
         if not self.capture:
-            return self.model(entry.ids, entry.kv)
+            return self.model(entry.ids, entry.kv, all_logits)
         if entry.graph is None:
             self._capture(entry)
         assert entry.graph is not None and entry.logits is not None
@@ -99,9 +104,9 @@ class DecodeGraphs:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(entry.ids, entry.kv)
+                self.model(entry.ids, entry.kv, entry.all_logits)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            entry.logits = self.model(entry.ids, entry.kv)
+            entry.logits = self.model(entry.ids, entry.kv, entry.all_logits)
         entry.graph = graph
