@@ -1,7 +1,7 @@
 """The prepared GPU check: every Triton kernel against its reference on the device, then timings.
 
     python benchmarks/gpu_check.py                  # on a CUDA machine; about 3 minutes on one H200
-    python benchmarks/gpu_check.py --write-configs  # also sweep moe_gemv blocks, write kernels/configs/launch.json
+    python benchmarks/gpu_check.py --write-configs  # also tune moe_gemv blocks and the gemv/grouped crossover
     python benchmarks/gpu_check.py --smoke          # tiny shapes on a CPU (Triton interpreter): checks the script
 
 1. Correctness on the device (relative error to a float64 reference): moe_gemv (bf16, int8), decode
@@ -222,12 +222,28 @@ def main() -> None:
 
 
 def write_configs(device: torch.device, reps: int) -> dict:
-    """Sweep moe_gemv block sizes at T = 1 for each MoE shape; write the fastest into launch.json."""
+    """Measure the moe_gemv / grouped crossover and sweep moe_gemv block sizes at T = 1 for each MoE shape;
+    write both into launch.json."""
     from streamserve.kernels import launch_config as lc
 
     table = json.loads(lc.CONFIG_FILE.read_text())
     per_device = table["moe_gemv"].setdefault(lc.device_name(device), {}).setdefault("bfloat16", {})
-    chosen = {}
+    chosen: dict = {}
+    # the crossover: the most tokens for which moe_gemv still beats the grouped path on every MoE shape
+    crossover = 16
+    for E, k, D, inter in (SMOKE_MOE if SMOKE else MOE_SHAPES).values():
+        w_gu = torch.randn(E, 2 * inter, D, device=device, dtype=torch.bfloat16) * 0.02
+        w_d = torch.randn(E, D, inter, device=device, dtype=torch.bfloat16) * 0.02
+        for t in (1, 2, 4, 8, 16):
+            x = torch.randn(t, D, device=device, dtype=torch.bfloat16)
+            weights, ids = ref.moe_route(torch.randn(t, E, device=device), k, True)
+            gemv = timeit(partial(moe_gemv, x, weights, ids, w_gu, w_d), reps, device)
+            grouped = timeit(partial(ref.moe_experts_grouped, x, weights, ids, w_gu, w_d), reps, device)
+            if gemv > grouped:  # the last width where gemv won (0: never)
+                crossover = min(crossover, t // 2)
+                break
+    table["moe_dispatch"].setdefault(lc.device_name(device), {})["bfloat16"] = {"any": {"gemv_max_tokens": crossover}}
+    chosen["gemv_max_tokens"] = crossover
     for name, (E, k, D, inter) in (SMOKE_MOE if SMOKE else MOE_SHAPES).items():
         w_gu = torch.randn(E, 2 * inter, D, device=device, dtype=torch.bfloat16) * 0.02
         w_d = torch.randn(E, D, inter, device=device, dtype=torch.bfloat16) * 0.02

@@ -1,6 +1,6 @@
-"""Small fused row ops: RMSNorm, residual add + RMSNorm, SiLU·mul. One program per row; fp32 math.
+"""Small fused row ops: RMSNorm, residual add + RMSNorm, SiLU·mul, RoPE. One program per row; fp32 math.
 
-References: `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_mul`.
+References: `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_mul`, `reference.apply_rope`.
 """
 
 from __future__ import annotations
@@ -41,6 +41,23 @@ def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr):
     g = tl.load(gu_ptr + row * 2 * N + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * N + N + cols, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * N + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+@triton.jit
+def _rope_kernel(x_ptr, cos_ptr, sin_ptr, out_ptr, HEADS, HALF: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0).to(tl.int64)  # token * HEADS + head
+    t = row // HEADS
+    d = tl.arange(0, BLOCK)
+    ok = d < HALF
+    x1 = tl.load(x_ptr + row * 2 * HALF + d, mask=ok, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + row * 2 * HALF + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    c1 = tl.load(cos_ptr + t * 2 * HALF + d, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * 2 * HALF + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * 2 * HALF + d, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * 2 * HALF + HALF + d, mask=ok, other=0.0).to(tl.float32)
+    out = out_ptr + row * 2 * HALF + d
+    tl.store(out, (x1 * c1 - x2 * s1).to(out_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + HALF, (x2 * c2 + x1 * s2).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def _rows(name: str, x: torch.Tensor, n: int) -> torch.Tensor:
@@ -86,3 +103,17 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = min(1024, triton.next_power_of_2(n))
     _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, BLOCK=block)
     return out.view(*gate_up.shape[:-1], n)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, n_heads, hd], cos/sin [T, hd] -> [T, n_heads, hd] (rotate-half convention)."""
+    check_tensor("x", x, dims=3, dtypes=FLOATS)
+    t, heads, hd = x.shape
+    if hd % 2:
+        raise ValueError(f"x has an odd head dim {hd}; RoPE needs an even one")
+    check_tensor("cos", cos, shape=(t, hd), device=x.device)
+    check_tensor("sin", sin, shape=(t, hd), device=x.device)
+    x, cos, sin = x.contiguous(), cos.contiguous(), sin.contiguous()
+    out = torch.empty_like(x)
+    _rope_kernel[(t * heads,)](x, cos, sin, out, heads, HALF=hd // 2, BLOCK=triton.next_power_of_2(hd // 2))
+    return out

@@ -10,16 +10,20 @@ import torch
 from streamserve.kernels import reference as ref
 from streamserve.kernels.append_attention import append_attention
 from streamserve.kernels.decode_attention import decode_attention
-from streamserve.kernels.elementwise import add_rms_norm, rms_norm, silu_mul
+from streamserve.kernels.elementwise import add_rms_norm, apply_rope, rms_norm, silu_mul
+from streamserve.kernels.launch_config import launch_config
 from streamserve.kernels.moe_gemv import MAX_TOKENS, moe_gemv
 
-__all__ = ["add_rms_norm", "moe_experts", "paged_attention", "paged_attention_rolling", "rms_norm", "silu_mul"]
+__all__ = ["add_rms_norm", "apply_rope", "moe_experts", "paged_attention", "paged_attention_rolling", "rms_norm",
+           "silu_mul"]
 
 
 def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
                 w_down: torch.Tensor) -> torch.Tensor:
-    """x [T, D] -> [T, D]: gather + gemv up to 16 tokens, the grouped path beyond."""
-    if x.shape[0] <= MAX_TOKENS:
+    """x [T, D] -> [T, D]: gather + gemv up to the measured crossover (launch.json "moe_dispatch", at most
+    16 tokens; benchmarks/gpu_check.py --write-configs measures it), the grouped path beyond."""
+    crossover = launch_config("moe_dispatch", x.device, w_gate_up.dtype, "any")["gemv_max_tokens"]
+    if x.shape[0] <= min(crossover, MAX_TOKENS):
         return moe_gemv(x, weights, ids.to(torch.int32), w_gate_up, w_down)
     return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
 

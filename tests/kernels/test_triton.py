@@ -178,7 +178,7 @@ def test_launch_configs_have_safe_defaults_and_tuned_overrides(monkeypatch) -> N
     from streamserve.kernels import launch_config as lc
 
     cpu = torch.device("cpu")
-    for kernel in ("moe_gemv", "decode_attention", "append_attention"):
+    for kernel in ("moe_gemv", "decode_attention", "append_attention", "moe_dispatch"):
         assert lc.launch_config(kernel, cpu, torch.float32, "any") == lc._table()[kernel]["default"]
     table = {"moe_gemv": {"default": {"block_i": 32, "block_d": 64},
                           "cpu": {"bfloat16": {"D64_I32": {"block_d": 16}}}}}
@@ -201,6 +201,11 @@ def test_fused_row_ops(rows, n, dtype) -> None:
     assert rel_err(h, h_ref) < TOL[dtype] and rel_err(y, y_ref) < TOL[dtype]
     gu = torch.randn(rows, 2 * n, generator=g).to(dtype)
     assert rel_err(ew.silu_mul(gu), ref.silu_mul(gu.double())) < TOL[dtype]
+    hd = n - n % 2
+    x3 = torch.randn(rows, 3, hd, generator=g).to(dtype)
+    inv = 1.0 / (10000 ** (torch.arange(0, hd, 2).float() / hd))
+    cos, sin = ref.rope_cos_sin(torch.arange(5, 5 + rows), inv, 1.0, dtype)
+    assert rel_err(ew.apply_rope(x3, cos, sin), ref.apply_rope(x3.double(), cos.double(), sin.double())) < TOL[dtype]
     with pytest.raises(ValueError, match="odd last dimension"):
         ew.silu_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="x has last dimension"):
