@@ -14,8 +14,8 @@ import torch
 import triton
 import triton.language as tl
 
+from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step
 from streamserve.kernels.checks import check_tensor
-from streamserve.kernels.decode_attention import _scores
 from streamserve.kernels.launch_config import launch_config
 
 
@@ -60,11 +60,7 @@ def _append_attn_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, slots_ptr, kpos_ptr, qpos_p
         dist = qpos[:, None] - kpos[None, :]  # [BLOCK_M, BLOCK_N]
         if ROLLING:
             is_sink = kpos < sinks
-            rpos = tl.where(is_sink, kpos, kpos - base).to(tl.float32)
-            ang = rpos[:, None] * inv_freq[None, :]
-            c = tl.cos(ang) * rope_scaling
-            s = tl.sin(ang) * rope_scaling
-            k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
+            k1, k2 = _rotate_keys(k1, k2, kpos, sinks, base, inv_freq, rope_scaling)
             scores = tl.where(is_sink[None, :], _scores(qs1, qs2, k1, k2, PRECISION),
                               _scores(q1, q2, k1, k2, PRECISION))
             cq = tl.minimum(qpos, sinks + window - 1)
@@ -75,16 +71,9 @@ def _append_attn_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, slots_ptr, kpos_ptr, qpos_p
         ok = ok & ((sliding == 0) | (dist < sliding))
         ok = ok & ((window == 0) | (kpos[None, :] < sinks) | (kpos[None, :] > qpos[:, None] - window))
         scores = tl.where(ok, scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
         v1 = tl.load(v_ptr + row[:, None] + dh[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_ptr + row[:, None] + HALF + dh[None, :], mask=km, other=0.0).to(tl.float32)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc1, acc2 = _softmax_step(scores, m_i, l_i, acc1, acc2, v1, v2, PRECISION)
     inv_l = 1.0 / tl.where(l_i > 0, l_i, 1.0)
     out = o_ptr + q_row[:, None] + dh[None, :]
     tl.store(out, (acc1 * inv_l[:, None]).to(o_ptr.dtype.element_ty), mask=qm)

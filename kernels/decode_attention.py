@@ -20,14 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
+from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step
 from streamserve.kernels.checks import check_tensor
 from streamserve.kernels.launch_config import launch_config
-
-
-@triton.jit
-def _scores(q1, q2, k1, k2, PRECISION: tl.constexpr):
-    """[G, half] x2 against [N, half] x2 -> [G, N]: the dot product of whole head vectors."""
-    return tl.dot(q1, tl.trans(k1), input_precision=PRECISION) + tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
 
 
 @triton.jit
@@ -70,11 +65,7 @@ def _decode_attn_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, slots_ptr, kpos_ptr, qpos_p
         k2 = tl.load(k_ptr + row[:, None] + HALF + dh[None, :], mask=km, other=0.0).to(tl.float32)
         if ROLLING:
             is_sink = kpos < sinks
-            rpos = tl.where(is_sink, kpos, kpos - base).to(tl.float32)
-            ang = rpos[:, None] * inv_freq[None, :]
-            c = tl.cos(ang) * rope_scaling
-            s = tl.sin(ang) * rope_scaling
-            k1, k2 = k1 * c - k2 * s, k2 * c + k1 * s
+            k1, k2 = _rotate_keys(k1, k2, kpos, sinks, base, inv_freq, rope_scaling)
             s_win = _scores(q1, q2, k1, k2, PRECISION)
             s_sink = _scores(qs1, qs2, k1, k2, PRECISION)
             scores = tl.where(is_sink[None, :], s_sink, s_win)
@@ -87,16 +78,9 @@ def _decode_attn_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, slots_ptr, kpos_ptr, qpos_p
         ok = ok & ((sliding == 0) | (dist < sliding))
         ok = ok & ((window == 0) | (kpos < sinks) | (kpos > qpos - window))
         scores = tl.where(ok[None, :], scores * scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(scores, axis=1))
-        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)
-        p = tl.exp(scores - m_safe[:, None])
-        alpha = tl.exp(m_i - m_safe)
         v1 = tl.load(v_ptr + row[:, None] + dh[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_ptr + row[:, None] + HALF + dh[None, :], mask=km, other=0.0).to(tl.float32)
-        acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=PRECISION)
-        acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=PRECISION)
-        l_i = l_i * alpha + tl.sum(p, axis=1)
-        m_i = m_new
+        m_i, l_i, acc1, acc2 = _softmax_step(scores, m_i, l_i, acc1, acc2, v1, v2, PRECISION)
     has = l_i > 0
     inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
     lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))

@@ -35,31 +35,18 @@ def test_greedy_tokens_match_transformers(arch: str, checkpoints, engines) -> No
     assert ours == ref
 
 
-def test_qwen3_sliding_window_layers_match_transformers(tmp_path) -> None:
-    """Qwen3 with use_sliding_window: layers from max_window_layers on attend to the last 16 tokens only."""
+@pytest.mark.parametrize(("arch", "kw", "windows"), [
+    ("qwen3", {"max_window_layers": 1}, (None, 16, 16)),  # Qwen3: layers from max_window_layers on
+    ("qwen3_moe", {}, (16, 16, 16)),  # Qwen3-MoE: every layer
+])
+def test_qwen3_sliding_window_layers_match_transformers(tmp_path, arch, kw, windows) -> None:
     from helpers import make_checkpoint
 
     from streamserve import Engine
 
-    hf = make_checkpoint(tmp_path, "qwen3", use_sliding_window=True, sliding_window=16, max_window_layers=1)
+    hf = make_checkpoint(tmp_path, arch, use_sliding_window=True, sliding_window=16, **kw)
     engine = Engine.from_pretrained(tmp_path, device="cpu")
-    assert engine.config.sliding_windows == (None, 16, 16)
-    ids = random_ids(50, seed=6)
-    with torch.no_grad():
-        ref = hf(torch.tensor([ids])).logits[0]
-    with engine.open_session() as s:
-        ours = engine.forward(s.kv, ids, all_logits=True)
-    assert (ours - ref).abs().max().item() <= 1e-4
-
-
-def test_qwen3_moe_sliding_window_windows_every_layer(tmp_path) -> None:
-    from helpers import make_checkpoint
-
-    from streamserve import Engine
-
-    hf = make_checkpoint(tmp_path, "qwen3_moe", use_sliding_window=True, sliding_window=16)
-    engine = Engine.from_pretrained(tmp_path, device="cpu")
-    assert engine.config.sliding_windows == (16, 16, 16)
+    assert engine.config.sliding_windows == windows
     ids = random_ids(50, seed=6)
     with torch.no_grad():
         ref = hf(torch.tensor([ids])).logits[0]
