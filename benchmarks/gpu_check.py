@@ -42,6 +42,8 @@ from streamserve.kernels.moe_gemv import moe_gemv, quantize_int8  # noqa: E402
 
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}  # E, k, D, I
 SMOKE_MOE = {"tiny": (8, 2, 64, 48)}
+# relative error allowed, by the last word of a check's name (bf16 / int8 ones vs fp32 ones)
+TOLERANCE = {"bf16": 3e-2, "int8": 3e-2, "attention": 1e-4, "window": 1e-4, "rolling": 1e-4}
 
 
 def timeit(fn, reps: int, device: torch.device) -> float:
@@ -91,14 +93,16 @@ def check_correctness(device: torch.device) -> dict[str, float]:
                                         scale_down=s_d).cpu(), exp)
     S, H, KVH, hd, P = 1025, 8, 2, 128, 16
     k_pool, v_pool = torch.randn(S + P, KVH, hd, generator=g), torch.randn(S + P, KVH, hd, generator=g)
-    for name, sinks, window in (("decode_attention", 0, None), ("decode_attention_window", 4, 256)):
+    for name, sinks, window, dt in (("decode_attention", 0, None, torch.float32),
+                                    ("decode_attention_window", 4, 256, torch.float32),
+                                    ("decode_attention_bf16", 4, 256, torch.bfloat16)):
         first = 0 if window is None else max(sinks, S - window)
         k_pos = torch.cat([torch.arange(min(sinks, first)), torch.arange(first, S)])
         q = torch.randn(H, hd, generator=g)
         exp = ref.attention(q[None].double(), k_pool[k_pos].transpose(0, 1).double(),
                             v_pool[k_pos].transpose(0, 1).double(), torch.tensor([S - 1]), k_pos, hd**-0.5, None,
                             sinks, window)[0]
-        got = decode_attention(q.to(device), k_pool.to(device), v_pool.to(device), k_pos.to(device),
+        got = decode_attention(q.to(device, dt), k_pool.to(device, dt), v_pool.to(device, dt), k_pos.to(device),
                                k_pos.to(device), torch.tensor([S - 1], device=device), hd**-0.5, None, sinks, window)
         out[name] = rel(got.cpu(), exp)
     from streamserve.kernels.triton_backend import paged_attention_rolling
@@ -172,7 +176,8 @@ def bench_end_to_end(device: torch.device, layers: int, new: int) -> dict:
     if SMOKE:
         shape.update(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_experts=8, moe_intermediate_size=32, intermediate_size=64)
-    res = {"layers": layers}
+    res: dict = {"layers": layers}
+    tokens = {}
     with tempfile.TemporaryDirectory() as tmp:
         make_random_checkpoint(Path(tmp), "qwen3_moe", **shape)
         for label, kernels, graphs in (("triton_graphs", "triton", "on"), ("triton", "triton", "off"),
@@ -185,13 +190,15 @@ def bench_end_to_end(device: torch.device, layers: int, new: int) -> dict:
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 t0 = time.perf_counter()
-                s.generate(max_tokens=new, stop_token_ids=())
+                tokens[label] = s.generate(max_tokens=new, stop_token_ids=())
                 if device.type == "cuda":
                     torch.cuda.synchronize()
                 res[f"{label}_decode_tok_s"] = round(new / (time.perf_counter() - t0), 1)
             del engine
     res["triton_over_torch"] = round(res["triton_decode_tok_s"] / res["torch_decode_tok_s"], 2)
     res["graphs_over_eager"] = round(res["triton_graphs_decode_tok_s"] / res["triton_decode_tok_s"], 2)
+    res["graphs_tokens_equal_eager"] = tokens["triton_graphs"] == tokens["triton"]  # must hold: same kernels
+    res["triton_tokens_equal_torch"] = tokens["triton"] == tokens["torch"]  # bf16 rounding may differ
     print(f"end to end: {res}", file=sys.stderr)
     return res
 
@@ -218,7 +225,13 @@ def main() -> None:
     if args.write_configs:
         res["tuned"] = write_configs(device, reps)
     res["seconds"] = round(time.perf_counter() - t0, 1)
+    failed = [k for k, v in res["correctness_rel_err"].items() if not v < TOLERANCE[k.split("_")[-1]]]
+    if not res["end_to_end"]["graphs_tokens_equal_eager"]:
+        failed.append("graphs_tokens_equal_eager")
+    res["failed_checks"] = failed
     print(json.dumps(res))
+    if failed:
+        sys.exit(f"gpu_check: failed checks: {failed}")
 
 
 def write_configs(device: torch.device, reps: int) -> dict:

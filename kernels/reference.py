@@ -163,15 +163,20 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     t, h, hd = q.shape
     kvh, n = k.shape[0], k.shape[1]
     group = h // kvh
-    n_sink = int((k_pos < sinks).sum())  # the session lists its sinks first (a host sync: the torch path)
     k_rot = apply_rope(k.transpose(0, 1), rope.k_cos, rope.k_sin).transpose(0, 1)  # [KVH, S, hd]
 
     def grouped(x: torch.Tensor) -> torch.Tensor:  # [T, H, hd] -> [KVH, G*T, hd], GQA without copies of K/V
         return x.view(t, kvh, group, hd).permute(1, 2, 0, 3).reshape(kvh, group * t, hd)
 
     scores = grouped(apply_rope(q, rope.q_cos, rope.q_sin)) @ k_rot.transpose(1, 2)  # [KVH, G*T, S]
-    if n_sink:  # against its sinks the query sits at its place in its own cache
-        scores[..., :n_sink] = grouped(apply_rope(q, rope.qs_cos, rope.qs_sin)) @ k_rot[:, :n_sink].transpose(1, 2)
+    # against its sinks the query sits at its place in its own cache
+    if k.is_cuda:  # no host sync (graph capture): score every key both ways, keep the right one
+        sink_scores = grouped(apply_rope(q, rope.qs_cos, rope.qs_sin)) @ k_rot.transpose(1, 2)
+        scores = torch.where(k_pos < sinks, sink_scores, scores)
+    else:  # the session lists its sinks first: score just those again
+        n_sink = int((k_pos < sinks).sum())
+        if n_sink:
+            scores[..., :n_sink] = grouped(apply_rope(q, rope.qs_cos, rope.qs_sin)) @ k_rot[:, :n_sink].transpose(1, 2)
     mask = rolling_visible(q_pos, k_pos, sinks, window, sliding)  # [T, S]
     scores = (scores.float() * scale).view(kvh, group, t, n).masked_fill(~mask, float("-inf"))
     probs = torch.softmax(scores, dim=-1).to(v.dtype).view(kvh, group * t, n)
@@ -179,26 +184,35 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
     return out.reshape(t, h * hd)
 
 
+MIN_TEMPERATURE = 1e-5  # temperatures below this sample greedily
+
+
+def keep_mask(sorted_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """sorted_p [B, V] probabilities in descending order -> bool [B, V]: the tokens top-k and top-p keep."""
+    rank = torch.arange(sorted_p.shape[-1], device=sorted_p.device)[None, :]
+    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
+    # top_p >= 1 keeps everything (an fp32 cumulative sum can overshoot 1 and would cut the tail)
+    return keep & (((torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p[:, None]) | (top_p[:, None] >= 1))
+
+
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
                   generator: torch.Generator | None = None) -> torch.Tensor:
     """Sample one token per row on the device, without a host sync.
 
-    logits [B, V] fp32; temperature [B] (0: greedy, lowest id on ties); top_k [B] int (0: no limit);
+    logits [B, V] fp32; temperature [B] (below MIN_TEMPERATURE: greedy, lowest id on ties); top_k [B] int (0: no limit);
     top_p [B] in (0, 1] (keep the smallest head of the sorted distribution whose mass reaches top_p; the
     most likely token always stays). -> [B] int64. Draws use the exponential race (argmax p / E, E ~ Exp(1)),
     which samples exactly from p with one pass and no cumulative search.
     """
     greedy = torch.argmax(logits, dim=-1)
-    temp = torch.where(temperature > 0, temperature, torch.ones_like(temperature))
+    sampled = temperature >= MIN_TEMPERATURE  # below it, logits / T overflows: such rows are greedy
+    temp = torch.where(sampled, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
     sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    rank = torch.arange(logits.shape[-1], device=logits.device)[None, :]
-    keep = (top_k[:, None] <= 0) | (rank < top_k[:, None])
-    keep &= (torch.cumsum(sorted_p, dim=-1) - sorted_p) < top_p[:, None]
-    sorted_p = torch.where(keep, sorted_p, torch.zeros_like(sorted_p))
+    sorted_p = torch.where(keep_mask(sorted_p, top_k, top_p), sorted_p, torch.zeros_like(sorted_p))
     race = torch.empty_like(sorted_p).exponential_(generator=generator)
     drawn = order.gather(1, torch.argmax(sorted_p / race, dim=-1, keepdim=True))[:, 0]
-    return torch.where(temperature > 0, drawn, greedy)
+    return torch.where(sampled, drawn, greedy)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

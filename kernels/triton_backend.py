@@ -12,7 +12,7 @@ from streamserve.kernels.append_attention import append_attention
 from streamserve.kernels.decode_attention import decode_attention
 from streamserve.kernels.elementwise import add_rms_norm, apply_rope, rms_norm, silu_mul
 from streamserve.kernels.launch_config import launch_config
-from streamserve.kernels.moe_gemv import MAX_TOKENS, moe_gemv
+from streamserve.kernels.moe_gemv import MAX_EXPERTS, MAX_TOKENS, MAX_TOP_K, moe_gemv
 
 __all__ = ["add_rms_norm", "apply_rope", "moe_experts", "paged_attention", "paged_attention_rolling", "rms_norm",
            "silu_mul"]
@@ -22,9 +22,15 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
                 w_down: torch.Tensor) -> torch.Tensor:
     """x [T, D] -> [T, D]: gather + gemv up to the measured crossover (launch.json "moe_dispatch", at most
     16 tokens; benchmarks/gpu_check.py --write-configs measures it), the grouped path beyond."""
+    t, k = ids.shape
+    fits = t <= MAX_TOKENS and k <= MAX_TOP_K and w_gate_up.shape[0] <= MAX_EXPERTS
     crossover = launch_config("moe_dispatch", x.device, w_gate_up.dtype, "any")["gemv_max_tokens"]
-    if x.shape[0] <= min(crossover, MAX_TOKENS):
+    # inside a CUDA-graph capture only sync-free paths may run: moe_gemv, else the gather reference
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    if fits and (t <= crossover or capturing):
         return moe_gemv(x, weights, ids.to(torch.int32), w_gate_up, w_down)
+    if capturing:
+        return ref.moe_experts_gather(x, weights, ids, w_gate_up, w_down)
     return ref.moe_experts_grouped(x, weights, ids, w_gate_up, w_down)
 
 

@@ -14,6 +14,7 @@ eagerly, which is how the tests check that padding and fixed shapes change no re
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
@@ -21,6 +22,8 @@ import torch
 from streamserve.kernels.reference import PagedKeys
 from streamserve.models import CausalLM
 from streamserve.sessions import PagedSessionKV, WindowPolicy
+
+log = logging.getLogger("streamserve")
 
 MIN_BUCKET = 64
 MAX_GRAPH_TOKENS = 8  # the widest step replayed from a graph (a draft of 7 plus the bonus token)
@@ -60,6 +63,9 @@ class StaticStepKV:
         return PagedKeys(kf, vf, self.gather, self.k_pos)
 
 
+MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first): clients choose windows freely
+
+
 @dataclass
 class _Entry:
     kv: StaticStepKV
@@ -67,6 +73,7 @@ class _Entry:
     all_logits: bool
     logits: torch.Tensor | None = None  # [V] or [T, V], written by each replay
     graph: torch.cuda.CUDAGraph | None = None
+    failed: bool = False  # capture failed once: this step shape runs eagerly from now on
 
 
 class DecodeGraphs:
@@ -82,17 +89,26 @@ class DecodeGraphs:
         """The logits ([V], or [T, V] with `all_logits`) of a planned step of `kv` over `ids`
         (1 <= T <= MAX_GRAPH_TOKENS); the caller commits or aborts it."""
         key = (bucket_for(kv.k_pos.shape[0]), len(ids), all_logits, kv.policy)
-        entry = self._entries.get(key)
+        entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order
         if entry is None:
-            entry = self._entries[key] = _Entry(StaticStepKV(kv, key[0], len(ids)),
+            if len(self._entries) >= MAX_GRAPHS:
+                self._entries.pop(next(iter(self._entries)))
+            entry = _Entry(StaticStepKV(kv, key[0], len(ids)),
                                                 torch.zeros(len(ids), dtype=torch.long, device=kv.pool.device),
                                                 all_logits)
+        self._entries[key] = entry
         entry.kv.load(kv)
         entry.ids.copy_(torch.tensor(ids, dtype=torch.long))
-        if not self.capture:
+        if not self.capture or entry.failed:
             return self.model(entry.ids, entry.kv, all_logits)
         if entry.graph is None:
-            self._capture(entry)
+            try:
+                self._capture(entry)
+            except Exception as e:  # e.g. an op that syncs to the host: run this shape eagerly for good
+                log.warning("CUDA graph capture failed for %s, running it eagerly: %s", key[:3], e)
+                entry.failed, entry.graph = True, None
+                entry.kv.load(kv)  # the failed capture may have left the buffers half-written
+                return self.model(entry.ids, entry.kv, all_logits)
         assert entry.graph is not None and entry.logits is not None
         entry.graph.replay()
         return entry.logits.clone()
@@ -107,6 +123,6 @@ class DecodeGraphs:
                 self.model(entry.ids, entry.kv, entry.all_logits)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run eagerly
             entry.logits = self.model(entry.ids, entry.kv, entry.all_logits)
         entry.graph = graph

@@ -7,7 +7,7 @@ import math
 import torch
 
 from streamserve.errors import InvalidInputError
-from streamserve.kernels.reference import sample_tokens
+from streamserve.kernels.reference import MIN_TEMPERATURE, sample_tokens
 
 
 def check_sampling(max_tokens: int, temperature: float, top_p: float, top_k: int = 0) -> None:
@@ -25,7 +25,7 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
            top_k: int = 0) -> int:
     """logits [V] fp32 -> a token id, drawn on the device (`kernels.reference.sample_tokens`); greedy at
     temperature 0 (argmax, lowest id on ties). The one host sync is reading the id back."""
-    if temperature == 0:
+    if temperature < MIN_TEMPERATURE:
         return int(torch.argmax(logits))
     dev = logits.device
     tok = sample_tokens(logits[None], torch.tensor([float(temperature)], device=dev),

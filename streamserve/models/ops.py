@@ -7,6 +7,7 @@ the references elsewhere). Swapping the table changes no model code.
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass, replace
@@ -15,6 +16,8 @@ import torch
 
 from streamserve.errors import InvalidInputError
 from streamserve.kernels import reference as ref
+
+log = logging.getLogger("streamserve")
 
 # On CUDA, up to this many tokens take the gather path: no host sync, so decode steps can be captured
 # in CUDA graphs (the Triton backend's moe_gemv does the same without copying weights). On a CPU one
@@ -90,7 +93,13 @@ def get_ops(name: str, device: torch.device | str = "cpu") -> Ops:
     """"torch", "triton", or "auto" (Triton on CUDA, torch elsewhere)."""
     device = torch.device(device)
     if name == "auto":
-        name = "triton" if device.type == "cuda" else "torch"
+        if device.type != "cuda":
+            return TORCH_OPS
+        try:
+            return triton_ops(device)
+        except InvalidInputError as e:  # no triton on this CUDA machine: the references still work
+            log.warning("kernels='auto': %s; using the torch references", e)
+            return TORCH_OPS
     if name == "torch":
         return TORCH_OPS
     if name == "triton":

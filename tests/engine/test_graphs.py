@@ -26,8 +26,10 @@ def test_fixed_shape_decode_equals_plain_decode(checkpoints, engines, kernels, k
             s.append(token_ids=[3, 4, 5])  # a 3-token step: a verification width
             outs.append(out + s.generate(max_tokens=5, stop_token_ids=()))
     assert outs[0] == outs[1]
-    # 50..90 keys (or a 28-key window) fall in at most two buckets, times two widths: the shapes stay fixed
-    assert len(graphed.graphs._entries) <= 4
+    # the steps went through the fixed-shape path, at widths 1 and 4; 50..90 keys (or a 28-key window)
+    # fall in at most two buckets: the shapes stay fixed
+    widths = {key[1] for key in graphed.graphs._entries}
+    assert widths == {1, 4} and len(graphed.graphs._entries) <= 4  # 4: the pending reply token + 3
     graphed.check_integrity()
 
 

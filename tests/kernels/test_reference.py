@@ -159,3 +159,15 @@ def test_device_sampling_follows_the_target_distribution() -> None:
     greedy = ref.sample_tokens(torch.tensor([[0.0, 3.0, 3.0]]), torch.zeros(1), torch.zeros(1, dtype=torch.long),
                                torch.ones(1), g)
     assert greedy.tolist() == [1]
+
+
+def test_sampling_edges_full_vocab_mixed_rows_and_tiny_temperature() -> None:
+    g = torch.Generator().manual_seed(1)
+    probs = torch.softmax(torch.randn(1, 151936, generator=g) * 3, -1).sort(descending=True).values
+    one = torch.ones(1)
+    assert ref.keep_mask(probs, torch.zeros(1, dtype=torch.long), one).all()  # top_p = 1 cuts nothing
+    assert ref.keep_mask(probs, torch.tensor([10**6]), one).all()  # top_k above V: no limit
+    logits = torch.tensor([[0.0, 5.0, -3.0, 1.0]] * 3)
+    toks = ref.sample_tokens(logits, torch.tensor([0.0, 1e-39, 50.0]), torch.zeros(3, dtype=torch.long),
+                             torch.ones(3), g)
+    assert toks[:2].tolist() == [1, 1]  # greedy rows, whatever the others in the batch do
