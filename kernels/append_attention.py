@@ -15,7 +15,7 @@ import triton
 import triton.language as tl
 
 from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step
-from streamserve.kernels.checks import check_tensor
+from streamserve.kernels.checks import check_paged, check_tensor
 from streamserve.kernels.launch_config import launch_config
 
 
@@ -91,14 +91,7 @@ def append_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
     in `decode_attention` (`q_sink` [T, H, hd], `base` [1], `inv_freq` [hd/2]). Returns [T, H * hd]."""
     check_tensor("q", q, dims=3, dtypes=(torch.float32, torch.float16, torch.bfloat16))
     t, h, hd = q.shape
-    check_tensor("k_pool", k_pool, dims=3, dtypes=(q.dtype,), device=q.device, contiguous=True)
-    _, kvh, hd_k = k_pool.shape
-    if hd_k != hd or h % kvh or hd % 2:
-        raise ValueError(f"k_pool has shape {list(k_pool.shape)}: expected [slots, KVH, {hd}] with {h} % KVH == 0")
-    check_tensor("v_pool", v_pool, shape=k_pool.shape, dtypes=(q.dtype,), device=q.device, contiguous=True)
-    check_tensor("slots", slots, dims=1, dtypes=(torch.int32, torch.int64), device=q.device)
-    check_tensor("k_pos", k_pos, shape=slots.shape, dtypes=(torch.int32, torch.int64), device=q.device)
-    check_tensor("q_pos", q_pos, shape=(t,), dtypes=(torch.int32, torch.int64), device=q.device)
+    kvh = check_paged(q, h, hd, k_pool, v_pool, slots, k_pos, q_pos, t)
     rolling = q_sink is not None
     if rolling:
         check_tensor("q_sink", q_sink, shape=(t, h, hd), dtypes=(q.dtype,), device=q.device)
