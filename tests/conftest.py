@@ -25,3 +25,13 @@ def engines(checkpoints: dict[str, tuple[Path, torch.nn.Module]]) -> dict[str, A
     from streamserve import Engine
 
     return {arch: Engine.from_pretrained(path, device="cpu") for arch, (path, _) in checkpoints.items()}
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked `gpu` skip without a CUDA device."""
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA device")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

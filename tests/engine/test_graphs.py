@@ -37,3 +37,26 @@ def test_buckets_and_the_switch(checkpoints) -> None:
     assert [bucket_for(n) for n in (1, 64, 65, 1000, 1024, 1025)] == [64, 64, 128, 1024, 1024, 2048]
     engine = Engine.from_pretrained(checkpoints["llama"][0], device="cpu")
     assert engine.graphs is None  # auto: off without CUDA
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kw", [{}, {"window": 256, "sinks": 4}])
+def test_captured_graphs_replay_the_same_tokens_on_cuda(checkpoints, kw) -> None:
+    """On a GPU: steps replayed from captured graphs give the eager Triton path's greedy tokens."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    pytest.importorskip("triton")
+    path = checkpoints["qwen3_moe"][0]
+    outs = []
+    for graphs in ("on", "off"):
+        engine = Engine.from_pretrained(path, device="cuda", kernels="triton", cuda_graphs=graphs, kv_memory="256MiB")
+        with engine.open_session(**kw) as s:
+            s.append(token_ids=random_ids(300, seed=62))
+            out = s.generate(max_tokens=40, stop_token_ids=())
+            s.append(token_ids=[7, 8])
+            outs.append(out + s.generate(max_tokens=8, stop_token_ids=()))
+        if graphs == "on":
+            assert engine.graphs is not None and engine.graphs.captured >= 2
+    assert outs[0] == outs[1]
