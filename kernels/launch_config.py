@@ -22,7 +22,13 @@ def _table() -> dict[str, Any]:
 
 
 def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    return _cuda_name(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else "cpu"
+
+
+@cache
+def _cuda_name(index: int) -> str:  # asked on every kernel launch: ask the driver once
+    return torch.cuda.get_device_name(index)
 
 
 def launch_config(kernel: str, device: torch.device, dtype: torch.dtype, shape_key: str) -> dict[str, int]:

@@ -33,8 +33,16 @@ def make_checkpoint(folder: Path, arch: str, seed: int = 0, **overrides: Any) ->
     return make_random_checkpoint(folder, arch, seed, **{**ARCH_CONFIGS[arch], **overrides})
 
 
+def greedy(engine: Any, ids: list[int], max_tokens: int = 8, **session_kw: Any) -> list[int]:
+    """The greedy reply of a fresh session (opened with `session_kw`) fed `ids`: the reference many tests
+    compare a chunked, rewound, restored or parked session against."""
+    with engine.open_session(**session_kw) as s:
+        s.append(token_ids=ids)
+        return s.generate(max_tokens=max_tokens, stop_token_ids=())
+
+
 def random_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-__all__ = ["ARCH_CONFIGS", "VOCAB", "make_checkpoint", "random_ids", "write_byte_tokenizer"]
+__all__ = ["ARCH_CONFIGS", "VOCAB", "greedy", "make_checkpoint", "random_ids", "write_byte_tokenizer"]

@@ -3,7 +3,8 @@
 Admission: a step that cannot get pages parks (offloads to host memory) the least recently active idle
 session and tries again; when no session can be parked it fails with `CapacityError`, having taken
 nothing. A parked session comes back transparently on its next use. Sessions idle past `idle_ttl` are
-closed. One forward runs at a time (a lock); every page is counted (`check_integrity`).
+closed (checked whenever a session opens, and by `expire_idle()`). One forward runs at a time (a
+lock); every page is counted (`check_integrity`).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from helpers import random_ids
+from helpers import greedy, random_ids
 
 from streamserve import Engine
 from streamserve.errors import CapacityError, PageCapError
@@ -23,9 +23,7 @@ def small(checkpoints) -> Engine:
 
 def test_pressure_parks_the_least_recently_active_idle_session(small: Engine, engines) -> None:
     ids_a = random_ids(30, seed=41)
-    with engines["qwen3_moe"].open_session() as ref:  # the same model with plenty of memory
-        ref.append(token_ids=ids_a)
-        expected = ref.generate(max_tokens=6, stop_token_ids=())
+    expected = greedy(engines["qwen3_moe"], ids_a, 6)  # the same model with plenty of memory
     a, b = small.open_session(), small.open_session()
     a.append(token_ids=ids_a)  # 4 pages
     b.append(token_ids=random_ids(30, seed=42))  # 4 pages

@@ -6,16 +6,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from helpers import make_checkpoint, random_ids
+from helpers import greedy, make_checkpoint, random_ids
 
 from streamserve import Engine
 from streamserve.errors import RewindError, SessionClosedError, SnapshotError
-
-
-def fresh(engine, ids, **kw) -> list[int]:
-    with engine.open_session(**kw) as s:
-        s.append(token_ids=ids)
-        return s.generate(max_tokens=8, stop_token_ids=())
 
 
 @pytest.mark.parametrize("kw", [{}, {"window": 24, "sinks": 4}, {"window": 24, "sinks": 4, "positions": "absolute"}])
@@ -30,10 +24,10 @@ def test_rewind_then_append_equals_a_fresh_session(engines, kw) -> None:
         assert s.token_ids == a and [r.seq for r in s.timeline] == [10]
         s.append(token_ids=c)  # seq 11 again
         assert s.timeline[-1].seq == 11
-        assert s.generate(max_tokens=8, stop_token_ids=()) == fresh(engine, a + c, **kw)
+        assert s.generate(max_tokens=8, stop_token_ids=()) == greedy(engine, a + c, **kw)
         s.rewind(to=5)
         s.append(token_ids=c)
-        assert s.generate(max_tokens=8, stop_token_ids=()) == fresh(engine, a[:5] + c, **kw)
+        assert s.generate(max_tokens=8, stop_token_ids=()) == greedy(engine, a[:5] + c, **kw)
         engine.check_integrity()
 
 
@@ -88,7 +82,7 @@ def test_snapshot_from_another_model_is_refused(engines, tmp_path: Path) -> None
 def test_park_and_unpark_are_invisible(engines) -> None:
     engine = engines["olmoe"]
     ids = random_ids(40, seed=36)
-    expected = fresh(engine, ids)
+    expected = greedy(engine, ids)
     with engine.open_session() as s:
         s.append(token_ids=ids)
         used = engine.stats()["kv_pages_used"]
@@ -129,7 +123,7 @@ def test_rewind_across_dropped_pages_with_small_pages(checkpoints, window, sinks
             except RewindError:
                 continue  # the window dropped what a query there sees: refused, nothing changed
             s.append(token_ids=c)
-            assert s.generate(max_tokens=8, stop_token_ids=()) == fresh(engine, ids[:to] + c, window=window,
+            assert s.generate(max_tokens=8, stop_token_ids=()) == greedy(engine, ids[:to] + c, window=window,
                                                                          sinks=sinks)
         engine.check_integrity()
 

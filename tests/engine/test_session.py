@@ -6,7 +6,7 @@ import random
 
 import pytest
 import torch
-from helpers import make_checkpoint, random_ids
+from helpers import greedy, make_checkpoint, random_ids
 
 from streamserve.errors import (
     ContextLengthError,
@@ -26,9 +26,7 @@ def random_chunks(ids: list[int], rng: random.Random) -> list[list[int]]:
 def test_chunked_appends_equal_one_shot(arch: str, engines) -> None:
     engine = engines[arch]
     prompt = random_ids(61, seed=7)
-    with engine.open_session() as s:
-        s.append(token_ids=prompt)
-        expected = s.generate(max_tokens=24, stop_token_ids=())
+    expected = greedy(engine, prompt, 24)
     rng = random.Random(0)
     for _ in range(4):
         chunks = random_chunks(prompt, rng)
@@ -81,9 +79,7 @@ def test_closing_a_session_ends_its_running_reply(engines) -> None:
 def test_an_interrupt_after_a_forward_keeps_the_session_consistent(engines, monkeypatch) -> None:
     engine = engines["qwen3_moe"]
     prompt = random_ids(12, seed=15)
-    with engine.open_session() as ref:
-        ref.append(token_ids=prompt)
-        expected = ref.generate(max_tokens=10, stop_token_ids=())
+    expected = greedy(engine, prompt, 10)
     real = type(engine).forward
     calls = {"n": 0}
 
@@ -209,9 +205,7 @@ def test_context_limit_is_a_typed_error_and_generation_stops_there(tmp_path) -> 
 def test_a_failed_forward_leaves_the_session_unchanged(engines, monkeypatch) -> None:
     engine = engines["mixtral"]
     prompt = random_ids(20, seed=11)
-    with engine.open_session() as ref:
-        ref.append(token_ids=prompt)
-        expected = ref.generate(max_tokens=8, stop_token_ids=())
+    expected = greedy(engine, prompt, 8)
     with engine.open_session() as s:
         s.append(token_ids=prompt[:10])
         layer = engine.model.layers[1].mlp

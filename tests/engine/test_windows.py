@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from helpers import random_ids
+from helpers import greedy, random_ids
 
 from streamserve.kernels.reference import visible
 
@@ -38,13 +38,9 @@ def test_absolute_window_equals_transformers_with_a_sink_window_mask(arch, check
 def test_within_the_window_both_modes_equal_the_plain_model(engines) -> None:
     engine = engines["qwen3"]
     ids = random_ids(30, seed=22)
-    with engine.open_session() as plain:
-        plain.append(token_ids=ids)
-        expected = plain.generate(max_tokens=10, stop_token_ids=())
+    expected = greedy(engine, ids, 10)
     for mode in ("absolute", "rolling"):
-        with engine.open_session(window=60, sinks=4, positions=mode) as s:
-            s.append(token_ids=ids)
-            assert s.generate(max_tokens=10, stop_token_ids=()) == expected, mode
+        assert greedy(engine, ids, 10, window=60, sinks=4, positions=mode) == expected, mode
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])

@@ -63,12 +63,17 @@ def test_chat_template_renders(tmp_path: Path) -> None:
     assert out == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
 
 
+def with_jinja_template(folder: Path, template: str) -> Tokenizer:
+    """The byte tokenizer with a chat template in chat_template.jinja (where transformers 5 saves it)."""
+    write_byte_tokenizer(folder)
+    (folder / "chat_template.jinja").write_text(template)
+    return Tokenizer.from_dir(folder)
+
+
 def test_chat_template_from_jinja_file_and_raise_exception(tmp_path: Path) -> None:
-    write_byte_tokenizer(tmp_path)
-    (tmp_path / "chat_template.jinja").write_text(
+    tok = with_jinja_template(tmp_path, (
         "{% if messages[0]['role'] != 'user' %}{{ raise_exception('first message must be user') }}{% endif %}"
-        "{{ messages[0]['content'] | tojson }}")
-    tok = Tokenizer.from_dir(tmp_path)
+        "{{ messages[0]['content'] | tojson }}"))
     assert tok.apply_chat_template([{"role": "user", "content": "é"}]) == '"é"'
     with pytest.raises(ChatTemplateError, match="first message must be user"):
         tok.apply_chat_template([{"role": "system", "content": "x"}])
@@ -94,11 +99,9 @@ def test_detokenizer_context_keeps_sentencepiece_spaces(tmp_path: Path) -> None:
 
 
 def test_chat_templates_may_use_loop_controls_and_tojson_options(tmp_path: Path) -> None:
-    write_byte_tokenizer(tmp_path)
-    (tmp_path / "chat_template.jinja").write_text(
+    tok = with_jinja_template(tmp_path, (
         "{% for m in messages %}{% if m['role'] == 'system' %}{% continue %}{% endif %}{{ m['content'] }}"
-        "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}")
-    tok = Tokenizer.from_dir(tmp_path)
+        "{% if loop.index > 2 %}{% break %}{% endif %}{% endfor %}{{ {'b': 1, 'a': 2} | tojson(sort_keys=True) }}"))
     msgs = [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"},
             {"role": "assistant", "content": "a1"}, {"role": "user", "content": "u2"}]
     assert tok.apply_chat_template(msgs) == 'u1a1{"a": 2, "b": 1}'
