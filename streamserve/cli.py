@@ -90,16 +90,17 @@ def _reply(session: Any, text: str, sampling: SamplingConfig, chat: bool) -> Non
     engine = session.engine
     if chat:  # the rendered template carries its own special tokens (BOS, turn markers)
         text = engine.tokenizer.apply_chat_template([{"role": "user", "content": text}])
+    stream = None
     try:
         session.append(text=text, add_special_tokens=False if chat else None)
-        # the context lets decoders that strip a leading space (SentencePiece) see what came before
-        detok = engine.tokenizer.detokenizer(context=session.token_ids[-8:])
-        for tok in session.iter_generate(sampling.max_tokens, sampling.temperature, sampling.top_p,
-                                         top_k=sampling.top_k):
-            sys.stdout.write(detok.push([tok]))
+        stream = session.stream(sampling.max_tokens, sampling.temperature, sampling.top_p, sampling.top_k)
+        for delta in stream:
+            sys.stdout.write(delta.text)
             sys.stdout.flush()
-        sys.stdout.write(detok.flush())
     except KeyboardInterrupt:
+        if stream is not None:
+            stream.cancel()  # what was generated so far stays in the session
+            stream.wait()
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     sys.stdout.flush()

@@ -41,6 +41,9 @@ class SessionConfig:
         "help": "position numbering with a window: rolling (StreamingLLM, endless) or absolute (model-native, "
                 "up to the context); default: rolling with a window", "choices": ("absolute", "rolling")})
     page_cap: int | None = field(default=None, metadata={"help": "the most KV pages one session may hold"})
+    chunk_budget: float = field(default=0.2, metadata={
+        "help": "seconds from a chunk's capture to its default deadline (one 200 ms chunk period): the "
+                "scheduler orders appends by deadline"})
 
 
 @dataclass(frozen=True)

@@ -1,27 +1,29 @@
 """`Engine`: a loaded model and tokenizer, the global paged KV pool, and the sessions on it.
 
-Admission: a step that cannot get pages parks (offloads to host memory) the least recently active idle
-session and tries again; when no session can be parked it fails with `CapacityError`, having taken
-nothing. A parked session comes back transparently on its next use. Sessions idle past `idle_ttl` are
-closed (checked whenever a session opens, and by `expire_idle()`). One forward runs at a time (a
-lock); every page is counted (`check_integrity`).
+All model work runs on one engine thread (`EngineLoop`): each step batches every session that has work
+into one forward (`run_step`). Admission: a step that cannot get pages parks (offloads to host memory) the
+least recently active idle session and tries again; when no session can be parked that session's item
+fails with `CapacityError`, having taken nothing. A parked session comes back transparently on its next
+use. Sessions idle past `idle_ttl` are closed (checked about once a second by the loop, and whenever a
+session opens). One step runs at a time (a lock); every page is counted (`check_integrity`).
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS
-from streamserve.engine.graphs import MAX_GRAPH_TOKENS, DecodeGraphs
+from streamserve.engine.graphs import DecodeGraphs, graphable
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
     model_fingerprint,
@@ -30,6 +32,9 @@ from streamserve.engine.loading import (
     resolve_kv_bytes,
     resolve_model_path,
 )
+from streamserve.engine.loop import EngineLoop
+from streamserve.engine.metrics import EngineMetrics
+from streamserve.engine.scheduler import SchedulerLimits
 from streamserve.engine.session import Session, SessionState
 from streamserve.engine.snapshot import Snapshot
 from streamserve.errors import CapacityError, InvalidInputError, SnapshotError
@@ -45,7 +50,8 @@ class Engine:
     """Holds the model, tokenizer and KV pool; sessions share them. Thread-safe: one forward at a time."""
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...],
-                 kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None) -> None:
+                 kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None,
+                 limits: SchedulerLimits | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.cfg
@@ -68,7 +74,20 @@ class Engine:
         self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
                           "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
-                          "sessions_expired_total": 0}
+                          "sessions_expired_total": 0, "sessions_failed_total": 0}
+        self.metrics = EngineMetrics(self)
+        self.loop = EngineLoop(self, limits)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        """Stop the engine thread: queued chunks fail, running replies end ("closed"). Sessions stay
+        usable for snapshots; new work is refused."""
+        self.loop.stop()
 
     @classmethod
     def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model,
@@ -78,14 +97,15 @@ class Engine:
                         cuda_graphs: str = ENGINE_DEFAULTS.cuda_graphs,
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
-                        idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl) -> Engine:
+                        idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
+                        limits: SchedulerLimits | None = None) -> Engine:
         """Load "default" (the embedded model) or a Hugging Face checkpoint folder.
 
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
         CUDA + Triton), "on" or "off".
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
-        session is closed (None: never).
+        session is closed (None: never). limits: the scheduler's step budget and queue bounds.
         """
         path = resolve_model_path(model)
         cfg = ModelConfig.from_file(path / "config.json")
@@ -105,7 +125,7 @@ class Engine:
             eos += g if isinstance(g, list) else [g] if g is not None else []
         eos += tokenizer.eos_token_ids
         eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
-        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl)
+        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, limits)
         if cuda_graphs not in ("auto", "on", "off"):
             raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
         if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
@@ -115,19 +135,23 @@ class Engine:
     # ---- sessions -------------------------------------------------------------------------------------
     def open_session(self, window: int | None = SESSION_DEFAULTS.window, sinks: int = SESSION_DEFAULTS.sinks,
                      positions: str | None = SESSION_DEFAULTS.positions, seed: int | None = None,
-                     page_cap: int | None = SESSION_DEFAULTS.page_cap) -> Session:
+                     page_cap: int | None = SESSION_DEFAULTS.page_cap,
+                     chunk_budget: float = SESSION_DEFAULTS.chunk_budget) -> Session:
         """A new persistent session.
 
         window/sinks: keep the first `sinks` and the last `window` tokens (None: everything, up to the
         model's context). positions: "absolute" or "rolling" (default: rolling with a window, else
         absolute). seed: seeds the session's sampling. page_cap: the most KV pages it may hold.
+        chunk_budget: seconds from a chunk's capture to its default deadline.
         """
         self.expire_idle()
         if page_cap is not None and (isinstance(page_cap, bool) or not isinstance(page_cap, int) or page_cap < 1):
             raise InvalidInputError(f"page_cap must be an integer >= 1, got {page_cap!r}")
         policy = WindowPolicy(window=window, sinks=sinks, mode=positions)  # type: ignore[arg-type]
         kv = PagedSessionKV(self.pool, policy, self.config.max_position_embeddings, page_cap)
-        s = Session(self, kv, seed)
+        if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, (int, float)) or not chunk_budget > 0:
+            raise InvalidInputError(f"chunk_budget must be a number of seconds > 0, got {chunk_budget!r}")
+        s = Session(self, kv, seed, float(chunk_budget))
         self._sessions[s.id] = s
         return s
 
@@ -166,20 +190,22 @@ class Engine:
         if self.idle_ttl is None:
             return 0
         now = time.monotonic() if now is None else now
-        stale = [s for s in self.sessions() if s.state != SessionState.RESPONDING and
-                 now - s.last_active > self.idle_ttl]
+        with self.loop.cv:
+            busy = self.loop.scheduler.busy_sessions()
+        stale = [s for s in self.sessions() if s.id not in busy and now - s.last_active > self.idle_ttl]
         for s in stale:
             s.close()
         self._counters["sessions_expired_total"] += len(stale)
         return len(stale)
 
-    def admit(self, session: Session | None, take: Callable[[], None], needed: int) -> None:
+    def admit(self, session: Session | None, take: Callable[[], None], needed: int,
+              busy: Collection[PagedSessionKV] = ()) -> None:
         """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking the
-        least recently active idle sessions one by one until it succeeds. Fails at once, parking nobody,
-        when even parking every idle session would not free enough."""
+        least recently active idle sessions (never one in `busy`: this step's) one by one until it
+        succeeds. Fails at once, parking nobody, when even parking every idle session would not free enough."""
         with self._lock:
             idle = [s for s in self.sessions() if s is not session and s.state == SessionState.OPEN
-                    and s.kv.page_table]
+                    and s.kv.page_table and all(s.kv is not kv for kv in busy)]
             if needed > self.pool.allocator.free_count + sum(len(s.kv.page_table) for s in idle):
                 raise CapacityError(f"this needs {needed} KV pages; the pool ({self.pool.num_pages} pages of "
                                     f"{self.pool.page_size} tokens) has {self.pool.allocator.free_count} free and "
@@ -198,30 +224,90 @@ class Engine:
 
     def forward(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False,
                 session: Session | None = None) -> torch.Tensor:
-        """Run `ids` after the session's committed tokens; commit them only if the forward succeeds.
+        """Run `ids` after the session's committed tokens right now, outside the engine loop (tests and tools;
+        sessions use the loop); commit them only if the forward succeeds.
 
         -> logits [V] of the last token (fp32), or [T, V] with `all_logits`.
         """
-        n = len(ids)
         with self._lock:
-            if kv.parked is not None:
-                self.admit(session, kv.unpark, kv.pages_needed(0))
-            self.admit(session, lambda: kv.begin(n), kv.pages_needed(n))
+            self._begin(session, kv, len(ids), [kv])
             t0 = time.perf_counter()
             try:
-                if self.graphs is not None and n <= MAX_GRAPH_TOKENS:
-                    logits = self.graphs.run(kv, ids, all_logits)
+                if self.graphs is not None and graphable([len(ids)]):
+                    logits = self.graphs.run([kv], [ids], all_logits)
                 else:
                     logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), kv, all_logits)
-                kind = "decode" if n == 1 else "prefill"
-                self._counters[f"{kind}_tokens"] += n
-                self._counters[f"{kind}_seconds"] += time.perf_counter() - t0
-                self._counters["forward_calls"] += 1
+                    logits = logits if all_logits else logits[None]
+                self._count([len(ids)], time.perf_counter() - t0)
             except BaseException:
                 kv.abort()
                 raise
             kv.commit()  # last: nothing after it can fail between the cache and the caller's bookkeeping
+        return logits if all_logits else logits[0]
+
+    def run_step(self, jobs: list[tuple[Session, list[int]]]) -> list[torch.Tensor | BaseException]:
+        """One step of several sessions: each job's ids run after its session's committed tokens, all in one
+        forward. -> per job the logits [V] of its last token, or the exception that failed it (that job's
+        step is undone; the others are unaffected: after a failed batched forward each job runs alone)."""
+        with self._lock:
+            busy = [s.kv for s, _ in jobs]
+            out: list[torch.Tensor | BaseException | None] = [None] * len(jobs)
+            ready = [i for i in range(len(jobs)) if self._try_begin(jobs[i], busy, out, i)]
+            try:
+                logits = self._forward_planned([jobs[i] for i in ready]) if ready else None
+            except Exception as e:
+                for i in ready:
+                    jobs[i][0].kv.abort()
+                if len(ready) == 1:
+                    out[ready[0]] = e
+                else:
+                    for i in ready:  # find the job that fails: each runs alone
+                        if self._try_begin(jobs[i], busy, out, i):
+                            try:
+                                out[i] = self._forward_planned([jobs[i]])[0]
+                                jobs[i][0].kv.commit()
+                            except Exception as e1:
+                                jobs[i][0].kv.abort()
+                                out[i] = e1
+            else:
+                for j, i in enumerate(ready):
+                    jobs[i][0].kv.commit()
+                    out[i] = logits[j]  # type: ignore[index]
+        return out  # type: ignore[return-value]
+
+    def _begin(self, session: Session | None, kv: PagedSessionKV, n: int, busy: list[PagedSessionKV]) -> None:
+        if kv.parked is not None:
+            self.admit(session, kv.unpark, kv.pages_needed(0), busy)
+        self.admit(session, lambda: kv.begin(n), kv.pages_needed(n), busy)
+
+    def _try_begin(self, job: tuple[Session, list[int]], busy: list[PagedSessionKV],
+                   out: list[torch.Tensor | BaseException | None], i: int) -> bool:
+        try:
+            self._begin(job[0], job[0].kv, len(job[1]), busy)
+            return True
+        except Exception as e:
+            out[i] = e
+            return False
+
+    def _forward_planned(self, jobs: list[tuple[Session, list[int]]]) -> torch.Tensor:
+        """The planned (`begin`) steps of `jobs` in one forward -> logits [n, V] of each job's last token."""
+        t0 = time.perf_counter()
+        kvs, ids = [s.kv for s, _ in jobs], [i for _, i in jobs]
+        if self.graphs is not None and graphable([len(i) for i in ids]):
+            logits = self.graphs.run(kvs, ids)
+        else:
+            flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=self.device)
+            rows = list(itertools.accumulate(len(i) for i in ids))
+            logits = self.model.forward_batch(flat, kvs, [r - 1 for r in rows])
+        self._count([len(i) for i in ids], time.perf_counter() - t0)
         return logits
+
+    def _count(self, widths: list[int], seconds: float) -> None:
+        c = self._counters
+        c["decode_tokens"] += sum(1 for w in widths if w == 1)
+        c["prefill_tokens"] += sum(w for w in widths if w > 1)
+        c["decode_seconds" if all(w == 1 for w in widths) else "prefill_seconds"] += seconds
+        c["forward_calls"] += 1
 
     # ---- accounting -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -1,15 +1,15 @@
-"""CUDA-graph decode: small steps (1 to 8 tokens: decode and draft-verification widths) replayed from
-captured graphs over fixed-size buffers.
+"""CUDA-graph decode: small steps (1 to 8 sessions of 1 to 8 tokens each: batched decode and draft-verification
+widths) replayed from captured graphs over fixed-size buffers.
 
-A step's shapes change with the session (how many keys it reads), so each step is padded to a bucket:
-the key list to the next power of two (at least 64) with padding positions past any query (masked as
-"future" keys) and slot 0. Per (bucket, tokens, all-logits, window policy) one graph is captured the
-first time and replayed after: the step's ids, positions and slots are copied into the static buffers,
-the graph runs, the logits are copied out. Nothing in a captured step syncs to the host (top-k ids,
-the rolling base and the split-KV merge all stay on the device).
+A step's shapes change with its sessions (how many keys each reads), so each step is padded to a bucket: every
+session's key list to the same next power of two (at least 64) over the longest, with padding positions past
+any query (masked as "future" keys) and slot 0. Per (sessions, bucket, tokens per session, all-logits, window
+policies) one graph is captured the first time and replayed after: the step's ids, positions and slots are
+copied into the static buffers, the graph runs, the logits are copied out. Nothing in a captured step syncs to
+the host (top-k ids, the rolling base and the split-KV merge all stay on the device).
 
-On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer steps run
-eagerly, which is how the tests check that padding and fixed shapes change no result.
+On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer steps run eagerly, which
+is how the tests check that padding and fixed shapes change no result.
 """
 
 from __future__ import annotations
@@ -21,12 +21,13 @@ import torch
 
 from streamserve.kernels.reference import PagedKeys
 from streamserve.models import CausalLM
-from streamserve.sessions import PagedSessionKV, WindowPolicy
+from streamserve.sessions import PagedSessionKV
 
 log = logging.getLogger("streamserve")
 
 MIN_BUCKET = 64
-MAX_GRAPH_TOKENS = 8  # the widest step replayed from a graph (a draft of 7 plus the bonus token)
+MAX_GRAPH_TOKENS = 8  # the widest per-session step replayed from a graph (a draft of 7 plus the bonus token)
+MAX_GRAPH_BATCH = 8  # the most sessions in a step replayed from a graph
 PAD_POSITION = 1 << 62  # a key position no query reaches: masked as a future key
 
 
@@ -68,61 +69,77 @@ MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first): cli
 
 @dataclass
 class _Entry:
-    kv: StaticStepKV
-    ids: torch.Tensor  # [T]
-    all_logits: bool
-    logits: torch.Tensor | None = None  # [V] or [T, V], written by each replay
+    kvs: list[StaticStepKV]
+    ids: torch.Tensor  # [N] the sessions' tokens, concatenated
+    rows: torch.Tensor | None  # [n] the last token of each session (None: all-logits)
+    logits: torch.Tensor | None = None  # [n, V] or [N, V], written by each replay
     graph: torch.cuda.CUDAGraph | None = None
     failed: bool = False  # capture failed once: this step shape runs eagerly from now on
+
+    def forward(self, model: CausalLM) -> torch.Tensor:
+        return model.forward_batch(self.ids, self.kvs, self.rows)  # type: ignore[arg-type]
+
+
+def graphable(widths: list[int]) -> bool:
+    """Whether a step of sessions taking these numbers of tokens can be replayed from a graph."""
+    return 0 < len(widths) <= MAX_GRAPH_BATCH and all(0 < w <= MAX_GRAPH_TOKENS for w in widths)
 
 
 class DecodeGraphs:
     def __init__(self, model: CausalLM, capture: bool) -> None:
         self.model, self.capture = model, capture
-        self._entries: dict[tuple[int, int, bool, WindowPolicy], _Entry] = {}
+        self._entries: dict[tuple, _Entry] = {}
 
     @property
     def captured(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
 
-    def run(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False) -> torch.Tensor:
-        """The logits ([V], or [T, V] with `all_logits`) of a planned step of `kv` over `ids`
-        (1 <= T <= MAX_GRAPH_TOKENS); the caller commits or aborts it."""
-        key = (bucket_for(kv.k_pos.shape[0]), len(ids), all_logits, kv.policy)
+    def run(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+        """The logits of a planned step (after `kv.begin`) of the sessions `kvs` over `ids` (`graphable`
+        widths): [n, V] for each session's last token, or [T, V] with `all_logits` (one session only).
+        The caller commits or aborts each session's step."""
+        widths = tuple(len(i) for i in ids)
+        assert graphable(list(widths)) and (not all_logits or len(kvs) == 1)
+        bucket = bucket_for(max(kv.k_pos.shape[0] for kv in kvs))
+        key = (bucket, widths, all_logits, tuple(kv.policy for kv in kvs))
         entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order
         if entry is None:
             if len(self._entries) >= MAX_GRAPHS:
                 self._entries.pop(next(iter(self._entries)))
-            entry = _Entry(StaticStepKV(kv, key[0], len(ids)),
-                                                torch.zeros(len(ids), dtype=torch.long, device=kv.pool.device),
-                                                all_logits)
+            dev = kvs[0].pool.device
+            last = torch.tensor(widths, dtype=torch.long).cumsum(0) - 1
+            entry = _Entry([StaticStepKV(kv, bucket, w) for kv, w in zip(kvs, widths, strict=True)],
+                           torch.zeros(sum(widths), dtype=torch.long, device=dev),
+                           None if all_logits else last.to(dev))
         self._entries[key] = entry
-        entry.kv.load(kv)
-        entry.ids.copy_(torch.tensor(ids, dtype=torch.long))
+        for static, kv in zip(entry.kvs, kvs, strict=True):
+            static.load(kv)
+        entry.ids.copy_(torch.tensor([t for i in ids for t in i], dtype=torch.long))
         if not self.capture or entry.failed:
-            return self.model(entry.ids, entry.kv, all_logits)
+            return entry.forward(self.model)
         if entry.graph is None:
             try:
                 self._capture(entry)
             except Exception as e:  # e.g. an op that syncs to the host: run this shape eagerly for good
                 log.warning("CUDA graph capture failed for %s, running it eagerly: %s", key[:3], e)
                 entry.failed, entry.graph = True, None
-                entry.kv.load(kv)  # the failed capture may have left the buffers half-written
-                return self.model(entry.ids, entry.kv, all_logits)
+                for static, kv in zip(entry.kvs, kvs, strict=True):
+                    static.load(kv)  # the failed capture may have left the buffers half-written
+                return entry.forward(self.model)
         assert entry.graph is not None and entry.logits is not None
         entry.graph.replay()
         return entry.logits.clone()
 
     def _capture(self, entry: _Entry) -> None:
         # warm up on a side stream (Triton compiles, allocator settles), then capture; the warm-up writes
-        # this step's own key/value slot, which the replay writes again
+        # this step's own key/value slots, which the replay writes again
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             for _ in range(2):
-                self.model(entry.ids, entry.kv, entry.all_logits)
+                entry.forward(self.model)
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):  # other threads may run eagerly
-            entry.logits = self.model(entry.ids, entry.kv, entry.all_logits)
+            entry.logits = entry.forward(self.model)
         entry.graph = graph

@@ -1,13 +1,17 @@
 """`Session`: a persistent conversation whose KV cache stays on the device between chunks.
 
-Each `append` runs only the new tokens against the cached prefix. Generated tokens join the session
-too; the last one enters the KV lazily, with the next append or generate, so a reply costs exactly one
-forward per generated token. `token_ids` is the one record of the session; the tokens not yet in the
-KV are always `token_ids[kv.length:]`, so an exception or interrupt anywhere leaves the two consistent.
+The methods here validate input (typed errors at the call) and submit work to the engine loop, which
+runs every session's chunks and replies on one thread (`loop.py`). Each appended chunk runs only its
+new tokens against the cached prefix. Generated tokens join the session too; the last one enters the KV
+lazily, with the next append or reply step, so a reply costs exactly one forward per generated token.
+`token_ids` is the one record of the session; the tokens not yet in the KV are always
+`token_ids[kv.length:]`.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import enum
 import math
 import secrets
@@ -15,20 +19,25 @@ import threading
 import time
 import weakref
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
-from streamserve.engine.sampling import check_sampling, sample
+from streamserve.config import SESSION_DEFAULTS
+from streamserve.engine.sampling import check_sampling
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
+from streamserve.engine.streams import Outbox, ResponseStream
+from streamserve.engine.work import CHUNK_KINDS, Ack, Chunk, ChunkKind, Response
 from streamserve.errors import (
     ContextLengthError,
     EmptyAppendError,
     InvalidInputError,
     RewindError,
     SessionClosedError,
+    StreamserveError,
     TokenOutOfRangeError,
 )
 from streamserve.sessions import PagedSessionKV
@@ -44,23 +53,41 @@ class SessionState(enum.Enum):
     CLOSED = "closed"
 
 
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def _check_stop_strings(stop: Sequence[str] | None) -> list[str]:
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or len(stop) > MAX_STOP_STRINGS:
+        raise InvalidInputError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+    for s in stop:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise InvalidInputError(f"each stop string must be a non-empty str of at most {MAX_STOP_CHARS} "
+                                    f"characters, got {s!r}")
+    return list(stop)
+
+
 def _release_locked(lock: threading.RLock, kv: PagedSessionKV) -> None:
     with lock:
         kv.release()
 
 
 class Session:
-    def __init__(self, engine: Engine, kv: PagedSessionKV, seed: int | None = None) -> None:
+    def __init__(self, engine: Engine, kv: PagedSessionKV, seed: int | None = None,
+                 chunk_budget: float = SESSION_DEFAULTS.chunk_budget) -> None:
         self.id = secrets.token_urlsafe(16)
         self.engine = engine
         self.kv = kv
         self.token_ids: list[int] = []  # everything appended or generated, in order
         self.timeline: list[ChunkRecord] = []
         self.last_active = time.monotonic()
+        self.chunk_budget = chunk_budget  # seconds from capture to the default deadline of a chunk
         self._next_seq = 0
-        self._responding = False
-        self._reply: Iterator[int] | None = None  # the reply being generated, if any
-        self._reply_start = 0
+        self._submit_lock = threading.Lock()
         self._logits: torch.Tensor | None = None  # [V] after the first `_logits_at` tokens
         self._logits_at = -1
         self._generator = torch.Generator(device=engine.device)
@@ -87,7 +114,10 @@ class Session:
             return SessionState.CLOSED
         if self.kv.parked is not None:
             return SessionState.PARKED
-        return SessionState.RESPONDING if self._responding else SessionState.OPEN
+        loop = self.engine.loop
+        with loop.cv:
+            responding = loop.scheduler.responding(self.id)
+        return SessionState.RESPONDING if responding else SessionState.OPEN
 
     @property
     def _pending(self) -> list[int]:
@@ -101,37 +131,85 @@ class Session:
     # ---- input ----------------------------------------------------------------------------------------
     def append(self, text: str | None = None, token_ids: Sequence[int] | None = None,
                add_special_tokens: bool | None = None, seq: int | None = None, capture_time: float | None = None,
-               deadline: float | None = None) -> int:
-        """Append a chunk of text or token ids; returns the number of tokens appended.
+               deadline: float | None = None, kind: ChunkKind = "text") -> int:
+        """Append a chunk of text or token ids and wait until it is in the KV cache; -> tokens appended.
 
         `add_special_tokens` (text only): run the tokenizer's post-processor (e.g. add BOS). None means
         yes for the first chunk of a session and no after it; pass False for chat-templated text, which
-        carries its own special tokens. `seq` (default: the next number) must grow from chunk to chunk;
-        it and `capture_time`/`deadline` are kept on the session's timeline.
+        carries its own special tokens. `seq` (default: the next number) must grow from chunk to chunk.
+        `capture_time` and `deadline` are seconds on the engine's clock (`time.monotonic()`); the deadline
+        defaults to capture time + the session's `chunk_budget`, and orders the work of all sessions.
+        `kind` "video" marks a chunk the engine may shed under overload (0 tokens appended then).
         """
+        return self.append_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind).tokens
+
+    def append_chunk(self, text: str | None = None, token_ids: Sequence[int] | None = None,
+                     add_special_tokens: bool | None = None, seq: int | None = None,
+                     capture_time: float | None = None, deadline: float | None = None,
+                     kind: ChunkKind = "text") -> Ack:
+        """`append`, returning the chunk's `Ack` (seq, tokens, queue and compute ms, missed deadline, shed)."""
+        if self.engine.loop.in_engine_thread():
+            raise RuntimeError("a session's blocking append cannot run on the engine thread")
+        return self._submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind).result()
+
+    async def append_async(self, text: str | None = None, token_ids: Sequence[int] | None = None,
+                           add_special_tokens: bool | None = None, seq: int | None = None,
+                           capture_time: float | None = None, deadline: float | None = None,
+                           kind: ChunkKind = "text") -> int:
+        """`append` for asyncio: bad input raises at the call; resolves when the chunk is in the KV."""
+        fut = self._submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind)
+        return (await asyncio.wrap_future(fut)).tokens
+
+    async def append_chunk_async(self, text: str | None = None, token_ids: Sequence[int] | None = None,
+                                 add_special_tokens: bool | None = None, seq: int | None = None,
+                                 capture_time: float | None = None, deadline: float | None = None,
+                                 kind: ChunkKind = "text") -> Ack:
+        fut = self._submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind)
+        return await asyncio.wrap_future(fut)
+
+    def _submit_chunk(self, text: str | None, token_ids: Sequence[int] | None, add_special_tokens: bool | None,
+                      seq: int | None, capture_time: float | None, deadline: float | None,
+                      kind: ChunkKind) -> Future[Ack]:
         self._check_open()
         if (text is None) == (token_ids is None):
             raise InvalidInputError("append takes exactly one of text= or token_ids=")
-        if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < self._next_seq):
-            raise InvalidInputError(f"chunk seq {seq!r} is out of order: the next seq must be >= {self._next_seq}")
         for name, t in (("capture_time", capture_time), ("deadline", deadline)):
-            if t is not None and (not isinstance(t, (int, float)) or not math.isfinite(t)):
+            if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
                 raise InvalidInputError(f"{name} must be a finite number, got {t!r}")
-        if text is not None:
-            if not isinstance(text, str):
-                raise InvalidInputError(f"text must be a str, got {type(text).__name__}")
-            special = not self.token_ids if add_special_tokens is None else add_special_tokens
-            ids = self.engine.tokenizer.encode(text, add_special_tokens=special)
-        else:
-            ids = self._check_ids(token_ids)
-        if not ids:
-            raise EmptyAppendError("append got an empty chunk; send at least one token or character")
-        start = len(self.token_ids)
-        self._run(ids)
-        seq = self._next_seq if seq is None else seq
-        self._next_seq = seq + 1
-        self.timeline.append(ChunkRecord("input", seq, start, len(self.token_ids), capture_time, deadline))
-        return len(ids)
+        if kind not in CHUNK_KINDS:
+            raise InvalidInputError(f"chunk kind must be one of {list(CHUNK_KINDS)}, got {kind!r}")
+        loop = self.engine.loop
+        with self._submit_lock:  # seq numbers and first-chunk special tokens follow the submission order
+            if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < self._next_seq):
+                raise InvalidInputError(f"chunk seq {seq!r} is out of order: the next seq must be >= {self._next_seq}")
+            if text is not None:
+                if not isinstance(text, str):
+                    raise InvalidInputError(f"text must be a str, got {type(text).__name__}")
+                first = not self.token_ids and not loop.scheduler.queued_chunks(self.id)
+                ids = self.engine.tokenizer.encode(text, add_special_tokens=first if add_special_tokens is None
+                                                   else add_special_tokens)
+            else:
+                ids = self._check_ids(token_ids)
+            if not ids:
+                raise EmptyAppendError("append got an empty chunk; send at least one token or character")
+            self._check_context(len(ids))
+            now = time.monotonic()
+            capture = now if capture_time is None else float(capture_time)
+            seq = self._next_seq if seq is None else seq
+            chunk = Chunk(self.id, seq, ids, kind, now, capture,
+                          capture + self.chunk_budget if deadline is None else float(deadline), ticket=Future())
+            loop.submit(chunk)
+            self._next_seq = seq + 1
+            self.last_active = now
+        return chunk.ticket
+
+    def _check_context(self, n: int) -> None:
+        """ContextLengthError unless n more tokens fit after the session (absolute positions only)."""
+        limit = self.engine.config.max_position_embeddings
+        if not self.kv.rolling and len(self.token_ids) + n > limit:
+            raise ContextLengthError(f"appending {n} tokens to a session of {len(self.token_ids)} would exceed the "
+                                     f"model's context of {limit}; rewind, or open the session with a window for "
+                                     "endless streams")
 
     def _check_ids(self, token_ids: Sequence[int] | None) -> list[int]:
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
@@ -146,83 +224,61 @@ class Session:
             ids.append(i)
         return ids
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
-        self.last_active = time.monotonic()
-        return self.engine.forward(self.kv, ids, session=self)
-
-    def _run(self, ids: list[int]) -> None:
-        """Forward pending + ids; on success they join the session and the logits of the last one are kept."""
-        if self.kv.length > len(self.token_ids):  # an interrupt lost a committed step's bookkeeping
-            self.kv.truncate(len(self.token_ids))
-        chunk = self._pending + ids
-        limit = self.engine.config.max_position_embeddings
-        if not self.kv.rolling and self.kv.length + len(chunk) > limit:
-            raise ContextLengthError(f"appending {len(ids)} tokens to a session of {len(self.token_ids)} "
-                                     f"would exceed the model's context of {limit}; rewind, or open the session "
-                                     "with a window for endless streams")
-        logits = self._forward(chunk)
-        self.token_ids.extend(ids)
-        self._logits, self._logits_at = logits, self.kv.length
-
-    def _catch_up(self) -> torch.Tensor:
-        """The logits after the whole session, running the pending token first if there is one."""
-        if not self._pending and self._logits_at != len(self.token_ids):
-            # an interrupt landed between a forward and its bookkeeping: run the last token again
-            self.kv.truncate(self.kv.length - 1)
-        if self._pending:
-            self._logits = self._forward(self._pending)
-            self._logits_at = self.kv.length
-        assert self._logits is not None
-        return self._logits
-
     # ---- output ---------------------------------------------------------------------------------------
+    def stream(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature, top_p: float = SD.top_p,
+               top_k: int = SD.top_k, seed: int | None = SD.seed, stop: Sequence[str] | None = None,
+               stop_token_ids: Sequence[int] | None = None) -> ResponseStream:
+        """Request a reply; iterate the returned stream (`async for` or `for`) for its `Delta`s.
+
+        It starts after the chunks appended before it. Ends after `max_tokens`, at a stop token
+        (`stop_token_ids`, default the model's EOS ids; `()` never stops early; the stop token is
+        delivered), before a stop string of `stop` (not delivered in the text), at the model's context, or
+        at `cancel()`. Bad parameters, a closed session or a reply already running raise here."""
+        self._check_open()
+        check_sampling(max_tokens, temperature, top_p, top_k)
+        stops = tuple(_check_stop_strings(stop))
+        stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
+                             else self._check_ids(list(stop_token_ids)))
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise InvalidInputError(f"seed must be an integer, got {seed!r}")
+        if not self.token_ids and not self.engine.loop.scheduler.queued_chunks(self.id):
+            raise InvalidInputError("a reply needs at least one appended token first")
+        gen = self._generator if seed is None else torch.Generator(device=self.engine.device).manual_seed(seed)
+        r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops, gen,
+                     time.monotonic(), outbox=Outbox())
+        self.engine.loop.submit(r)
+        self.last_active = r.arrival
+        return ResponseStream(self, r)
+
     def iter_generate(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                       top_p: float = SD.top_p, seed: int | None = SD.seed,
                       stop_token_ids: Sequence[int] | None = None, top_k: int = SD.top_k) -> Iterator[int]:
-        """Yield generated token ids one by one. Stops after `max_tokens`, at a stop token (yielded), or
-        at the model's context. `stop_token_ids=None` means the model's EOS ids; `()` never stops early."""
-        self._check_open()
-        check_sampling(max_tokens, temperature, top_p, top_k)
-        if not self.token_ids:
-            raise InvalidInputError("generate needs at least one appended token first")
-        stops = set(self.engine.eos_token_ids if stop_token_ids is None else stop_token_ids)
-        gen = self._generator if seed is None else torch.Generator(device=self.engine.device).manual_seed(seed)
-        self._end_reply()  # one reply at a time: a new one ends the previous
-        self._reply = self._generate(max_tokens, temperature, top_p, top_k, gen, stops)
-        return self._reply
+        """Generate a reply, yielding its token ids as they come (the reply runs ahead of the iteration).
+        Closing the iterator early cancels the reply. `stop_token_ids=None` means the model's EOS ids."""
+        stream = self.stream(max_tokens, temperature, top_p, top_k, seed, stop_token_ids=stop_token_ids)
+        return self._tokens_of(stream)
 
-    def _end_reply(self) -> None:
-        """Stop a reply in progress (its tokens so far stay in the session)."""
-        reply, self._reply = self._reply, None
-        if reply is not None:
-            reply.close()  # type: ignore[attr-defined]
-
-    def _generate(self, max_tokens: int, temperature: float, top_p: float, top_k: int, gen: torch.Generator,
-                  stops: set[int]) -> Iterator[int]:
-        limit = None if self.kv.rolling else self.engine.config.max_position_embeddings
-        start = self._reply_start = len(self.token_ids)
-        self._responding = True
+    def _tokens_of(self, stream: ResponseStream) -> Iterator[int]:
         try:
-            for _ in range(max_tokens):
-                self._check_open()
-                if limit is not None and len(self.token_ids) >= limit:  # the context is full: the reply ends
-                    return
-                tok = sample(self._catch_up(), temperature, top_p, gen, top_k)
-                self.token_ids.append(tok)  # pending from here on: it enters the KV with the next forward
-                yield tok
-                if tok in stops:
-                    return
+            for d in stream:
+                yield from d.token_ids
         finally:
-            self._responding = False
-            self.last_active = time.monotonic()
-            if len(self.token_ids) > start:
-                self.timeline.append(ChunkRecord("reply", None, start, len(self.token_ids)))
+            if stream.finish_reason is None:  # closed early (break, Ctrl-C): stop the reply and wait for its end
+                self.cancel()
+                with contextlib.suppress(StreamserveError):
+                    stream.wait()
 
     def generate(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                  top_p: float = SD.top_p, seed: int | None = SD.seed,
                  stop_token_ids: Sequence[int] | None = None, top_k: int = SD.top_k) -> list[int]:
         """Generate a reply; the tokens are returned and also become part of the session."""
         return list(self.iter_generate(max_tokens, temperature, top_p, seed, stop_token_ids, top_k))
+
+    def cancel(self) -> None:
+        """Barge-in: end the running reply (and any queued one) within one engine step. What it produced
+        stays in the session (`rewind` can drop it). Queued chunks are unaffected."""
+        if not self.closed:
+            self.engine.loop.cancel(self.id)
 
     # ---- rewind, park, snapshot -----------------------------------------------------------------------
     def rewind(self, to: int | None = None, to_seq: int | None = None) -> int:
@@ -236,7 +292,11 @@ class Session:
             return self._rewind(to, to_seq)
 
     def _rewind(self, to: int | None, to_seq: int | None) -> int:
-        self._end_reply()  # a reply in progress ends here: its timeline record is written, then cut
+        loop = self.engine.loop
+        with loop.cv:
+            if loop.scheduler.queued_chunks(self.id):
+                raise RewindError("this session has chunks still queued; wait for their acks, then rewind")
+            loop.scheduler.cancel(self.id)  # a reply in progress ends here (in the next step); its tokens are cut
         if to_seq is not None:
             rec = next((r for r in self.timeline if r.kind == "input" and r.seq == to_seq), None)
             if rec is None:
@@ -273,14 +333,12 @@ class Session:
         self._check_open()
         with self.engine._lock:
             pages = self.kv.parked if self.kv.parked is not None else self.kv.to_host()
-        timeline = list(self.timeline)
-        if self._responding and len(self.token_ids) > self._reply_start:  # the reply so far
-            timeline.append(ChunkRecord("reply", None, self._reply_start, len(self.token_ids)))
-        snap = Snapshot(model=self.engine.fingerprint, model_name=self.engine.name, page_size=self.kv.pool.page_size,
-                        policy=self.kv.policy, token_ids=list(self.token_ids), timeline=timeline,
-                        kv_length=self.kv.length, pages=pages,
-                        logits=None if self._logits is None else self._logits.detach().cpu().clone(),
-                        logits_at=self._logits_at, next_seq=self._next_seq, page_cap=self.kv.page_cap)
+            # between steps: a running reply's timeline record is current
+            snap = Snapshot(model=self.engine.fingerprint, model_name=self.engine.name,
+                            page_size=self.kv.pool.page_size, policy=self.kv.policy, token_ids=list(self.token_ids),
+                            timeline=list(self.timeline), kv_length=self.kv.length, pages=pages,
+                            logits=None if self._logits is None else self._logits.detach().cpu().clone(),
+                            logits_at=self._logits_at, next_seq=self._next_seq, page_cap=self.kv.page_cap)
         return snap.save(path) if path is not None else snap
 
     def _load_state(self, snap: Snapshot) -> None:
@@ -292,11 +350,17 @@ class Session:
         self._logits_at = snap.logits_at
 
     def close(self) -> None:
-        """Free the session's KV memory. Closing twice is harmless."""
-        if not self.closed:
-            self._end_reply()
+        """Free the session's KV memory: a running reply ends ("closed"), queued chunks fail with
+        SessionClosedError. Closing twice is harmless."""
+        self._close()
+
+    def _close(self, drop: bool = True) -> None:
+        if self.closed:
+            return
+        with self.engine._lock:  # between steps
             self.closed = True
-            with self.engine._lock:
-                self.kv.release()
-                self.kv.parked = None
-            self.engine._release(self)
+            if drop:
+                self.engine.loop.drop_session(self.id)
+            self.kv.release()
+            self.kv.parked = None
+        self.engine._release(self)

@@ -1,9 +1,11 @@
 """The decoder-only transformer every supported checkpoint maps onto.
 
-One sequence per forward (batch 1): `forward(ids [T], kv)` runs T new tokens (at positions `kv.q_pos`) against
-the session's cached prefix. All compute goes through the op layer (`self.ops`), so a kernel backend
-swap touches no code here. Projections that read the same input are fused at load time
-(q|k|v into `qkv_proj`, gate|up into `gate_up_proj`): fewer, larger matmuls at batch 1.
+`forward(ids [T], kv)` runs T new tokens of one session (at positions `kv.q_pos`) against its cached prefix;
+`forward_batch(ids [N], kvs)` runs several sessions' tokens, concatenated, in one pass: every projection, norm
+and MoE layer sees all N tokens at once, and only attention runs per session (each over its own pages). All
+compute goes through the op layer (`self.ops`), so a kernel backend swap touches no code here. Projections
+that read the same input are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`): fewer,
+larger matmuls at batch 1.
 """
 
 from __future__ import annotations
@@ -60,20 +62,34 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(h * hd))
             self.k_norm = nn.Parameter(torch.ones(kvh * hd))
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, ops: Ops) -> torch.Tensor:
-        """x [T, D] -> [T, D]."""
-        cfg, t = self.cfg, x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [T, H*hd], [T, KVH*hd], [T, KVH*hd]
+    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops) -> torch.Tensor:
+        """x [N, D] (the sessions' tokens, in the order of `kvs`) -> [N, D]."""
+        cfg, n = self.cfg, x.shape[0]
+        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [N, H*hd], [N, KVH*hd], [N, KVH*hd]
         if cfg.qk_norm == "full":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
             c = cfg.clip_qkv
             q, k, v = q.clamp(-c, c), k.clamp(-c, c), v.clamp(-c, c)
-        q = q.reshape(t, cfg.num_heads, cfg.head_dim)
-        k = k.reshape(t, cfg.num_kv_heads, cfg.head_dim)
-        v = v.reshape(t, cfg.num_kv_heads, cfg.head_dim)
+        q = q.reshape(n, cfg.num_heads, cfg.head_dim)
+        k = k.reshape(n, cfg.num_kv_heads, cfg.head_dim)
+        v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        if len(kvs) == 1:
+            out = self._attend(q, k, v, ropes[0], kvs[0], ops)
+        else:
+            outs, start = [], 0
+            for rope, kv in zip(ropes, kvs, strict=True):
+                end = start + kv.q_pos.shape[0]
+                outs.append(self._attend(q[start:end], k[start:end], v[start:end], rope, kv, ops))
+                start = end
+            out = torch.cat(outs)
+        return self.o_proj(out)
+
+    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, kv: LayerKV,
+                ops: Ops) -> torch.Tensor:
+        """One session's T tokens: q [T, H, hd], k/v [T, KVH, hd] -> [T, H*hd]."""
         pol = kv.policy
         if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
             paged = kv.update(self.layer, k, v)
@@ -84,7 +100,7 @@ class Attention(nn.Module):
             q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
             paged = kv.update(self.layer, k, v)
             out = ops.attention(q, paged, kv.q_pos, self.scale, self.window, pol.sinks, pol.window)
-        return self.o_proj(out)
+        return out.reshape(q.shape[0], -1)
 
 
 class DenseMLP(nn.Module):
@@ -124,9 +140,9 @@ class DecoderLayer(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
 
-    def forward(self, x: torch.Tensor, rope: Rope, kv: LayerKV, ops: Ops) -> torch.Tensor:
-        h, normed = ops.add_rms_norm(x, self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), rope, kv, ops),
-                                     self.post_attention_layernorm, self.eps)
+    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops) -> torch.Tensor:
+        attn = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), ropes, kvs, ops)
+        h, normed = ops.add_rms_norm(x, attn, self.post_attention_layernorm, self.eps)
         return h + self.mlp(normed, ops)
 
 
@@ -146,16 +162,33 @@ class CausalLM(nn.Module):
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, kv: LayerKV, all_logits: bool = False) -> torch.Tensor:
         """ids [T] at positions kv.q_pos -> logits [T, V] if `all_logits` else [V] for the last token (fp32)."""
-        ops = self.ops
-        x = self.embed_tokens(ids)  # [T, D]
-        if kv.rolling:  # rotations happen inside attention, the same for every layer
-            assert kv.policy.window is not None
-            rope = Rope(x.new_empty(0), x.new_empty(0), ops.rolling_rope(
-                kv.q_pos, kv.k_pos, self.inv_freq, self.rope_scaling, kv.policy.sinks, kv.policy.window, x.dtype))
-        else:
-            cos, sin = ops.rope_cos_sin(kv.q_pos, self.inv_freq, self.rope_scaling, x.dtype)  # [T, hd]
-            rope = Rope(cos, sin, None)
-        for layer in self.layers:
-            x = layer(x, rope, kv, ops)
-        logits = self.lm_head(ops.rms_norm(x if all_logits else x[-1:], self.norm, self.cfg.rms_norm_eps)).float()
+        logits = self.forward_batch(ids, [kv], None if all_logits else [ids.shape[0] - 1])
         return logits if all_logits else logits[0]
+
+    @torch.inference_mode()
+    def forward_batch(self, ids: torch.Tensor, kvs: list[LayerKV],
+                      rows: list[int] | torch.Tensor | None = None) -> torch.Tensor:
+        """ids [N]: the new tokens of each session of `kvs` in turn (session i's at positions kvs[i].q_pos)
+        -> logits [R, V] (fp32) of the tokens at `rows` (R indices; a device tensor keeps a captured graph
+        free of host copies; None: all N)."""
+        ops = self.ops
+        x = self.embed_tokens(ids)  # [N, D]
+        ropes = [self._rope(kv, x.dtype) for kv in kvs]
+        for layer in self.layers:
+            x = layer(x, ropes, kvs, ops)
+        if isinstance(rows, torch.Tensor):
+            x = x.index_select(0, rows)
+        elif rows is not None:
+            x = x[rows[0]:rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, device=x.device)]
+        return self.lm_head(ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+    def _rope(self, kv: LayerKV, dtype: torch.dtype) -> Rope:
+        """The rotations of one session's step, shared by every layer."""
+        ops = self.ops
+        if kv.rolling:  # rotations happen inside attention
+            assert kv.policy.window is not None
+            empty = torch.empty(0, dtype=dtype, device=kv.q_pos.device)
+            return Rope(empty, empty, ops.rolling_rope(kv.q_pos, kv.k_pos, self.inv_freq, self.rope_scaling,
+                                                       kv.policy.sinks, kv.policy.window, dtype))
+        cos, sin = ops.rope_cos_sin(kv.q_pos, self.inv_freq, self.rope_scaling, dtype)  # [T, hd]
+        return Rope(cos, sin, None)

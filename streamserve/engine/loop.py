@@ -1,0 +1,187 @@
+"""The engine loop: one thread that serves every session, step after step.
+
+    plan = scheduler.schedule()      # which sessions run how many tokens (pure Python)
+    out = runner.execute(plan)       # one batched forward + sampling
+    events = scheduler.update(plan, out)
+    deliver(events)                  # acks to futures, deltas to outboxes: never blocking
+
+Callers (the sync API, asyncio front ends) only `submit` work and `cancel`; both take the loop's lock
+briefly and never wait for a step. A step holds the engine lock from schedule to update, so
+out-of-band operations (rewind, snapshot, park, close) always see a session between steps. The loop
+sleeps when there is no work and checks idle sessions' TTL about once a second.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING
+
+from streamserve.engine.runner import Runner
+from streamserve.engine.scheduler import Scheduler, SchedulerLimits, StepError
+from streamserve.engine.streams import Delta, End
+from streamserve.engine.work import (
+    Chunk,
+    ChunkAcked,
+    ChunkFailed,
+    Event,
+    ItemResult,
+    Plan,
+    Response,
+    ResponseDone,
+    ResponseFailed,
+    SessionFailed,
+    StepOutput,
+    TokenProduced,
+)
+from streamserve.errors import InvalidInputError, SessionClosedError
+
+if TYPE_CHECKING:
+    from streamserve.engine.engine import Engine
+
+log = logging.getLogger("streamserve")
+
+IDLE_CHECK_SECONDS = 1.0
+
+
+class ResponseInProgressError(InvalidInputError):
+    """The session already has a reply running or queued; cancel it or wait for it to end."""
+
+    code = "response_in_progress"
+
+
+class EngineLoop:
+    def __init__(self, engine: Engine, limits: SchedulerLimits | None = None) -> None:
+        self.engine = engine
+        self.scheduler = Scheduler(limits)
+        self.runner = Runner(engine)
+        self.cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self.steps = 0
+
+    # ---- called from any thread -----------------------------------------------------------------------
+    def submit(self, work: Chunk | Response) -> None:
+        """Queue a chunk or a response (typed errors if the session's queue is full or, for a response,
+        one is already open). Never waits for the engine."""
+        with self.cv:
+            if self._stopping:
+                raise SessionClosedError("the engine is shut down")
+            if isinstance(work, Response) and self.scheduler.open_response(work.session_id) is not None:
+                raise ResponseInProgressError(f"session {work.session_id} already has a reply running or queued; "
+                                              "cancel it first (session.cancel()) or wait for it to end")
+            self.scheduler.add(work)
+            self._ensure_thread()
+            self.cv.notify()
+
+    def cancel(self, session_id: str) -> int:
+        with self.cv:
+            n = self.scheduler.cancel(session_id)
+            self.cv.notify()
+        return n
+
+    def drop_session(self, session_id: str, error: BaseException | None = None) -> None:
+        """Fail or end everything queued on a session (it is being closed). Caller holds the engine lock."""
+        with self.cv:
+            events = self.scheduler.drop_session(session_id, error)
+        self._deliver(events)
+
+    def in_engine_thread(self) -> bool:
+        return self._thread is not None and threading.current_thread() is self._thread
+
+    def _ensure_thread(self) -> None:
+        if self._thread is None or not self._thread.is_alive():
+            self._thread = threading.Thread(target=self._run, name="streamserve-engine", daemon=True)
+            self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """End the loop: everything still queued is ended ("closed") or failed; the thread exits."""
+        with self.cv:
+            self._stopping = True
+            self.cv.notify()
+        if self._thread is not None and not self.in_engine_thread():
+            self._thread.join(timeout)
+        with self.engine._lock, self.cv:
+            events = [e for sid in list(self.scheduler.busy_sessions()) for e in self.scheduler.drop_session(sid)]
+        self._deliver(events)
+
+    # ---- the engine thread ----------------------------------------------------------------------------
+    def _run(self) -> None:
+        last_idle_check = time.monotonic()
+        while True:
+            with self.cv:
+                while not self.scheduler.has_work() and not self._stopping:
+                    self.cv.wait(IDLE_CHECK_SECONDS)
+                    if time.monotonic() - last_idle_check >= IDLE_CHECK_SECONDS:
+                        break
+                if self._stopping:
+                    return
+            if time.monotonic() - last_idle_check >= IDLE_CHECK_SECONDS:
+                last_idle_check = time.monotonic()
+                self._guarded(self.engine.expire_idle)
+            self._guarded(self.step)
+
+    def _guarded(self, fn: object) -> None:
+        try:
+            fn()  # type: ignore[operator]
+        except Exception:  # a bug must not kill the thread that serves every session
+            log.exception("streamserve engine loop: unexpected error")
+
+    def step(self) -> list[Event]:
+        """One engine step (normally run by the loop thread)."""
+        with self.engine._lock:
+            with self.cv:
+                plan = self.scheduler.schedule()
+            if plan.empty:
+                return []
+            try:
+                out = self.runner.execute(plan)
+            except Exception as e:  # a bug in the runner: fail this step's sessions, keep serving the rest
+                log.exception("streamserve: a step failed")
+                now = time.monotonic()
+                err = StepError(f"internal error in the engine step: {e!r}")
+                out = StepOutput({i.session_id: ItemResult(error=err, fatal=True) for i in plan.items}, now, now)
+            with self.cv:
+                events = self.scheduler.update(plan, out)
+            self.steps += 1
+            self._after_step(plan, out, events)
+            self._deliver(events)
+        return events
+
+    def _after_step(self, plan: Plan, out: StepOutput, events: list[Event]) -> None:
+        metrics = self.engine.metrics
+        with self.cv:
+            depths = self.scheduler.depths()
+        metrics.observe_step(plan, out, events, depths)
+        for e in events:
+            if isinstance(e, SessionFailed):  # a faulted session is closed: its pages come back
+                s = self.engine._sessions.get(e.session_id)
+                log.warning("session %s failed and was closed: %s", e.session_id, e.error)
+                if s is not None:
+                    s._close(drop=False)
+
+    def _deliver(self, events: list[Event]) -> None:
+        for e in events:
+            if isinstance(e, ChunkAcked):
+                _resolve(e.chunk, e.ack, None)
+            elif isinstance(e, ChunkFailed):
+                _resolve(e.chunk, None, e.error)
+            elif isinstance(e, TokenProduced):
+                e.response.outbox.put(Delta(e.text, [e.token]))
+            elif isinstance(e, ResponseDone):
+                if e.text:
+                    e.response.outbox.put(Delta(e.text, []))
+                e.response.outbox.put(End(e.reason))
+            elif isinstance(e, ResponseFailed):
+                e.response.outbox.put(End("error", e.error))
+
+
+def _resolve(chunk: Chunk, ack: object, error: BaseException | None) -> None:
+    fut = chunk.ticket
+    if fut is None or fut.done():
+        return
+    if error is not None:
+        fut.set_exception(error)
+    else:
+        fut.set_result(ack)

@@ -1,0 +1,81 @@
+"""Prometheus metrics of one engine, in its own registry (the server exposes it at /metrics).
+
+Observed by the engine loop after every step: step time, tokens per step by kind, queue depths,
+per-chunk append latency, time to first token, inter-token latency, KV pages, sessions, shed chunks.
+Gauges of pool and sessions are read when scraped, so they are never stale.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from streamserve.engine.work import ChunkAcked, Event, Plan, SessionFailed, StepOutput, TokenProduced
+
+if TYPE_CHECKING:
+    from streamserve.engine.engine import Engine
+
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
+TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+
+
+class EngineMetrics:
+    def __init__(self, engine: Engine) -> None:
+        self.registry = r = CollectorRegistry()
+        self.step_seconds = Histogram("streamserve_step_seconds", "Wall time of one engine step",
+                                      buckets=LATENCY_BUCKETS, registry=r)
+        self.step_tokens = Histogram("streamserve_step_tokens", "Tokens run in one engine step, by kind of work",
+                                     ["kind"], buckets=TOKEN_BUCKETS, registry=r)
+        self.tokens = Counter("streamserve_tokens", "Tokens processed, by kind of work", ["kind"], registry=r)
+        self.append_latency = Histogram("streamserve_append_latency_seconds",
+                                        "From a chunk's submission to its ack (in the KV cache)",
+                                        buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = Histogram("streamserve_time_to_first_token_seconds",
+                              "From a reply's request to its first token", buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("streamserve_inter_token_latency_seconds", "Between consecutive tokens of a reply",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.deadline_missed = Counter("streamserve_chunks_deadline_missed", "Chunks acked after their deadline",
+                                       registry=r)
+        self.shed = Counter("streamserve_chunks_shed", "Chunks dropped under overload (video only)", registry=r)
+        self.failed = Counter("streamserve_sessions_failed", "Sessions closed by a fault in their step",
+                              registry=r)
+        self.queue_depth = Gauge("streamserve_queue_depth", "Work waiting in the scheduler, by kind", ["kind"],
+                                 registry=r)
+        pool = engine.pool.allocator
+        Gauge("streamserve_kv_pages_used", "KV pages in use", registry=r).set_function(lambda: pool.used_count)
+        Gauge("streamserve_kv_pages_total", "KV pages in the pool", registry=r).set_function(lambda: pool.num_pages)
+        Gauge("streamserve_sessions_open", "Open sessions (parked included)",
+              registry=r).set_function(lambda: len(engine.sessions()))
+        Gauge("streamserve_sessions_parked", "Sessions whose KV is offloaded to host memory",
+              registry=r).set_function(lambda: sum(1 for s in engine.sessions() if s.kv.parked is not None))
+
+    def observe_step(self, plan: Plan, out: StepOutput, events: list[Event], depths: dict[str, int]) -> None:
+        self.step_seconds.observe(out.finished - out.started)
+        for kind in ("append", "decode"):
+            n = sum(i.n_tokens for i in plan.items if i.kind == kind)
+            if n:
+                self.step_tokens.labels(kind).observe(n)
+                self.tokens.labels(kind).inc(n)
+        for name, value in depths.items():
+            self.queue_depth.labels(name).set(value)
+        for e in events:
+            if isinstance(e, ChunkAcked):
+                if e.ack.shed:
+                    self.shed.inc()
+                    continue
+                self.append_latency.observe(out.finished - e.chunk.arrival)
+                if e.ack.deadline_missed:
+                    self.deadline_missed.inc()
+            elif isinstance(e, TokenProduced):
+                r = e.response
+                if r.produced == 1:
+                    self.ttft.observe(out.finished - r.arrival)
+                elif r.prev_token_at is not None:
+                    self.itl.observe(out.finished - r.prev_token_at)
+            elif isinstance(e, SessionFailed):
+                self.failed.inc()
+
+    def exposition(self) -> bytes:
+        """The Prometheus text format of every metric."""
+        return generate_latest(self.registry)

@@ -1,0 +1,114 @@
+"""The runner: executes a `Plan` on the sessions, one batched forward per step, then samples.
+
+For each item it works out the tokens to run: an append runs its slice of the chunk (after the session's
+pending generated token, if any); a decode runs the pending token (the last one sampled) and samples
+the next from the resulting logits, or samples straight from the logits the last append left. All
+sessions' tokens go through the model together (`Engine.run_step`); a failure there is isolated to the
+session that causes it. Results are committed to the sessions here (token ids, timeline, logits);
+the scheduler only counts.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from streamserve.engine.sampling import sample
+from streamserve.engine.snapshot import ChunkRecord
+from streamserve.engine.work import Chunk, ItemResult, Plan, Response, StepOutput, WorkItem
+from streamserve.errors import SessionClosedError, StreamserveError
+
+if TYPE_CHECKING:
+    from streamserve.engine.engine import Engine
+    from streamserve.engine.session import Session
+
+# errors a step raises because of what the caller asked (the item fails, the session goes on); any other
+# exception while running a session's step is a fault: the session is failed and closed
+USER_ERRORS = (StreamserveError,)
+
+
+class Runner:
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    def execute(self, plan: Plan) -> StepOutput:
+        started = time.monotonic()
+        results: dict[str, ItemResult] = {}
+        jobs: list[tuple[Session, WorkItem, list[int]]] = []
+        for item in plan.items:
+            s = self.engine._sessions.get(item.session_id)
+            if s is None or s.closed:
+                results[item.session_id] = ItemResult(error=SessionClosedError(f"session {item.session_id} is "
+                                                                               "closed"), fatal=True)
+                continue
+            try:
+                ids = self._prepare(s, item)
+            except USER_ERRORS as e:
+                results[item.session_id] = ItemResult(error=e)
+                continue
+            if isinstance(ids, ItemResult):
+                results[item.session_id] = ids
+            else:
+                jobs.append((s, item, ids))
+        forward = [(s, ids) for s, _, ids in jobs if ids]
+        outs = iter(self.engine.run_step(forward)) if forward else iter(())
+        for s, item, ids in jobs:
+            logits = next(outs) if ids else None
+            results[item.session_id] = self._finish(s, item, ids, logits)
+        return StepOutput(results, started, time.monotonic())
+
+    def _prepare(self, s: Session, item: WorkItem) -> list[int] | ItemResult:
+        """The token ids this item runs through the model ([] when a decode samples from kept logits)."""
+        s.last_active = time.monotonic()
+        if s.kv.length > len(s.token_ids):  # defensive: a committed step whose bookkeeping was lost
+            s.kv.truncate(len(s.token_ids))
+        work = item.work
+        if isinstance(work, Chunk):
+            part = work.token_ids[work.done:work.done + item.n_tokens]
+            if work.done == 0:
+                s._check_context(work.remaining)
+            return s._pending + part
+        if not s.kv.rolling and len(s.token_ids) >= self.engine.config.max_position_embeddings:
+            return ItemResult(context_full=True)
+        if not s._pending and s._logits_at != len(s.token_ids):
+            # no logits for the session as it stands (after a rewind or a restore): run its last token again
+            s.kv.truncate(s.kv.length - 1)
+        return s._pending
+
+    def _finish(self, s: Session, item: WorkItem, ids: list[int], logits: torch.Tensor | BaseException | None
+                ) -> ItemResult:
+        if isinstance(logits, BaseException):
+            return ItemResult(error=logits, fatal=not isinstance(logits, USER_ERRORS))
+        if logits is not None:
+            s._logits, s._logits_at = logits, s.kv.length
+        work = item.work
+        if isinstance(work, Chunk):
+            part = work.token_ids[work.done:work.done + item.n_tokens]
+            start = len(s.token_ids)
+            s.token_ids.extend(part)
+            if work.done == 0:
+                s.timeline.append(ChunkRecord("input", work.seq, start, len(s.token_ids), work.capture_time,
+                                              work.deadline))
+            else:  # a later part of a chunk split across steps: its record grows
+                r = s.timeline[-1]
+                s.timeline[-1] = ChunkRecord(r.kind, r.seq, r.start, len(s.token_ids), r.capture_time, r.deadline)
+            return ItemResult()
+        return self._decode(s, work)
+
+    def _decode(self, s: Session, r: Response) -> ItemResult:
+        assert s._logits is not None
+        try:
+            tok = sample(s._logits, r.temperature, r.top_p, r.generator, r.top_k)
+        except Exception as e:
+            return ItemResult(error=e, fatal=True)
+        if r.produced == 0:  # the reply's first token: its text follows the session so far
+            r.detok = self.engine.tokenizer.detokenizer(context=s.token_ids[-8:])
+            s.timeline.append(ChunkRecord("reply", None, len(s.token_ids), len(s.token_ids) + 1))
+        else:
+            rec = s.timeline[-1]
+            s.timeline[-1] = ChunkRecord("reply", None, rec.start, len(s.token_ids) + 1)
+        s.token_ids.append(tok)  # pending from here on: it enters the KV with the session's next forward
+        return ItemResult(token=tok)
+

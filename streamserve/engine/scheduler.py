@@ -1,0 +1,249 @@
+"""The scheduler: which sessions run how many tokens in the next engine step. Pure Python, no torch.
+
+Each session has a FIFO of work (appended chunks and requested responses, in the order they were
+submitted); only its head runs, so a reply starts after the chunks sent before it and a chunk sent
+during a reply enters the KV after the reply ends. Each step (`schedule`):
+
+1. Cancelled responses leave their queues (they end in this step: barge-in within one step).
+2. Under overload (a queued chunk is past its deadline) stale video chunks are shed, oldest first,
+   keeping each session's newest video chunk; text and audio are never shed.
+3. Answering sessions first: one decode token each, up to `max_batch`, least recently served first.
+4. The rest of the token budget (`step_tokens`, but never less than `min_append_tokens`, so appends
+   always progress) goes to appends in deadline order; a long chunk is split across steps, so the
+   inter-token latency of answering sessions stays bounded by one step of at most `step_tokens`.
+   A chunk waiting longer than `max_wait` is ordered as if due now: nothing starves.
+
+`update` applies the runner's output and returns the events for callers (acks, deltas, done, errors).
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from streamserve.engine.work import (
+    Ack,
+    Chunk,
+    ChunkAcked,
+    ChunkFailed,
+    Event,
+    ItemResult,
+    Plan,
+    Response,
+    ResponseDone,
+    ResponseFailed,
+    SessionFailed,
+    StepOutput,
+    TokenProduced,
+    WorkItem,
+)
+from streamserve.errors import CapacityError, InvalidInputError, SessionClosedError, StreamserveError
+
+
+class StepError(StreamserveError):
+    """The engine could not run this session's step (the message says why); the session was closed."""
+
+    code = "step_failed"
+
+
+@dataclass(frozen=True)
+class SchedulerLimits:
+    step_tokens: int = 256  # input tokens one step runs at most (decodes + parts of chunks)
+    max_batch: int = 64  # sessions in one step at most
+    min_append_tokens: int = 32  # appends get at least this much of every step that has some waiting
+    max_queued: int = 64  # chunks + responses queued on one session at most (bounded queues)
+    max_wait: float = 1.0  # seconds: a chunk waiting longer is ordered as if due now
+
+    def __post_init__(self) -> None:
+        for name in ("step_tokens", "max_batch", "min_append_tokens", "max_queued"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_batch < 2:
+            raise InvalidInputError("max_batch must be >= 2 (one slot is kept for appends)")
+
+
+class Scheduler:
+    def __init__(self, limits: SchedulerLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or SchedulerLimits()
+        self.clock = clock
+        self._queues: dict[str, deque[Chunk | Response]] = {}
+        self._last_served: dict[str, int] = {}
+        self._steps = 0
+        self.shed_total = 0
+
+    # ---- submission (callers hold the loop's lock) ----------------------------------------------------
+    def add(self, work: Chunk | Response) -> None:
+        q = self._queues.setdefault(work.session_id, deque())
+        if len(q) >= self.limits.max_queued:
+            raise CapacityError(f"session {work.session_id} has {len(q)} chunks and responses queued (the limit); "
+                                "wait for acks before sending more")
+        q.append(work)
+
+    def cancel(self, session_id: str) -> int:
+        """Mark the session's responses (running and queued) cancelled; they end in the next step."""
+        n = 0
+        for w in self._queues.get(session_id, ()):
+            if isinstance(w, Response) and not w.cancelled:
+                w.cancelled, n = True, n + 1
+        return n
+
+    def drop_session(self, session_id: str, error: BaseException | None = None) -> list[Event]:
+        """Take the session's queue away: its chunks fail and its responses end ("closed", or failed with
+        `error`)."""
+        self._last_served.pop(session_id, None)
+        events: list[Event] = []
+        for w in self._queues.pop(session_id, ()):
+            if isinstance(w, Chunk):
+                events.append(ChunkFailed(w, error or SessionClosedError(f"session {session_id} was closed "
+                                                                         "before this chunk ran")))
+            elif error is not None:
+                w.finished = True
+                events.append(ResponseFailed(w, error))
+            else:
+                events.append(self._done(w, "closed"))
+        return events
+
+    # ---- queries --------------------------------------------------------------------------------------
+    def has_work(self) -> bool:
+        return any(self._queues.values())
+
+    def responding(self, session_id: str) -> bool:
+        """Whether the session's head of queue is a response (it is answering now)."""
+        q = self._queues.get(session_id)
+        return bool(q) and isinstance(q[0], Response)
+
+    def open_response(self, session_id: str) -> Response | None:
+        """The session's running or queued response that is not cancelled, if any."""
+        return next((w for w in self._queues.get(session_id, ()) if isinstance(w, Response) and not w.cancelled),
+                    None)
+
+    def queued_chunks(self, session_id: str) -> int:
+        return sum(1 for w in self._queues.get(session_id, ()) if isinstance(w, Chunk))
+
+    def busy_sessions(self) -> set[str]:
+        return {sid for sid, q in self._queues.items() if q}
+
+    def depths(self) -> dict[str, int]:
+        chunks = [w for q in self._queues.values() for w in q if isinstance(w, Chunk)]
+        return {"queued_chunks": len(chunks), "queued_tokens": sum(c.remaining for c in chunks),
+                "responding": sum(1 for q in self._queues.values() if q and isinstance(q[0], Response)),
+                "queued_responses": sum(1 for q in self._queues.values() for w in list(q)[1:]
+                                        if isinstance(w, Response))}
+
+    # ---- one step -------------------------------------------------------------------------------------
+    def schedule(self) -> Plan:
+        now = self.clock()
+        lim = self.limits
+        plan = Plan(items=[], created=now)
+        for q in self._queues.values():
+            cancelled = [w for w in q if isinstance(w, Response) and w.cancelled]
+            for r in cancelled:
+                q.remove(r)
+            plan.cancelled += cancelled
+        plan.shed = self._shed(now)
+        heads = {sid: q[0] for sid, q in self._queues.items() if q}
+        decoders = sorted((sid for sid, w in heads.items() if isinstance(w, Response)),
+                          key=lambda sid: self._last_served.get(sid, -1))
+        appenders = sorted((sid for sid, w in heads.items() if isinstance(w, Chunk)),
+                           key=lambda sid: self._priority(heads[sid]))  # type: ignore[arg-type]
+        n_dec = min(len(decoders), lim.max_batch - (1 if appenders else 0))
+        for sid in decoders[:n_dec]:
+            plan.items.append(WorkItem(sid, "decode", 1, heads[sid]))
+        budget = max(lim.step_tokens - n_dec, lim.min_append_tokens)
+        for sid in appenders:
+            if budget <= 0 or len(plan.items) >= lim.max_batch:
+                break
+            chunk = heads[sid]
+            assert isinstance(chunk, Chunk)
+            n = min(chunk.remaining, budget)
+            plan.items.append(WorkItem(sid, "append", n, chunk))
+            budget -= n
+        self._steps += 1
+        for item in plan.items:
+            self._last_served[item.session_id] = self._steps
+        return plan
+
+    def _priority(self, chunk: Chunk) -> tuple[float, float]:
+        """Earliest deadline first; waiting past `max_wait` counts as due (no starvation)."""
+        return (min(chunk.deadline, chunk.arrival + self.limits.max_wait), chunk.arrival)
+
+    def _shed(self, now: float) -> list[Chunk]:
+        waiting = [w for q in self._queues.values() for w in q if isinstance(w, Chunk) and w.started is None]
+        if not any(c.deadline < now for c in waiting):
+            return []  # not behind: nothing is shed
+        shed: list[Chunk] = []
+        for q in self._queues.values():
+            videos = [w for w in q if isinstance(w, Chunk) and w.kind == "video" and w.started is None]
+            stale = [c for c in videos[:-1] if c.deadline < now]  # the newest frame is always kept
+            for c in stale:
+                q.remove(c)
+            shed += stale
+        shed.sort(key=lambda c: c.capture_time)
+        self.shed_total += len(shed)
+        return shed
+
+    def update(self, plan: Plan, out: StepOutput) -> list[Event]:
+        events: list[Event] = []
+        for c in plan.shed:
+            events.append(ChunkAcked(c, Ack(c.seq, 0, (out.started - c.arrival) * 1e3, 0.0, True, shed=True)))
+        for r in plan.cancelled:
+            events.append(self._done(r, "cancelled"))
+        for item in plan.items:
+            res = out.results.get(item.session_id) or ItemResult(error=StepError("internal: no result for this step"),
+                                                                fatal=True)
+            q = self._queues.get(item.session_id)
+            if q is None or not q or q[0] is not item.work:
+                continue  # the session was dropped while the step ran
+            if res.fatal:
+                err = res.error or StepError("the step failed")
+                events += self.drop_session(item.session_id, err)
+                events.append(SessionFailed(item.session_id, err))
+            elif isinstance(item.work, Chunk):
+                events += self._update_chunk(q, item.work, item.n_tokens, res, out)
+            else:
+                events += self._update_response(q, item.work, res, out)
+        return events
+
+    def _update_chunk(self, q: deque[Chunk | Response], c: Chunk, n: int, res: ItemResult,
+                      out: StepOutput) -> list[Event]:
+        if res.error is not None:
+            q.popleft()
+            return [ChunkFailed(c, res.error)]
+        if c.started is None:
+            c.started = out.started
+        c.done += n
+        if c.remaining > 0:
+            return []
+        q.popleft()
+        ack = Ack(c.seq, len(c.token_ids), (c.started - c.arrival) * 1e3, (out.finished - c.started) * 1e3,
+                  out.finished > c.deadline)
+        return [ChunkAcked(c, ack)]
+
+    def _update_response(self, q: deque[Chunk | Response], r: Response, res: ItemResult,
+                         out: StepOutput) -> list[Event]:
+        if res.error is not None:
+            q.popleft()
+            r.finished = True
+            return [ResponseFailed(r, res.error)]
+        if res.context_full:
+            q.popleft()
+            return [self._done(r, "context")]
+        assert res.token is not None
+        text, stopped = r.add_token(res.token)
+        r.first_token_at = r.first_token_at or out.finished
+        r.prev_token_at, r.last_token_at = r.last_token_at, out.finished
+        events: list[Event] = [TokenProduced(r, res.token, text)]
+        reason = ("cancelled" if r.cancelled else "stop" if stopped or res.token in r.stop_token_ids
+                  else "length" if r.produced >= r.max_tokens else None)
+        if reason is not None:
+            q.popleft()
+            events.append(self._done(r, reason))  # type: ignore[arg-type]
+        return events
+
+    @staticmethod
+    def _done(r: Response, reason: str) -> ResponseDone:
+        r.finished = True
+        return ResponseDone(r, reason, r.finish_text())  # type: ignore[arg-type]

@@ -1,0 +1,194 @@
+"""The plain dataclasses that cross between the session API, the scheduler, the runner and the loop.
+
+No torch here: the scheduler is pure Python and its tests drive it with made-up runner outputs.
+A `Chunk` is one appended piece of input; a `Response` one requested reply. Each session has a FIFO of
+them; each step the scheduler turns the heads of those FIFOs into a `Plan` of `WorkItem`s, the runner
+executes the plan into a `StepOutput`, and the scheduler's `update` turns that into `Event`s for the
+callers (acks, deltas, done, errors).
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+ChunkKind = Literal["text", "audio", "video"]
+CHUNK_KINDS: tuple[str, ...] = ("text", "audio", "video")
+WorkKind = Literal["append", "decode"]
+FinishReason = Literal["length", "stop", "context", "cancelled", "closed"]
+
+_response_ids = itertools.count(1)
+
+
+class Detokenizer(Protocol):
+    def push(self, ids: list[int]) -> str: ...
+
+    def flush(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class Ack:
+    """What the caller of an append learns once its chunk is in the KV cache (or was shed)."""
+
+    seq: int
+    tokens: int  # tokens appended (0 when shed)
+    queue_ms: float  # from submission to the first step that ran part of the chunk
+    compute_ms: float  # from that step's start to the end of the step that finished the chunk
+    deadline_missed: bool = False  # the chunk finished after its deadline
+    shed: bool = False  # dropped under overload (video only); nothing of it entered the session
+
+
+@dataclass(eq=False)
+class Chunk:
+    session_id: str
+    seq: int
+    token_ids: list[int]
+    kind: str  # one of CHUNK_KINDS; only "video" may be shed under overload
+    arrival: float  # engine clock (time.monotonic) at submission
+    capture_time: float
+    deadline: float
+    done: int = 0  # tokens of it already in the KV cache
+    started: float | None = None  # start of the first step that ran part of it
+    ticket: Any = None  # how the loop delivers the Ack (a concurrent.futures.Future)
+
+    @property
+    def remaining(self) -> int:
+        return len(self.token_ids) - self.done
+
+
+@dataclass(eq=False)
+class Response:
+    session_id: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    stop_token_ids: frozenset[int]
+    stop: tuple[str, ...]  # stop strings: the reply ends before the first of them (not included in the text)
+    generator: Any  # the torch.Generator sampling draws from (opaque here)
+    arrival: float
+    id: str = field(default_factory=lambda: f"r{next(_response_ids)}")
+    produced: int = 0
+    cancelled: bool = False
+    finished: bool = False
+    first_token_at: float | None = None
+    last_token_at: float | None = None
+    prev_token_at: float | None = None  # the token before the last (inter-token latency)
+    detok: Detokenizer | None = None  # set by the runner at the first token (it knows the session's context)
+    held_text: str = ""  # text held back because it may be the start of a stop string
+    outbox: Any = None  # where the loop delivers deltas and the end (an Outbox)
+
+    def add_token(self, token: int) -> tuple[str, bool]:
+        """Count a generated token; -> (text that may be shown now, whether a stop string was reached)."""
+        self.produced += 1
+        if self.detok is None:
+            return "", False
+        return self._release(self.detok.push([token]))
+
+    def finish_text(self) -> str:
+        """At the end: the held-back text and any incomplete UTF-8 bytes (as U+FFFD)."""
+        text = self.held_text + (self.detok.flush() if self.detok is not None else "")
+        self.held_text = ""
+        if self.stop:
+            for s in self.stop:
+                if s in text:
+                    text = text[:text.index(s)]
+        return text
+
+    def _release(self, text: str) -> tuple[str, bool]:
+        buf = self.held_text + text
+        if not self.stop:
+            self.held_text = ""
+            return buf, False
+        hits = [buf.index(s) for s in self.stop if s in buf]
+        if hits:
+            self.held_text = ""
+            return buf[:min(hits)], True
+        # hold back the longest tail of the text that could still grow into a stop string
+        hold = max((k for s in self.stop for k in range(1, len(s)) if buf.endswith(s[:k])), default=0)
+        self.held_text = buf[len(buf) - hold:] if hold else ""
+        return buf[:len(buf) - hold], False
+
+
+@dataclass(frozen=True)
+class WorkItem:
+    session_id: str
+    kind: WorkKind
+    n_tokens: int  # tokens of input this step runs (decode: 1; the runner may also run a pending token)
+    work: Chunk | Response = field(compare=False)
+
+
+@dataclass
+class Plan:
+    """One engine step: at most one item per session, plus what the step drops without running."""
+
+    items: list[WorkItem]
+    shed: list[Chunk] = field(default_factory=list)  # video chunks dropped under overload
+    cancelled: list[Response] = field(default_factory=list)  # responses that end without running
+    created: float = 0.0
+
+    def as_dict(self) -> dict[str, int]:
+        """{session_id: n_tokens}"""
+        return {i.session_id: i.n_tokens for i in self.items}
+
+    @property
+    def empty(self) -> bool:
+        return not (self.items or self.shed or self.cancelled)
+
+
+@dataclass
+class ItemResult:
+    token: int | None = None  # decode: the sampled token
+    context_full: bool = False  # decode: the session reached the model's context; nothing was sampled
+    error: BaseException | None = None  # this item failed (the others in the step are unaffected)
+    fatal: bool = False  # the error fails the whole session (it is closed), not only this item
+
+
+@dataclass
+class StepOutput:
+    results: dict[str, ItemResult]  # by session id, one per plan item
+    started: float
+    finished: float
+
+
+# ---- events: what the loop delivers to callers -------------------------------------------------------
+@dataclass
+class ChunkAcked:
+    chunk: Chunk
+    ack: Ack
+
+
+@dataclass
+class ChunkFailed:
+    chunk: Chunk
+    error: BaseException
+
+
+@dataclass
+class TokenProduced:
+    response: Response
+    token: int
+    text: str
+
+
+@dataclass
+class ResponseDone:
+    response: Response
+    reason: FinishReason
+    text: str = ""  # the final held-back text, if any
+
+
+@dataclass
+class ResponseFailed:
+    response: Response
+    error: BaseException
+
+
+@dataclass
+class SessionFailed:
+    session_id: str
+    error: BaseException
+
+
+Event = ChunkAcked | ChunkFailed | TokenProduced | ResponseDone | ResponseFailed | SessionFailed
