@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamserve.engine.sampling import sample
+from streamserve.engine.scheduler import StepError
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.work import Chunk, ItemResult, Plan, Response, StepOutput, WorkItem
 from streamserve.errors import SessionClosedError, StreamserveError
@@ -80,7 +81,9 @@ class Runner:
     def _finish(self, s: Session, item: WorkItem, ids: list[int], logits: torch.Tensor | BaseException | None
                 ) -> ItemResult:
         if isinstance(logits, BaseException):
-            return ItemResult(error=logits, fatal=not isinstance(logits, USER_ERRORS))
+            if isinstance(logits, USER_ERRORS):
+                return ItemResult(error=logits)
+            return ItemResult(error=_fault(logits), fatal=True)
         if logits is not None:
             s._logits, s._logits_at = logits, s.kv.length
         work = item.work
@@ -102,7 +105,7 @@ class Runner:
         try:
             tok = sample(s._logits, r.temperature, r.top_p, r.generator, r.top_k)
         except Exception as e:
-            return ItemResult(error=e, fatal=True)
+            return ItemResult(error=_fault(e), fatal=True)
         if r.produced == 0:  # the reply's first token: its text follows the session so far
             r.detok = self.engine.tokenizer.detokenizer(context=s.token_ids[-8:])
             s.timeline.append(ChunkRecord("reply", None, len(s.token_ids), len(s.token_ids) + 1))
@@ -112,3 +115,9 @@ class Runner:
         s.token_ids.append(tok)  # pending from here on: it enters the KV with the session's next forward
         return ItemResult(token=tok)
 
+
+
+def _fault(e: BaseException) -> StepError:
+    err = StepError(f"the engine failed on this session's step ({e!r}); the session was closed")
+    err.__cause__ = e
+    return err

@@ -29,7 +29,7 @@ def test_fixed_shape_decode_equals_plain_decode(checkpoints, engines, kernels, k
     # the steps went through the fixed-shape path, at widths 1 and 4; 50..90 keys (or a 28-key window)
     # fall in at most two buckets: the shapes stay fixed
     widths = {key[1] for key in graphed.graphs._entries}
-    assert widths == {1, 4} and len(graphed.graphs._entries) <= 4  # 4: the pending reply token + 3
+    assert widths == {(1,), (4,)} and len(graphed.graphs._entries) <= 4  # 4: the pending reply token + 3
     graphed.check_integrity()
 
 

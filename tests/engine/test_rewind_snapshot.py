@@ -148,10 +148,14 @@ def test_snapshot_and_rewind_in_the_middle_of_a_reply(engines) -> None:
     engine = engines["qwen3_moe"]
     with engine.open_session() as s:
         s.append(token_ids=random_ids(20, seed=40))
-        reply = s.iter_generate(max_tokens=6, stop_token_ids=())
-        got = [next(reply) for _ in range(3)]
-        snap = s.snapshot()
-        assert snap.timeline[-1].kind == "reply" and (snap.timeline[-1].start, snap.timeline[-1].end) == (20, 23)
-        s.rewind(to=21)  # ends the reply, keeps its first token
-        assert list(reply) == [] and s.token_ids[20:] == got[:1]
+        reply = s.stream(max_tokens=60, stop_token_ids=())
+        got = next(reply).token_ids
+        with engine._lock:  # between two steps: the reply is somewhere in its 60 tokens
+            n = len(s.token_ids) - 20
+            snap = s.snapshot()
+            assert snap.timeline[-1].kind == "reply" and (snap.timeline[-1].start, snap.timeline[-1].end) == (20, 20 + n)
+            s.rewind(to=21)  # ends the reply, keeps its first token
+        list(reply)
+        assert reply.finish_reason in ("cancelled", "length") and len(reply.token_ids) == n
+        assert s.token_ids[20:] == got[:1]
         assert [(r.kind, r.start, r.end) for r in s.timeline] == [("input", 0, 20), ("reply", 20, 21)]

@@ -8,6 +8,7 @@ import pytest
 import torch
 from helpers import greedy, make_checkpoint, random_ids
 
+from streamserve.engine.scheduler import StepError
 from streamserve.errors import (
     ContextLengthError,
     EmptyAppendError,
@@ -67,38 +68,35 @@ def test_text_append_and_stop_at_eos(engines, monkeypatch) -> None:
 
 def test_closing_a_session_ends_its_running_reply(engines) -> None:
     engine = engines["qwen3"]
-    s = engine.open_session()
+    s = engine.open_session(window=16)  # rolling: the reply could run for ever
     s.append(token_ids=[1, 2, 3])
-    stream = s.iter_generate(max_tokens=10, stop_token_ids=())
+    stream = s.stream(max_tokens=100_000, stop_token_ids=())
     next(stream)
-    s.close()
-    assert list(stream) == []  # closing the session ends its reply; nothing more is generated
-    assert len(s.token_ids) == 4
+    with engine._lock:  # between two steps
+        produced = len(s.token_ids) - 3
+        s.close()
+    rest = list(stream)  # what was produced before the close, then the end
+    assert stream.finish_reason == "closed" and len(stream.token_ids) == produced
+    assert len(rest) <= produced and engine.stats()["sessions_open"] >= 0
+    engine.check_integrity()
 
 
-def test_an_interrupt_after_a_forward_keeps_the_session_consistent(engines, monkeypatch) -> None:
+def test_ctrl_c_while_reading_a_reply_cancels_it_and_the_session_goes_on(engines) -> None:
     engine = engines["qwen3_moe"]
     prompt = random_ids(12, seed=15)
     expected = greedy(engine, prompt, 10)
-    real = type(engine).forward
-    calls = {"n": 0}
-
-    def forward_then_interrupt(self, kv, ids, all_logits=False, session=None):
-        out = real(self, kv, ids, all_logits, session)
-        calls["n"] += 1
-        if calls["n"] == 3:  # the forward committed, then Ctrl-C arrives before the session saw its result
-            raise KeyboardInterrupt
-        return out
-
     with engine.open_session() as s:
-        monkeypatch.setattr(type(engine), "forward", forward_then_interrupt)
         s.append(token_ids=prompt)
         got = []
         with pytest.raises(KeyboardInterrupt):
             for tok in s.iter_generate(max_tokens=10, stop_token_ids=()):
                 got.append(tok)
-        monkeypatch.setattr(type(engine), "forward", real)
-        got += s.generate(max_tokens=10 - len(got), stop_token_ids=())
+                if len(got) == 3:
+                    raise KeyboardInterrupt  # the consumer is interrupted; the reply may have run ahead
+        assert s.state.value == "open"  # closing the iterator cancelled the reply and waited for its end
+        got = s.token_ids[12:]
+        assert 3 <= len(got) <= 10 and got == expected[:len(got)]
+        got += s.generate(max_tokens=10 - len(got), stop_token_ids=()) if len(got) < 10 else []
         assert got == expected and s.kv.length == len(s.token_ids) - 1
 
 
@@ -202,25 +200,29 @@ def test_context_limit_is_a_typed_error_and_generation_stops_there(tmp_path) -> 
             s.append(token_ids=[1])
 
 
-def test_a_failed_forward_leaves_the_session_unchanged(engines, monkeypatch) -> None:
+def test_a_fault_in_a_step_fails_only_that_session_and_frees_its_pages(engines, monkeypatch) -> None:
     engine = engines["mixtral"]
     prompt = random_ids(20, seed=11)
     expected = greedy(engine, prompt, 8)
-    with engine.open_session() as s:
-        s.append(token_ids=prompt[:10])
-        layer = engine.model.layers[1].mlp
-        real = type(layer).forward
+    used = engine.stats()["kv_pages_used"]
+    s = engine.open_session()
+    s.append(token_ids=prompt[:10])
+    layer = engine.model.layers[1].mlp
+    real = type(layer).forward
 
-        def boom(self, x, ops):
-            raise RuntimeError("injected fault")
+    def boom(self, x, ops):
+        raise RuntimeError("injected fault")
 
-        monkeypatch.setattr(type(layer), "forward", boom)
-        with pytest.raises(RuntimeError, match="injected"):
-            s.append(token_ids=prompt[10:])
-        monkeypatch.setattr(type(layer), "forward", real)
-        assert s.kv.length == 10 and s.token_ids == prompt[:10]
+    monkeypatch.setattr(type(layer), "forward", boom)
+    with pytest.raises(StepError, match="injected") as info:
         s.append(token_ids=prompt[10:])
-        assert s.generate(max_tokens=8, stop_token_ids=()) == expected
+    assert isinstance(info.value.__cause__, RuntimeError)
+    monkeypatch.setattr(type(layer), "forward", real)
+    assert s.closed and engine.stats()["kv_pages_used"] == used  # the failed session's pages came back
+    with pytest.raises(SessionClosedError):
+        s.append(token_ids=[1])
+    engine.check_integrity()
+    assert greedy(engine, prompt, 8) == expected  # the engine goes on serving
 
 
 def test_stats_and_close_release_memory(engines) -> None:

@@ -14,6 +14,7 @@ import random
 import pytest
 
 from streamserve import Engine
+from streamserve.engine.scheduler import StepError
 from streamserve.errors import StreamserveError
 from streamserve.sessions import KVPool
 
@@ -29,16 +30,16 @@ def test_random_operations_keep_the_pool_exact(checkpoints, seed: int) -> None:
     cfg = probe.config
     per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 4, probe.dtype)
     engine = Engine.from_pretrained(path, device="cpu", kv_memory=40 * per_page, page_size=4)
-    model_forward = type(engine.model).forward
+    model_forward = type(engine.model).forward_batch
     fail_next = {"on": False}
 
-    def forward(self, ids, kv, all_logits=False):
+    def forward(self, ids, kvs, rows=None):
         if fail_next["on"]:
             fail_next["on"] = False
             raise InjectedFault("a step failed inside the model")
-        return model_forward(self, ids, kv, all_logits)
+        return model_forward(self, ids, kvs, rows)
 
-    type(engine.model).forward = forward
+    type(engine.model).forward_batch = forward
     rng = random.Random(seed)
     sessions, snaps = [], []
     counts: dict[str, int] = {}
@@ -59,8 +60,10 @@ def test_random_operations_keep_the_pool_exact(checkpoints, seed: int) -> None:
                     before = (list(s.token_ids), s.kv.length)
                     try:
                         s.append(token_ids=[rng.randrange(300) for _ in range(rng.randint(1, 12))])
-                    except InjectedFault:
-                        assert (s.token_ids, s.kv.length) == before  # a failed step changes nothing
+                    except StepError as e:  # a fault fails the session: it is closed, its pages are back
+                        assert isinstance(e.__cause__, InjectedFault) and s.closed and not s.kv.page_table
+                        assert (s.token_ids, s.kv.length) == before
+                        sessions.remove(s)
                 elif op == "generate" and s.token_ids:
                     s.generate(max_tokens=rng.randint(1, 4), temperature=rng.choice([0.0, 1.0]), stop_token_ids=())
                 elif op == "rewind":
@@ -89,7 +92,7 @@ def test_random_operations_keep_the_pool_exact(checkpoints, seed: int) -> None:
                     assert x.kv.length <= len(x.token_ids) <= x.kv.length + 1
                     assert x.kv.page_cap is None or len(x.kv.page_table) <= x.kv.page_cap
     finally:
-        type(engine.model).forward = model_forward
+        type(engine.model).forward_batch = model_forward
     for x in sessions:
         x.close()
     gc.collect()
