@@ -79,5 +79,23 @@ class TensorShapeError(ModelLoadError):
     code = "tensor_shape_mismatch"
 
 
+class SessionNotFoundError(InvalidInputError):
+    """No open session has this id (it never existed, was closed, or expired)."""
+
+    code = "unknown_session"
+
+
+class ResponseInProgressError(InvalidInputError):
+    """The session already has a reply running or queued; cancel it or wait for it to end."""
+
+    code = "response_in_progress"
+
+
+class StepError(StreamserveError):
+    """The engine failed while running this session's step (the message says why); the session was closed."""
+
+    code = "step_failed"
+
+
 class ChatTemplateError(StreamserveError):
     code = "chat_template_error"

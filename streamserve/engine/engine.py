@@ -37,7 +37,7 @@ from streamserve.engine.metrics import EngineMetrics
 from streamserve.engine.scheduler import SchedulerLimits
 from streamserve.engine.session import Session, SessionState
 from streamserve.engine.snapshot import Snapshot
-from streamserve.errors import CapacityError, InvalidInputError, SnapshotError
+from streamserve.errors import CapacityError, InvalidInputError, SessionNotFoundError, SnapshotError
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model
 from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy
 
@@ -181,6 +181,14 @@ class Engine:
 
     def _release(self, session: Session) -> None:
         self._sessions.pop(session.id, None)
+
+    def get_session(self, session_id: str) -> Session:
+        """The open session with this id (SessionNotFoundError otherwise)."""
+        s = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        if s is None or s.closed:
+            raise SessionNotFoundError(f"no open session has id {session_id!r}; it was closed, expired, or never "
+                                       "existed: open a new one")
+        return s
 
     def sessions(self) -> list[Session]:
         return list(self._sessions.values())

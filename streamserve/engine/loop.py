@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING
 
 from streamserve.engine.runner import Runner
-from streamserve.engine.scheduler import Scheduler, SchedulerLimits, StepError
+from streamserve.engine.scheduler import Scheduler, SchedulerLimits
 from streamserve.engine.streams import Delta, End
 from streamserve.engine.work import (
     Chunk,
@@ -35,7 +35,7 @@ from streamserve.engine.work import (
     StepOutput,
     TokenProduced,
 )
-from streamserve.errors import InvalidInputError, SessionClosedError
+from streamserve.errors import ResponseInProgressError, SessionClosedError, StepError
 
 if TYPE_CHECKING:
     from streamserve.engine.engine import Engine
@@ -43,12 +43,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamserve")
 
 IDLE_CHECK_SECONDS = 1.0
-
-
-class ResponseInProgressError(InvalidInputError):
-    """The session already has a reply running or queued; cancel it or wait for it to end."""
-
-    code = "response_in_progress"
 
 
 class EngineLoop:

@@ -16,10 +16,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamserve.engine.sampling import sample
-from streamserve.engine.scheduler import StepError
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.work import Chunk, ItemResult, Plan, Response, StepOutput, WorkItem
-from streamserve.errors import SessionClosedError, StreamserveError
+from streamserve.errors import SessionClosedError, StepError, StreamserveError
 
 if TYPE_CHECKING:
     from streamserve.engine.engine import Engine

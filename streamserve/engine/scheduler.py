@@ -39,13 +39,7 @@ from streamserve.engine.work import (
     TokenProduced,
     WorkItem,
 )
-from streamserve.errors import CapacityError, InvalidInputError, SessionClosedError, StreamserveError
-
-
-class StepError(StreamserveError):
-    """The engine could not run this session's step (the message says why); the session was closed."""
-
-    code = "step_failed"
+from streamserve.errors import CapacityError, InvalidInputError, SessionClosedError, StepError
 
 
 @dataclass(frozen=True)
@@ -71,7 +65,7 @@ class Scheduler:
         self.clock = clock
         self._queues: dict[str, deque[Chunk | Response]] = {}
         self._last_served: dict[str, int] = {}
-        self._steps = 0
+        self._served = 0
         self.shed_total = 0
 
     # ---- submission (callers hold the loop's lock) ----------------------------------------------------
@@ -161,9 +155,9 @@ class Scheduler:
             n = min(chunk.remaining, budget)
             plan.items.append(WorkItem(sid, "append", n, chunk))
             budget -= n
-        self._steps += 1
-        for item in plan.items:
-            self._last_served[item.session_id] = self._steps
+        for item in plan.items:  # a running count, not the step number: ties would favour the same sessions
+            self._served += 1
+            self._last_served[item.session_id] = self._served
         return plan
 
     def _priority(self, chunk: Chunk) -> tuple[float, float]:

@@ -153,7 +153,8 @@ def test_snapshot_and_rewind_in_the_middle_of_a_reply(engines) -> None:
         with engine._lock:  # between two steps: the reply is somewhere in its 60 tokens
             n = len(s.token_ids) - 20
             snap = s.snapshot()
-            assert snap.timeline[-1].kind == "reply" and (snap.timeline[-1].start, snap.timeline[-1].end) == (20, 20 + n)
+            last = snap.timeline[-1]
+            assert last.kind == "reply" and (last.start, last.end) == (20, 20 + n)
             s.rewind(to=21)  # ends the reply, keeps its first token
         list(reply)
         assert reply.finish_reason in ("cancelled", "length") and len(reply.token_ids) == n

@@ -8,12 +8,12 @@ import pytest
 import torch
 from helpers import greedy, make_checkpoint, random_ids
 
-from streamserve.engine.scheduler import StepError
 from streamserve.errors import (
     ContextLengthError,
     EmptyAppendError,
     InvalidInputError,
     SessionClosedError,
+    StepError,
     TokenOutOfRangeError,
 )
 

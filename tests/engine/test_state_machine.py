@@ -14,8 +14,7 @@ import random
 import pytest
 
 from streamserve import Engine
-from streamserve.engine.scheduler import StepError
-from streamserve.errors import StreamserveError
+from streamserve.errors import StepError, StreamserveError
 from streamserve.sessions import KVPool
 
 

@@ -1,0 +1,220 @@
+"""The engine loop through the async API: many sessions at once, cancel, faults, bad input, leaks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import pytest
+from helpers import greedy, random_ids
+
+from streamserve.engine import Engine
+from streamserve.errors import (
+    InvalidInputError,
+    ResponseInProgressError,
+    SessionClosedError,
+    SessionNotFoundError,
+    StepError,
+)
+
+
+def chunks_of(ids: list[int], size: int) -> list[list[int]]:
+    return [ids[i:i + size] for i in range(0, len(ids), size)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_concurrent_sessions_each_get_the_tokens_they_get_alone(engines, arch: str) -> None:
+    engine = engines[arch]
+    prompts = [random_ids(n, seed=200 + n) for n in (5, 9, 14, 23, 31, 40)]
+    alone = [greedy(engine, p, 12) for p in prompts]
+
+    async def one(p: list[int], window: int | None) -> list[int]:
+        s = engine.open_session(window=window)
+        try:
+            for part in chunks_of(p, 7):  # several chunks, each awaited: appends interleave with others' replies
+                await s.append_async(token_ids=part)
+            got: list[int] = []
+            async for d in s.stream(max_tokens=12, stop_token_ids=()):
+                got += d.token_ids
+            return got
+        finally:
+            s.close()
+
+    async def main() -> list[list[int]]:
+        return await asyncio.gather(*(one(p, None) for p in prompts))
+
+    steps = engine.loop.steps
+    assert asyncio.run(main()) == alone
+    batched = engine.metrics.step_tokens.labels("decode")._sum.get()  # noqa: SLF001 (prometheus internals)
+    assert batched > 0 and engine.loop.steps - steps < 6 * (12 + 6)  # steps were shared between sessions
+    assert engine.stats()["kv_pages_used"] == 0
+    engine.check_integrity()
+
+
+def test_cancel_ends_a_long_stream_within_one_step_and_close_frees_everything(engines) -> None:
+    engine = engines["qwen3"]
+
+    async def main() -> tuple[int, str | None]:
+        s = engine.open_session(window=24)  # rolling positions: this reply would never end by itself
+        other = engine.open_session()
+        await s.append_async(token_ids=random_ids(10, seed=3))
+        await other.append_async(token_ids=random_ids(10, seed=4))
+        stream = s.stream(max_tokens=1_000_000, stop_token_ids=())
+        background = other.stream(max_tokens=200, stop_token_ids=())  # keeps the engine busy meanwhile
+        n = 0
+        async for _ in stream:
+            n += 1
+            if n == 5:
+                before = engine.loop.steps
+                s.cancel()
+        after = engine.loop.steps
+        background.cancel()
+        background.wait()
+        s.close()
+        other.close()
+        return after - before, stream.finish_reason
+
+    steps, reason = asyncio.run(main())
+    assert reason == "cancelled" and steps <= 1
+    assert engine.stats()["kv_pages_used"] == 0
+    engine.check_integrity()
+
+
+def test_a_fault_in_one_session_leaves_the_others_unchanged(engines, monkeypatch) -> None:
+    engine = engines["qwen3_moe"]
+    prompts = [random_ids(16, seed=300 + i) for i in range(3)]
+    alone = [greedy(engine, p, 10) for p in prompts]
+    model = type(engine.model)
+    real = model.forward_batch
+    victim: dict[str, object] = {}
+
+    def faulty(self, ids, kvs, rows=None):  # from its 4th reply step on, any forward with the victim raises
+        if any(kv is victim.get("kv") for kv in kvs):
+            victim["steps"] = victim.get("steps", 0) + 1  # type: ignore[operator]
+            if victim["steps"] >= 4:
+                raise RuntimeError("injected fault")
+        return real(self, ids, kvs, rows)
+
+    monkeypatch.setattr(model, "forward_batch", faulty)
+
+    async def one(i: int) -> list[int] | BaseException:
+        s = engine.open_session()
+        await s.append_async(token_ids=prompts[i])
+        if i == 1:
+            victim["kv"] = s.kv
+        got: list[int] = []
+        try:
+            async for d in s.stream(max_tokens=10, stop_token_ids=()):
+                got += d.token_ids
+        except StepError as e:
+            assert s.closed and not s.kv.page_table  # the faulted session is closed, its pages are back
+            return e
+        finally:
+            s.close()
+        return got
+
+    async def main() -> list[list[int] | BaseException]:
+        return await asyncio.gather(*(one(i) for i in range(3)))
+
+    out = asyncio.run(main())
+    assert isinstance(out[1], StepError) and "injected" in str(out[1])
+    assert out[0] == alone[0] and out[2] == alone[2]
+    monkeypatch.setattr(model, "forward_batch", real)
+    assert engine.stats()["kv_pages_used"] == 0
+    engine.check_integrity()
+
+
+def test_bad_input_fails_at_the_call(engines) -> None:
+    engine = engines["qwen3"]
+    s = engine.open_session()
+    with pytest.raises(InvalidInputError, match="appended"):
+        s.stream()  # nothing to answer yet
+    s.append(token_ids=[1, 2, 3])
+    for kw in ({"max_tokens": 0}, {"max_tokens": -3}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5},
+               {"stop": [""]}, {"stop": "x" * 300}, {"seed": "1"}):
+        with pytest.raises(InvalidInputError):
+            s.stream(**kw)
+    with pytest.raises(InvalidInputError, match="kind"):
+        s.append(token_ids=[1], kind="smell")  # type: ignore[arg-type]
+    first = s.stream(max_tokens=100_000, stop_token_ids=())
+    with pytest.raises(ResponseInProgressError):
+        s.stream(max_tokens=4)
+    s.cancel()
+    assert first.wait() == "cancelled"
+    s.stream(max_tokens=2).wait()  # after the end, a new reply is fine
+    with pytest.raises(SessionNotFoundError):
+        engine.get_session("no-such-session")
+    assert engine.get_session(s.id) is s
+    s.close()
+    with pytest.raises(SessionNotFoundError):
+        engine.get_session(s.id)
+    with pytest.raises(SessionClosedError):
+        s.stream()
+
+    async def closed_append() -> None:
+        await s.append_async(token_ids=[1])
+
+    with pytest.raises(SessionClosedError):
+        asyncio.run(closed_append())
+
+
+def test_stop_strings_end_the_reply_before_them(engines) -> None:
+    engine = Engine.from_pretrained("default", kv_memory="64MiB")
+    with engine:
+        with engine.open_session() as s:
+            s.append(text="In the beginning God created the heaven and the earth.")
+            free = s.stream(max_tokens=40, stop_token_ids=())
+            text = "".join(d.text for d in free)
+        stop = text[12:15]
+        with engine.open_session() as s:
+            s.append(text="In the beginning God created the heaven and the earth.")
+            st = s.stream(max_tokens=40, stop=[stop, "never appears"], stop_token_ids=())
+            got = "".join(d.text for d in st)
+        assert st.finish_reason == "stop" and got == text[:text.index(stop)]
+
+
+def test_acks_time_each_chunk_and_a_slow_consumer_never_blocks_the_engine(engines) -> None:
+    engine = engines["olmoe"]
+    a, b = engine.open_session(), engine.open_session()
+    ack = a.append_chunk(token_ids=random_ids(20, seed=5), seq=7)
+    assert ack.seq == 7 and ack.tokens == 20 and ack.queue_ms >= 0 and ack.compute_ms > 0 and not ack.shed
+    unread = a.stream(max_tokens=40, stop_token_ids=())  # nobody reads it
+    b.append(token_ids=random_ids(8, seed=6))
+    assert len(b.generate(max_tokens=5, stop_token_ids=())) == 5  # served while a's reply piles up
+    deadline = time.monotonic() + 60
+    while not unread._response.finished and time.monotonic() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.05)  # the end is delivered right after `finished` is set
+    assert len(unread._response.outbox) == 2  # 40 unread deltas merged into one, then the end
+    assert unread.wait() == "length" and len(unread.token_ids) == 40
+    a.close()
+    b.close()
+
+
+def test_stale_video_chunks_are_shed_under_overload(engines) -> None:
+    engine = engines["qwen3"]
+    s = engine.open_session()
+    past = time.monotonic() - 5.0
+    with engine._lock:  # the engine is held between steps while the frames queue up, all already late
+        futures = [s._submit_chunk(None, [10 + i, 11 + i], None, None, past, past + 0.2, "video") for i in range(3)]
+        text = s._submit_chunk(None, [1, 2], None, None, past, past + 0.2, "text")
+    acks = [f.result(timeout=30) for f in futures]
+    assert [(a.seq, a.shed, a.tokens) for a in acks] == [(0, True, 0), (1, True, 0), (2, False, 2)]
+    assert text.result(timeout=30).tokens == 2  # text is never shed
+    assert s.token_ids == [12, 13, 1, 2] and [r.seq for r in s.timeline] == [2, 3]
+    assert "streamserve_chunks_shed_total 2.0" in engine.metrics.exposition().decode()
+    s.close()
+
+
+def test_shutdown_ends_replies_and_refuses_new_work(checkpoints) -> None:
+    engine = Engine.from_pretrained(checkpoints["qwen3"][0], device="cpu")
+    s = engine.open_session(window=16)
+    s.append(token_ids=[1, 2, 3])
+    st = s.stream(max_tokens=1_000_000, stop_token_ids=())
+    next(st)
+    engine.shutdown()
+    assert st.wait() == "closed"
+    with pytest.raises(SessionClosedError, match="shut down"):
+        s.append(token_ids=[4])
+    s.close()
+    assert engine.stats()["kv_pages_used"] == 0

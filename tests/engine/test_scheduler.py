@@ -1,0 +1,207 @@
+"""The scheduler alone, with a scripted clock and made-up runner outputs (no model)."""
+
+from __future__ import annotations
+
+import pytest
+
+from streamserve.engine.scheduler import Scheduler, SchedulerLimits
+from streamserve.engine.work import (
+    Chunk,
+    ChunkAcked,
+    ChunkFailed,
+    ItemResult,
+    Plan,
+    Response,
+    ResponseDone,
+    StepOutput,
+)
+from streamserve.errors import CapacityError, InvalidInputError
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 100.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def chunk(sid: str, n: int, arrival: float, deadline: float | None = None, kind: str = "text", seq: int = 0) -> Chunk:
+    due = arrival + 0.2 if deadline is None else deadline
+    return Chunk(sid, seq, list(range(1, n + 1)), kind, arrival, arrival, due)
+
+
+def response(sid: str, max_tokens: int = 4, arrival: float = 100.0,
+             stop_ids: frozenset[int] = frozenset()) -> Response:
+    return Response(sid, max_tokens, 0.0, 1.0, 0, stop_ids, (), None, arrival)
+
+
+def run(sched: Scheduler, clock: Clock, token: int = 7, dt: float = 0.01) -> tuple[Plan, list]:
+    """One step whose runner succeeds at everything, taking `dt` seconds."""
+    plan = sched.schedule()
+    start = clock.t
+    clock.t += dt
+    out = StepOutput({i.session_id: ItemResult(token=token if i.kind == "decode" else None) for i in plan.items},
+                     start, clock.t)
+    return plan, sched.update(plan, out)
+
+
+def test_answering_sessions_go_first_and_appends_fill_the_budget_in_deadline_order() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(step_tokens=20, max_batch=8, min_append_tokens=4), clock)
+    sched.add(chunk("late", 10, 100.0, deadline=100.9))
+    sched.add(chunk("early", 10, 100.0, deadline=100.1))
+    sched.add(chunk("middle", 10, 100.0, deadline=100.5))
+    for sid in ("r1", "r2"):
+        sched.add(response(sid))
+    plan, _ = run(sched, clock)
+    assert [(i.session_id, i.kind, i.n_tokens) for i in plan.items] == [
+        ("r1", "decode", 1), ("r2", "decode", 1), ("early", "append", 10), ("middle", "append", 8)]
+    assert plan.as_dict() == {"r1": 1, "r2": 1, "early": 10, "middle": 8}
+    plan, events = run(sched, clock)  # the split chunk goes on where it stopped
+    assert plan.as_dict() == {"r1": 1, "r2": 1, "middle": 2, "late": 10}
+    acks = [e.ack for e in events if isinstance(e, ChunkAcked)]
+    assert [(a.tokens, a.shed) for a in acks] == [(10, False), (10, False)]
+
+
+def test_a_chunk_is_acked_with_its_queue_and_compute_time() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(step_tokens=6, min_append_tokens=1), clock)
+    sched.add(chunk("a", 10, 99.9, deadline=100.015, seq=3))
+    assert run(sched, clock)[1] == []  # 6 of 10 tokens: no ack yet
+    _, events = run(sched, clock)
+    (ack,) = [e.ack for e in events if isinstance(e, ChunkAcked)]
+    assert ack.seq == 3 and ack.tokens == 10
+    assert ack.queue_ms == pytest.approx(100.0) and ack.compute_ms == pytest.approx(20.0)
+    assert ack.deadline_missed  # finished at 100.02, due at 100.015
+
+
+def test_appends_progress_even_when_many_sessions_answer() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(step_tokens=8, max_batch=8, min_append_tokens=3), clock)
+    for i in range(20):
+        sched.add(response(f"r{i}", max_tokens=100))
+    sched.add(chunk("in", 5, 100.0))
+    plan, _ = run(sched, clock)
+    kinds = [i.kind for i in plan.items]
+    assert kinds.count("decode") == 7 and plan.as_dict()["in"] == 3  # a slot and a share kept for appends
+    plan, events = run(sched, clock)
+    assert plan.as_dict()["in"] == 2 and any(isinstance(e, ChunkAcked) for e in events)
+
+
+def test_answering_sessions_take_turns_when_there_are_more_than_fit() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(step_tokens=64, max_batch=3), clock)
+    for i in range(5):
+        sched.add(response(f"r{i}", max_tokens=100))
+    served: dict[str, int] = {}
+    for _ in range(10):
+        plan, _ = run(sched, clock)
+        assert len(plan.items) == 3
+        for sid in plan.as_dict():
+            served[sid] = served.get(sid, 0) + 1
+    assert sorted(served.values()) == [6, 6, 6, 6, 6]  # 30 slots, 5 sessions: nobody starves
+
+
+def test_a_late_deadline_does_not_starve_a_chunk() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(step_tokens=4, min_append_tokens=4, max_wait=0.05), clock)
+    sched.add(chunk("patient", 4, 100.0, deadline=200.0))
+    acked = []
+    for step in range(12):  # a new urgent chunk arrives every step, each due 30 ms after it arrives
+        sched.add(chunk(f"urgent{step}", 4, clock.t, deadline=clock.t + 0.03))
+        _, events = run(sched, clock)
+        acked += [e.chunk.session_id for e in events if isinstance(e, ChunkAcked)]
+    # waiting past max_wait orders the patient chunk as due then: it runs after at most a few steps
+    assert "patient" in acked[:7]
+
+
+def test_each_session_runs_its_work_in_submission_order() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(), clock)
+    sched.add(chunk("s", 3, 100.0))
+    sched.add(response("s", max_tokens=2))
+    sched.add(chunk("s", 2, 100.0, seq=1))
+    kinds = []
+    for _ in range(5):
+        plan, _ = run(sched, clock)
+        kinds += [(i.kind, i.n_tokens) for i in plan.items]
+    assert kinds == [("append", 3), ("decode", 1), ("decode", 1), ("append", 2)]
+    assert not sched.has_work()
+
+
+def test_a_reply_ends_at_max_tokens_at_a_stop_token_or_when_cancelled_within_one_step() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(), clock)
+    sched.add(response("a", max_tokens=3))
+    sched.add(response("b", max_tokens=50, stop_ids=frozenset({9})))
+    sched.add(response("c", max_tokens=50))
+    ends: dict[str, str] = {}
+    for step in range(6):
+        if step == 1:
+            assert sched.cancel("c") == 1
+        plan = sched.schedule()
+        out = StepOutput({i.session_id: ItemResult(token=9 if i.session_id == "b" and step == 1 else 1)
+                          for i in plan.items}, clock.t, clock.t)
+        for e in sched.update(plan, out):
+            if isinstance(e, ResponseDone):
+                ends[e.response.session_id] = f"{e.reason}@{step}"
+    assert ends == {"a": "length@2", "b": "stop@1", "c": "cancelled@1"}
+
+
+def test_under_overload_stale_video_is_shed_oldest_first_but_never_text_or_audio() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(step_tokens=4, min_append_tokens=4), clock)
+    for j in range(4):
+        sched.add(chunk("cam", 2, 100.0 + j * 0.01, kind="video", seq=j))
+    sched.add(chunk("mic", 2, 100.0, kind="audio"))
+    sched.add(chunk("txt", 2, 100.0, kind="text"))
+    plan, events = run(sched, clock)  # on time: nothing is shed
+    assert not plan.shed
+    clock.t = 101.0  # everything is late now
+    plan, events = run(sched, clock)
+    assert [c.seq for c in plan.shed] == [1, 2]  # the started frame 0 and the newest frame 3 are kept
+    shed_acks = [e.ack for e in events if isinstance(e, ChunkAcked) and e.ack.shed]
+    assert [(a.seq, a.tokens) for a in shed_acks] == [(1, 0), (2, 0)]
+    assert sched.shed_total == 2
+    while sched.has_work():
+        plan, _ = run(sched, clock)
+        assert not plan.shed or all(c.kind == "video" for c in plan.shed)
+
+
+def test_queues_are_bounded_and_limits_are_checked() -> None:
+    sched = Scheduler(SchedulerLimits(max_queued=3), Clock())
+    for i in range(3):
+        sched.add(chunk("s", 1, 100.0, seq=i))
+    with pytest.raises(CapacityError, match="queued"):
+        sched.add(chunk("s", 1, 100.0, seq=3))
+    sched.add(chunk("other", 1, 100.0))  # another session's queue is separate
+    with pytest.raises(InvalidInputError, match="step_tokens"):
+        SchedulerLimits(step_tokens=0)
+
+
+def test_a_failed_item_fails_only_its_work_and_a_fatal_one_its_whole_session() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerLimits(), clock)
+    sched.add(chunk("bad", 3, 100.0))
+    sched.add(chunk("worse", 3, 100.0))
+    sched.add(response("worse"))
+    sched.add(chunk("good", 3, 100.0))
+    plan = sched.schedule()
+    results = {"bad": ItemResult(error=ValueError("x")), "worse": ItemResult(error=RuntimeError("y"), fatal=True),
+               "good": ItemResult()}
+    events = sched.update(plan, StepOutput(results, clock.t, clock.t))
+    kinds = sorted(type(e).__name__ + ":" + getattr(getattr(e, "chunk", getattr(e, "response", None)), "session_id",
+                                                     getattr(e, "session_id", "")) for e in events)
+    assert kinds == ["ChunkAcked:good", "ChunkFailed:bad", "ChunkFailed:worse", "ResponseFailed:worse",
+                     "SessionFailed:worse"]
+    assert not sched.has_work()
+
+
+def test_dropping_a_session_fails_its_chunks_and_closes_its_reply() -> None:
+    sched = Scheduler(SchedulerLimits(), Clock())
+    sched.add(response("s"))
+    sched.add(chunk("s", 2, 100.0))
+    events = sched.drop_session("s")
+    assert [type(e) for e in events] == [ResponseDone, ChunkFailed]
+    assert events[0].reason == "closed"  # type: ignore[union-attr]
