@@ -120,6 +120,35 @@ def paged_attention_rolling(q: torch.Tensor, paged: PagedKeys, q_pos: torch.Tens
     return attention_rolling(q, k, v, q_pos, paged.k_pos, rope, scale, sinks, window, sliding)
 
 
+class DecodeBatch(NamedTuple):
+    """One decode query of each of B sessions over its paged keys, padded to the longest (built once per step).
+    Padding keys sit at slot 0 with a position no query reaches, so they are masked as future keys."""
+
+    slots: torch.Tensor  # [B, S] int64 flat slots of the keys each session may read
+    k_pos: torch.Tensor  # [B, S] int64 their absolute positions
+    q_pos: torch.Tensor  # [B] int64 each query's position
+    sinks: torch.Tensor  # [B] int64 each session's sink count
+    window: torch.Tensor  # [B] int64 each session's window (a huge number when it has none)
+
+
+def paged_attention_decode_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch,
+                                 scale: float, sliding: int | None = None) -> torch.Tensor:
+    """B sessions' single decode queries at once (absolute positions): q [B, H, hd] (RoPE applied),
+    pools [num_pages * P, KVH, hd] -> [B, H * hd]. Per row the same as `paged_attention` on that session."""
+    b, h, hd = q.shape
+    kvh = k_pool.shape[1]
+    s = batch.slots.shape[1]
+    k = k_pool.index_select(0, batch.slots.reshape(-1)).view(b, s, kvh, hd).transpose(1, 2)  # [B, KVH, S, hd]
+    v = v_pool.index_select(0, batch.slots.reshape(-1)).view(b, s, kvh, hd).transpose(1, 2)
+    qp, kp = batch.q_pos[:, None], batch.k_pos
+    mask = (kp <= qp) & ((kp < batch.sinks[:, None]) | (kp > qp - batch.window[:, None]))  # [B, S]
+    if sliding is not None:
+        mask &= kp > qp - sliding
+    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
+                                         enable_gqa=kvh != h)  # [B, H, 1, hd]
+    return out.reshape(b, h * hd)
+
+
 class RollingRope(NamedTuple):
     """Rotations of one rolling step, shared by all layers (see `attention_rolling`)."""
 

@@ -39,7 +39,7 @@ class PagedSessionKV:
         self.parked: HostPages | None = None
         self._pending = 0
         self._step_pages: list[int] = []  # logical pages taken by the step in flight (provisional)
-        self.q_pos = self.k_pos = self._gather = self._write = torch.empty(0, dtype=torch.long)
+        self.q_pos = self.k_pos = self.read_slots = self._write = torch.empty(0, dtype=torch.long)
 
     # ---- what the model's attention reads -------------------------------------------------------------
     @property
@@ -82,8 +82,8 @@ class PagedSessionKV:
             dev = self.pool.device
             self.q_pos = torch.arange(start, end, device=dev)
             self.k_pos = torch.cat([torch.arange(n_sink), torch.arange(first, end)]).to(dev)
-            self._gather = torch.cat([self._slots(0, n_sink), self._slots(first, end)])
-            self._write = self._gather[-n:]
+            self.read_slots = torch.cat([self._slots(0, n_sink), self._slots(first, end)])  # [S], like k_pos
+            self._write = self.read_slots[-n:]
         except BaseException:
             self.abort()  # a step that cannot be planned takes nothing
             raise
@@ -106,7 +106,7 @@ class PagedSessionKV:
         vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
         kf.index_copy_(0, self._write, k.to(kf.dtype))
         vf.index_copy_(0, self._write, v.to(vf.dtype))
-        return PagedKeys(kf, vf, self._gather, self.k_pos)
+        return PagedKeys(kf, vf, self.read_slots, self.k_pos)
 
     def commit(self) -> None:
         self.length += self._pending

@@ -210,16 +210,26 @@ class Engine:
               busy: Collection[PagedSessionKV] = ()) -> None:
         """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking the
         least recently active idle sessions (never one in `busy`: this step's) one by one until it
-        succeeds. Fails at once, parking nobody, when even parking every idle session would not free enough."""
+        succeeds. Sessions with work queued are parked only when no other is left. Fails at once, parking
+        nobody, when even parking every idle session would not free enough."""
         with self._lock:
-            idle = [s for s in self.sessions() if s is not session and s.state == SessionState.OPEN
-                    and s.kv.page_table and all(s.kv is not kv for kv in busy)]
+            if needed <= self.pool.allocator.free_count:  # the common case: no search for idle sessions
+                try:
+                    take()
+                    return
+                except CapacityError:
+                    pass
+            step = {id(kv) for kv in busy}
+            with self.loop.cv:
+                queued = self.loop.scheduler.busy_sessions()
+            idle = [s for s in self.sessions() if s is not session and not s.closed and s.kv.parked is None
+                    and s.kv.page_table and id(s.kv) not in step]
             if needed > self.pool.allocator.free_count + sum(len(s.kv.page_table) for s in idle):
                 raise CapacityError(f"this needs {needed} KV pages; the pool ({self.pool.num_pages} pages of "
                                     f"{self.pool.page_size} tokens) has {self.pool.allocator.free_count} free and "
                                     "not enough idle sessions to park: retry later, close sessions, or raise "
                                     "kv_memory")
-            idle.sort(key=lambda s: s.last_active)
+            idle.sort(key=lambda s: (s.id in queued, s.last_active))
             while True:
                 try:
                     take()

@@ -43,7 +43,7 @@ class StaticStepKV:
         self.pool, self.policy, self.rolling = kv.pool, kv.policy, kv.policy.rolling
         self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
         self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
-        self.gather = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.read_slots = torch.zeros(bucket, dtype=torch.long, device=dev)
         self.write = torch.zeros(tokens, dtype=torch.long, device=dev)
 
     def load(self, kv: PagedSessionKV) -> None:
@@ -52,8 +52,8 @@ class StaticStepKV:
         self.q_pos.copy_(kv.q_pos)
         self.k_pos[:n].copy_(kv.k_pos)
         self.k_pos[n:].fill_(PAD_POSITION)
-        self.gather[:n].copy_(kv._gather)
-        self.gather[n:].zero_()
+        self.read_slots[:n].copy_(kv.read_slots)
+        self.read_slots[n:].zero_()
         self.write.copy_(kv._write)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
@@ -61,7 +61,7 @@ class StaticStepKV:
         vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
         kf.index_copy_(0, self.write, k.to(kf.dtype))
         vf.index_copy_(0, self.write, v.to(vf.dtype))
-        return PagedKeys(kf, vf, self.gather, self.k_pos)
+        return PagedKeys(kf, vf, self.read_slots, self.k_pos)
 
 
 MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first): clients choose windows freely

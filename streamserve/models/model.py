@@ -15,7 +15,7 @@ from typing import NamedTuple, Protocol
 import torch
 from torch import nn
 
-from streamserve.kernels.reference import PagedKeys, RollingRope
+from streamserve.kernels.reference import DecodeBatch, PagedKeys, RollingRope
 from streamserve.models.config import ModelConfig
 from streamserve.models.ops import TORCH_OPS, Ops
 
@@ -33,10 +33,14 @@ class LayerKV(Protocol):
     policy: StreamPolicy
     q_pos: torch.Tensor  # [T] absolute positions of this step's tokens
     k_pos: torch.Tensor  # [S] absolute positions of the keys `update` returns
+    read_slots: torch.Tensor  # [S] their flat slots in the pool
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
         """Store k, v [T, KVH, hd]; -> the pages and slots of the keys at `k_pos`, these T tokens included."""
         ...
+
+
+NO_POSITION = 1 << 62  # a key position past every query (padding), and "no window"
 
 
 class Rope(NamedTuple):
@@ -62,8 +66,11 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(h * hd))
             self.k_norm = nn.Parameter(torch.ones(kvh * hd))
 
-    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops) -> torch.Tensor:
-        """x [N, D] (the sessions' tokens, in the order of `kvs`) -> [N, D]."""
+    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops,
+                joint_rope: Rope | None = None, decode: DecodeBatch | None = None) -> torch.Tensor:
+        """x [N, D] (the sessions' tokens, in the order of `kvs`) -> [N, D]. `joint_rope`: cos/sin [N, hd] of
+        all N tokens, when every session uses absolute positions. `decode`: every session runs one token
+        (absolute positions): attention runs for all of them in one `attention_decode_batch` call."""
         cfg, n = self.cfg, x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [N, H*hd], [N, KVH*hd], [N, KVH*hd]
         if cfg.qk_norm == "full":
@@ -76,20 +83,27 @@ class Attention(nn.Module):
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        if len(kvs) == 1:
-            out = self._attend(q, k, v, ropes[0], kvs[0], ops)
+        roped = joint_rope is not None
+        if roped:  # every session numbers absolute positions: one rotation for all N tokens
+            q, k = ops.apply_rope(q, joint_rope.cos, joint_rope.sin), ops.apply_rope(k, joint_rope.cos, joint_rope.sin)
+        if decode is not None and ops.attention_decode_batch is not None:
+            for i, kv in enumerate(kvs):
+                paged = kv.update(self.layer, k[i:i + 1], v[i:i + 1])
+            out = ops.attention_decode_batch(q, paged.k_pool, paged.v_pool, decode, self.scale, self.window)
+        elif len(kvs) == 1:
+            out = self._attend(q, k, v, ropes[0], kvs[0], ops, roped)
         else:
             outs, start = [], 0
             for rope, kv in zip(ropes, kvs, strict=True):
                 end = start + kv.q_pos.shape[0]
-                outs.append(self._attend(q[start:end], k[start:end], v[start:end], rope, kv, ops))
+                outs.append(self._attend(q[start:end], k[start:end], v[start:end], rope, kv, ops, roped))
                 start = end
             out = torch.cat(outs)
         return self.o_proj(out)
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, kv: LayerKV,
-                ops: Ops) -> torch.Tensor:
-        """One session's T tokens: q [T, H, hd], k/v [T, KVH, hd] -> [T, H*hd]."""
+                ops: Ops, roped: bool) -> torch.Tensor:
+        """One session's T tokens: q [T, H, hd], k/v [T, KVH, hd] (rotated already if `roped`) -> [T, H*hd]."""
         pol = kv.policy
         if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
             paged = kv.update(self.layer, k, v)
@@ -97,7 +111,8 @@ class Attention(nn.Module):
             out = ops.attention_rolling(q, paged, kv.q_pos, rope.rolling, self.scale, pol.sinks, pol.window,
                                         self.window)
         else:
-            q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
+            if not roped:
+                q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
             paged = kv.update(self.layer, k, v)
             out = ops.attention(q, paged, kv.q_pos, self.scale, self.window, pol.sinks, pol.window)
         return out.reshape(q.shape[0], -1)
@@ -140,8 +155,9 @@ class DecoderLayer(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
 
-    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops) -> torch.Tensor:
-        attn = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), ropes, kvs, ops)
+    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops,
+                joint_rope: Rope | None = None, decode: DecodeBatch | None = None) -> torch.Tensor:
+        attn = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), ropes, kvs, ops, joint_rope, decode)
         h, normed = ops.add_rms_norm(x, attn, self.post_attention_layernorm, self.eps)
         return h + self.mlp(normed, ops)
 
@@ -174,13 +190,33 @@ class CausalLM(nn.Module):
         ops = self.ops
         x = self.embed_tokens(ids)  # [N, D]
         ropes = [self._rope(kv, x.dtype) for kv in kvs]
+        joint = decode = None
+        if len(kvs) > 1 and not any(kv.rolling for kv in kvs):
+            joint = Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None)
+            if ops.attention_decode_batch is not None and ids.shape[0] == len(kvs):
+                decode = self._decode_batch(kvs)
         for layer in self.layers:
-            x = layer(x, ropes, kvs, ops)
+            x = layer(x, ropes, kvs, ops, joint, decode)
         if isinstance(rows, torch.Tensor):
             x = x.index_select(0, rows)
         elif rows is not None:
             x = x[rows[0]:rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, device=x.device)]
         return self.lm_head(ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+
+    @staticmethod
+    def _decode_batch(kvs: list[LayerKV]) -> DecodeBatch:
+        """The padded key lists of B one-token steps, shared by every layer."""
+        longest = max(kv.k_pos.shape[0] for kv in kvs)
+        dev = kvs[0].k_pos.device
+        slots = torch.zeros(len(kvs), longest, dtype=torch.long, device=dev)
+        k_pos = torch.full((len(kvs), longest), NO_POSITION, dtype=torch.long, device=dev)
+        for i, kv in enumerate(kvs):
+            n = kv.k_pos.shape[0]
+            slots[i, :n], k_pos[i, :n] = kv.read_slots, kv.k_pos
+        pols = [kv.policy for kv in kvs]
+        return DecodeBatch(slots, k_pos, torch.cat([kv.q_pos for kv in kvs]),
+                           torch.tensor([p.sinks for p in pols], device=dev),
+                           torch.tensor([NO_POSITION if p.window is None else p.window for p in pols], device=dev))
 
     def _rope(self, kv: LayerKV, dtype: torch.dtype) -> Rope:
         """The rotations of one session's step, shared by every layer."""

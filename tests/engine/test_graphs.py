@@ -1,9 +1,9 @@
-"""CUDA-graph decode's fixed-shape steps (run eagerly on a CPU) change no result, at 1 and 3 tokens."""
+"""CUDA-graph decode's fixed-shape steps (run eagerly on a CPU) change no result: 1 and 3 tokens, batches 2 to 8."""
 
 from __future__ import annotations
 
 import pytest
-from helpers import random_ids
+from helpers import greedy, random_ids
 
 from streamserve import Engine
 from streamserve.engine.graphs import bucket_for
@@ -59,4 +59,55 @@ def test_captured_graphs_replay_the_same_tokens_on_cuda(checkpoints, kw) -> None
             outs.append(out + s.generate(max_tokens=8, stop_token_ids=()))
         if graphs == "on":
             assert engine.graphs is not None and engine.graphs.captured >= 2
+    assert outs[0] == outs[1]
+
+
+def _batched_replies(engine: Engine, prompts: list[list[int]], kws: list[dict], max_tokens: int) -> list[list[int]]:
+    """Replies of several sessions whose decode steps all run in the same engine steps."""
+    sessions = [engine.open_session(**kw) for kw in kws]
+    for s, p in zip(sessions, prompts, strict=True):
+        s.append(token_ids=p)
+    with engine._lock:  # every reply is queued before the first step: they run batched from the start
+        streams = [s.stream(max_tokens=max_tokens, stop_token_ids=()) for s in sessions]
+    out = []
+    for st in streams:
+        st.wait()
+        out.append(st.token_ids)
+    for s in sessions:
+        s.close()
+    return out
+
+
+@pytest.mark.parametrize("batch", [2, 3, 8])
+def test_batched_fixed_shape_decode_equals_sessions_alone(checkpoints, engines, batch: int) -> None:
+    """Batch decode through the graph path's static buffers (eager on a CPU): one entry per batch shape,
+    sessions of different lengths and window policies in one step, the tokens each session gets alone."""
+    path = checkpoints["qwen3_moe"][0]
+    graphed = Engine.from_pretrained(path, device="cpu", cuda_graphs="on", kv_memory="32MiB")
+    kw_cycle = [{}, {"window": 24, "sinks": 4}, {"window": 24, "sinks": 4, "positions": "absolute"}]
+    kws = [kw_cycle[i % 3] for i in range(batch)]
+    prompts = [random_ids(20 + 7 * i, seed=70 + i) for i in range(batch)]
+    alone = [greedy(engines["qwen3_moe"], p, 12, **kw) for p, kw in zip(prompts, kws, strict=True)]
+    assert _batched_replies(graphed, prompts, kws, 12) == alone
+    shapes = {key[1] for key in graphed.graphs._entries}
+    assert (1,) * batch in shapes  # the batched decode steps went through the fixed-shape path
+    assert graphed.stats()["kv_pages_used"] == 0
+    graphed.shutdown()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("batch", [2, 4, 8])
+def test_captured_batched_graphs_replay_the_same_tokens_on_cuda(checkpoints, batch: int) -> None:
+    """On a GPU: batched decode steps replayed from captured graphs give the eager Triton path's tokens."""
+    pytest.importorskip("triton")
+    path = checkpoints["qwen3_moe"][0]
+    prompts = [random_ids(100 + 37 * i, seed=80 + i) for i in range(batch)]
+    kws = [{} if i % 2 else {"window": 64, "sinks": 4} for i in range(batch)]
+    outs = []
+    for graphs in ("on", "off"):
+        engine = Engine.from_pretrained(path, device="cuda", kernels="triton", cuda_graphs=graphs, kv_memory="256MiB")
+        outs.append(_batched_replies(engine, prompts, kws, 24))
+        if graphs == "on":
+            assert engine.graphs is not None and engine.graphs.captured >= 1
+        engine.shutdown()
     assert outs[0] == outs[1]

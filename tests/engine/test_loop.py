@@ -45,8 +45,8 @@ def test_concurrent_sessions_each_get_the_tokens_they_get_alone(engines, arch: s
 
     steps = engine.loop.steps
     assert asyncio.run(main()) == alone
-    batched = engine.metrics.step_tokens.labels("decode")._sum.get()  # noqa: SLF001 (prometheus internals)
-    assert batched > 0 and engine.loop.steps - steps < 6 * (12 + 6)  # steps were shared between sessions
+    one_by_one = sum(len(chunks_of(p, 7)) + 12 for p in prompts)  # steps if nothing ran together
+    assert engine.loop.steps - steps < one_by_one  # sessions shared steps
     assert engine.stats()["kv_pages_used"] == 0
     engine.check_integrity()
 

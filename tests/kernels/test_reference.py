@@ -171,3 +171,32 @@ def test_sampling_edges_full_vocab_mixed_rows_and_tiny_temperature() -> None:
     toks = ref.sample_tokens(logits, torch.tensor([0.0, 1e-39, 50.0]), torch.zeros(3, dtype=torch.long),
                              torch.ones(3), g)
     assert toks[:2].tolist() == [1, 1]  # greedy rows, whatever the others in the batch do
+
+
+@pytest.mark.parametrize(("H", "KVH", "hd", "sliding"), [(4, 2, 16, None), (6, 1, 24, 7), (3, 3, 8, None)])
+def test_batched_decode_attention_equals_one_session_at_a_time(H: int, KVH: int, hd: int, sliding: int | None) -> None:
+    """B sessions' decode queries in one padded call = each session's own `paged_attention`, with mixed
+    lengths, windows and sinks; padding keys (slot 0, unreachable position) never leak in."""
+    g = torch.Generator().manual_seed(H * 100 + hd)
+    pool_slots = 300
+    k_pool = torch.randn(pool_slots, KVH, hd, generator=g, dtype=torch.float64)
+    v_pool = torch.randn(pool_slots, KVH, hd, generator=g, dtype=torch.float64)
+    sessions = [(1, 0, None), (17, 4, 9), (40, 2, 25), (33, 0, None), (5, 1, 3)]  # (length, sinks, window)
+    perm = torch.randperm(pool_slots - 1, generator=g) + 1  # slot 0 only ever padding
+    q = torch.randn(len(sessions), H, hd, generator=g, dtype=torch.float64)
+    longest = max(n for n, _, _ in sessions)
+    slots = torch.zeros(len(sessions), longest, dtype=torch.long)
+    k_pos = torch.full((len(sessions), longest), 1 << 62, dtype=torch.long)
+    expected, used = [], 0
+    for i, (n, sinks, window) in enumerate(sessions):
+        pos = torch.arange(n)
+        sl = perm[used:used + n]
+        used += n
+        slots[i, :n], k_pos[i, :n] = sl, pos
+        paged = ref.PagedKeys(k_pool, v_pool, sl, pos)
+        expected.append(ref.paged_attention(q[i:i + 1], paged, pos[-1:], 0.3, sliding, sinks, window))
+    batch = ref.DecodeBatch(slots, k_pos, torch.tensor([n - 1 for n, _, _ in sessions]),
+                            torch.tensor([s for _, s, _ in sessions]),
+                            torch.tensor([1 << 62 if w is None else w for _, _, w in sessions]))
+    got = ref.paged_attention_decode_batch(q, k_pool, v_pool, batch, 0.3, sliding)
+    torch.testing.assert_close(got, torch.cat(expected), rtol=1e-10, atol=1e-10)

@@ -1,0 +1,135 @@
+"""Many real-time sessions on one engine: the default model, through the async API.
+
+    python benchmarks/concurrency.py [--sessions 1,8,32,128] [--seconds 8] [--quick]
+
+Each of N sessions appends a 200 ms text chunk in real time (5 per second: the next few words of the KJV,
+with its capture time and the default deadline of capture + 200 ms) and every 2 s asks for a 16-token
+greedy reply, read as it streams while its chunks keep coming (they queue behind the reply). Session
+starts are spread over the first chunk period. Per N: p50/p99 append latency (capture to ack), the
+share of chunks acked after their deadline, time to first token, inter-token latency, engine steps
+and tokens per step; then the largest N held in real time without a missed deadline.
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+from streamserve import Engine
+
+CHUNK_S = 0.2  # one chunk every 200 ms
+REPLY_EVERY = 10  # chunks: a reply every 2 s
+REPLY_TOKENS = 16
+
+
+def corpus_words() -> list[str]:
+    try:
+        text = subprocess.run(["bible", "-f", "Genesis 1:1-50:26"], capture_output=True, text=True,
+                              timeout=60).stdout
+    except (OSError, subprocess.SubprocessError):
+        text = ""
+    words = text.split()
+    return words if len(words) > 1000 else ("In the beginning God created the heaven and the earth . " * 200).split()
+
+
+def pct(xs: list[float], q: float) -> float:
+    if not xs:
+        return float("nan")
+    xs = sorted(xs)
+    return xs[min(len(xs) - 1, int(q * len(xs)))]
+
+
+async def session_task(engine: Engine, words: list[str], start: float, seconds: float, rng: random.Random,
+                       rec: dict[str, list[float]]) -> None:
+    s = engine.open_session()
+    pos = rng.randrange(len(words) - 1000)
+    replies: list[asyncio.Task] = []
+
+    async def reply(asked: float) -> None:
+        last = None
+        async for _ in s.stream(max_tokens=REPLY_TOKENS, stop_token_ids=()):
+            now = time.monotonic()
+            if last is None:
+                rec["ttft"].append(now - asked)
+            else:
+                rec["itl"].append(now - last)
+            last = now
+
+    try:
+        k = 0
+        while True:
+            due = start + k * CHUNK_S
+            if due - start >= seconds:
+                break
+            await asyncio.sleep(max(0.0, due - time.monotonic()))
+            n = rng.randint(1, 3)  # about 2.5 words a second: speech
+            text = " " + " ".join(words[pos:pos + n])
+            pos += n
+            ack = await s.append_chunk_async(text=text, capture_time=due)
+            rec["append"].append(time.monotonic() - due)
+            rec["missed"].append(float(ack.deadline_missed))
+            k += 1
+            if k % REPLY_EVERY == 0 and (not replies or replies[-1].done()):
+                replies.append(asyncio.create_task(reply(time.monotonic())))
+        await asyncio.gather(*replies)
+    finally:
+        s.close()
+
+
+async def run_level(engine: Engine, words: list[str], n: int, seconds: float) -> dict[str, float]:
+    rec: dict[str, list[float]] = {"append": [], "missed": [], "ttft": [], "itl": []}
+    rng = random.Random(n)
+    t0 = time.monotonic() + 0.05
+    steps0, tokens0 = engine.loop.steps, engine.stats()["prefill_tokens"] + engine.stats()["decode_tokens"]
+    await asyncio.gather(*(session_task(engine, words, t0 + CHUNK_S * i / n, seconds, rng, rec) for i in range(n)))
+    steps = engine.loop.steps - steps0
+    tokens = engine.stats()["prefill_tokens"] + engine.stats()["decode_tokens"] - tokens0
+    ms = 1e3
+    return {
+        "sessions": n, "chunks": len(rec["append"]), "replies_tokens": len(rec["itl"]) + len(rec["ttft"]),
+        "append_p50_ms": round(pct(rec["append"], 0.5) * ms, 2), "append_p99_ms": round(pct(rec["append"], 0.99) * ms, 2),
+        "missed_deadlines": int(sum(rec["missed"])),
+        "missed_share": round(sum(rec["missed"]) / max(1, len(rec["missed"])), 4),
+        "ttft_p50_ms": round(pct(rec["ttft"], 0.5) * ms, 2), "ttft_p99_ms": round(pct(rec["ttft"], 0.99) * ms, 2),
+        "itl_p50_ms": round(pct(rec["itl"], 0.5) * ms, 2), "itl_p99_ms": round(pct(rec["itl"], 0.99) * ms, 2),
+        "steps": steps, "tokens_per_step": round(tokens / max(1, steps), 2),
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--sessions", default="1,8,32,128", help="comma-separated session counts")
+    ap.add_argument("--seconds", type=float, default=8.0, help="real-time seconds per level")
+    ap.add_argument("--quick", action="store_true", help="N = 1 and 4 for 2.2 s (CI smoke run)")
+    args = ap.parse_args()
+    levels = [1, 4] if args.quick else [int(x) for x in args.sessions.split(",")]
+    seconds = 2.2 if args.quick else args.seconds
+    engine = Engine.from_pretrained("default", kv_memory="1GiB")
+    words = corpus_words()
+    # warm up (first-call allocations) before anything is timed
+    asyncio.run(run_level(engine, words, 2, 0.5))
+    results = []
+    for n in levels:
+        r = asyncio.run(run_level(engine, words, n, seconds))
+        results.append(r)
+        print(f"N={n:4d}  append p50 {r['append_p50_ms']:7.2f} ms  p99 {r['append_p99_ms']:8.2f} ms  "
+              f"missed {r['missed_deadlines']:4d}/{r['chunks']:5d}  ttft p50 {r['ttft_p50_ms']:7.2f} ms  "
+              f"itl p50 {r['itl_p50_ms']:6.2f} p99 {r['itl_p99_ms']:7.2f} ms  tokens/step {r['tokens_per_step']}",
+              file=sys.stderr)
+    held = [r["sessions"] for r in results if r["missed_deadlines"] == 0]
+    engine.shutdown()
+    print(json.dumps({"benchmark": "concurrency", "model": "default", "device": str(engine.device),
+                      "dtype": str(engine.dtype).removeprefix("torch."), "seconds_per_level": seconds,
+                      "levels": results, "largest_n_without_missed_deadline": max(held) if held else 0,
+                      "p50_over_stat": statistics.median([r["append_p50_ms"] for r in results])}))
+
+
+if __name__ == "__main__":
+    main()
