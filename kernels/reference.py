@@ -120,33 +120,37 @@ def paged_attention_rolling(q: torch.Tensor, paged: PagedKeys, q_pos: torch.Tens
     return attention_rolling(q, k, v, q_pos, paged.k_pos, rope, scale, sinks, window, sliding)
 
 
-class DecodeBatch(NamedTuple):
-    """One decode query of each of B sessions over its paged keys, padded to the longest (built once per step).
-    Padding keys sit at slot 0 with a position no query reaches, so they are masked as future keys."""
+class AttentionBatch(NamedTuple):
+    """A few tokens of each of B sessions (absolute positions) over their paged keys, padded to the most
+    queries and the most keys (built once per step). Padding keys sit at slot 0 with a position no query
+    reaches, so they are masked as future keys; a padding query repeats its session's last one."""
 
+    q_rows: torch.Tensor  # [B, Tq] int64 row of each query in the step's q [N, H, hd]
+    q_pos: torch.Tensor  # [B, Tq] int64 its absolute position
     slots: torch.Tensor  # [B, S] int64 flat slots of the keys each session may read
     k_pos: torch.Tensor  # [B, S] int64 their absolute positions
-    q_pos: torch.Tensor  # [B] int64 each query's position
     sinks: torch.Tensor  # [B] int64 each session's sink count
     window: torch.Tensor  # [B] int64 each session's window (a huge number when it has none)
+    out_rows: torch.Tensor  # [M] int64 the real queries' rows in the padded output [B * Tq], session by session
 
 
-def paged_attention_decode_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: DecodeBatch,
-                                 scale: float, sliding: int | None = None) -> torch.Tensor:
-    """B sessions' single decode queries at once (absolute positions): q [B, H, hd] (RoPE applied),
-    pools [num_pages * P, KVH, hd] -> [B, H * hd]. Per row the same as `paged_attention` on that session."""
-    b, h, hd = q.shape
-    kvh = k_pool.shape[1]
-    s = batch.slots.shape[1]
+def paged_attention_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: AttentionBatch,
+                          scale: float, sliding: int | None = None) -> torch.Tensor:
+    """Several sessions' queries in one call: q [N, H, hd] (RoPE applied), pools [num_pages * P, KVH, hd]
+    -> [M, H * hd] for the M real queries of `batch`, each as `paged_attention` gives it on its own session."""
+    b, tq = batch.q_rows.shape
+    h, hd = q.shape[1:]
+    kvh, s = k_pool.shape[1], batch.slots.shape[1]
+    qb = q.index_select(0, batch.q_rows.reshape(-1)).view(b, tq, h, hd).transpose(1, 2)  # [B, H, Tq, hd]
     k = k_pool.index_select(0, batch.slots.reshape(-1)).view(b, s, kvh, hd).transpose(1, 2)  # [B, KVH, S, hd]
     v = v_pool.index_select(0, batch.slots.reshape(-1)).view(b, s, kvh, hd).transpose(1, 2)
-    qp, kp = batch.q_pos[:, None], batch.k_pos
-    mask = (kp <= qp) & ((kp < batch.sinks[:, None]) | (kp > qp - batch.window[:, None]))  # [B, S]
+    qp, kp = batch.q_pos[:, :, None], batch.k_pos[:, None, :]
+    mask = (kp <= qp) & ((kp < batch.sinks[:, None, None]) | (kp > qp - batch.window[:, None, None]))  # [B, Tq, S]
     if sliding is not None:
         mask &= kp > qp - sliding
-    out = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask[:, None, None, :], scale=scale,
-                                         enable_gqa=kvh != h)  # [B, H, 1, hd]
-    return out.reshape(b, h * hd)
+    out = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask[:, None], scale=scale,
+                                         enable_gqa=kvh != h)  # [B, H, Tq, hd]
+    return out.transpose(1, 2).reshape(b * tq, h * hd).index_select(0, batch.out_rows)
 
 
 class RollingRope(NamedTuple):

@@ -10,12 +10,13 @@ larger matmuls at batch 1.
 
 from __future__ import annotations
 
+import itertools
 from typing import NamedTuple, Protocol
 
 import torch
 from torch import nn
 
-from streamserve.kernels.reference import DecodeBatch, PagedKeys, RollingRope
+from streamserve.kernels.reference import AttentionBatch, PagedKeys, RollingRope
 from streamserve.models.config import ModelConfig
 from streamserve.models.ops import TORCH_OPS, Ops
 
@@ -41,12 +42,23 @@ class LayerKV(Protocol):
 
 
 NO_POSITION = 1 << 62  # a key position past every query (padding), and "no window"
+BATCH_MAX_QUERIES = 16  # sessions running at most this many tokens share one padded attention call
 
 
 class Rope(NamedTuple):
     cos: torch.Tensor  # [T, hd] for this step's absolute positions (absolute mode)
     sin: torch.Tensor
     rolling: RollingRope | None  # the step's rotations inside the cache (rolling mode)
+
+
+class StepLayout(NamedTuple):
+    """How one forward's N tokens split into sessions, shared by every layer."""
+
+    ropes: list[Rope]  # per session
+    starts: list[int]  # [sessions + 1] token offsets
+    joint: Rope | None  # cos/sin [N, hd] when every session numbers absolute positions: one rotation for all
+    batched: list[int]  # absolute-position sessions of few tokens: their attention runs in one `attention_batch` call
+    batch: AttentionBatch | None
 
 
 class Attention(nn.Module):
@@ -66,11 +78,8 @@ class Attention(nn.Module):
             self.q_norm = nn.Parameter(torch.ones(h * hd))
             self.k_norm = nn.Parameter(torch.ones(kvh * hd))
 
-    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops,
-                joint_rope: Rope | None = None, decode: DecodeBatch | None = None) -> torch.Tensor:
-        """x [N, D] (the sessions' tokens, in the order of `kvs`) -> [N, D]. `joint_rope`: cos/sin [N, hd] of
-        all N tokens, when every session uses absolute positions. `decode`: every session runs one token
-        (absolute positions): attention runs for all of them in one `attention_decode_batch` call."""
+    def forward(self, x: torch.Tensor, kvs: list[LayerKV], layout: StepLayout, ops: Ops) -> torch.Tensor:
+        """x [N, D] (the sessions' tokens, in the order of `kvs`) -> [N, D]."""
         cfg, n = self.cfg, x.shape[0]
         q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [N, H*hd], [N, KVH*hd], [N, KVH*hd]
         if cfg.qk_norm == "full":
@@ -83,23 +92,29 @@ class Attention(nn.Module):
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        roped = joint_rope is not None
-        if roped:  # every session numbers absolute positions: one rotation for all N tokens
-            q, k = ops.apply_rope(q, joint_rope.cos, joint_rope.sin), ops.apply_rope(k, joint_rope.cos, joint_rope.sin)
-        if decode is not None and ops.attention_decode_batch is not None:
-            for i, kv in enumerate(kvs):
-                paged = kv.update(self.layer, k[i:i + 1], v[i:i + 1])
-            out = ops.attention_decode_batch(q, paged.k_pool, paged.v_pool, decode, self.scale, self.window)
-        elif len(kvs) == 1:
-            out = self._attend(q, k, v, ropes[0], kvs[0], ops, roped)
-        else:
-            outs, start = [], 0
-            for rope, kv in zip(ropes, kvs, strict=True):
-                end = start + kv.q_pos.shape[0]
-                outs.append(self._attend(q[start:end], k[start:end], v[start:end], rope, kv, ops, roped))
-                start = end
-            out = torch.cat(outs)
-        return self.o_proj(out)
+        joint, st = layout.joint, layout.starts
+        if joint is not None:  # every session numbers absolute positions: one rotation for all N tokens
+            q, k = ops.apply_rope(q, joint.cos, joint.sin), ops.apply_rope(k, joint.cos, joint.sin)
+        pieces: list[torch.Tensor | None] = [None] * len(kvs)
+        if layout.batch is not None:
+            assert ops.attention_batch is not None
+            for i in layout.batched:
+                a, b = st[i], st[i + 1]
+                if joint is None:  # rolling sessions in the step too: rotate the batched (absolute) ones here
+                    r = layout.ropes[i]
+                    q[a:b], k[a:b] = ops.apply_rope(q[a:b], r.cos, r.sin), ops.apply_rope(k[a:b], r.cos, r.sin)
+                paged = kvs[i].update(self.layer, k[a:b], v[a:b])
+            out = ops.attention_batch(q, paged.k_pool, paged.v_pool, layout.batch, self.scale, self.window)
+            if len(layout.batched) == len(kvs):  # rows already in token order
+                return self.o_proj(out)
+            off = 0
+            for i in layout.batched:
+                pieces[i], off = out[off:off + st[i + 1] - st[i]], off + st[i + 1] - st[i]
+        for i, kv in enumerate(kvs):
+            if pieces[i] is None:
+                a, b = st[i], st[i + 1]
+                pieces[i] = self._attend(q[a:b], k[a:b], v[a:b], layout.ropes[i], kv, ops, joint is not None)
+        return self.o_proj(pieces[0] if len(kvs) == 1 else torch.cat(pieces))  # type: ignore[arg-type]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, kv: LayerKV,
                 ops: Ops, roped: bool) -> torch.Tensor:
@@ -155,9 +170,8 @@ class DecoderLayer(nn.Module):
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
 
-    def forward(self, x: torch.Tensor, ropes: list[Rope], kvs: list[LayerKV], ops: Ops,
-                joint_rope: Rope | None = None, decode: DecodeBatch | None = None) -> torch.Tensor:
-        attn = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), ropes, kvs, ops, joint_rope, decode)
+    def forward(self, x: torch.Tensor, kvs: list[LayerKV], layout: StepLayout, ops: Ops) -> torch.Tensor:
+        attn = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), kvs, layout, ops)
         h, normed = ops.add_rms_norm(x, attn, self.post_attention_layernorm, self.eps)
         return h + self.mlp(normed, ops)
 
@@ -189,34 +203,49 @@ class CausalLM(nn.Module):
         free of host copies; None: all N)."""
         ops = self.ops
         x = self.embed_tokens(ids)  # [N, D]
-        ropes = [self._rope(kv, x.dtype) for kv in kvs]
-        joint = decode = None
-        if len(kvs) > 1 and not any(kv.rolling for kv in kvs):
-            joint = Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None)
-            if ops.attention_decode_batch is not None and ids.shape[0] == len(kvs):
-                decode = self._decode_batch(kvs)
+        layout = self._layout(kvs, x.dtype)
         for layer in self.layers:
-            x = layer(x, ropes, kvs, ops, joint, decode)
+            x = layer(x, kvs, layout, ops)
         if isinstance(rows, torch.Tensor):
             x = x.index_select(0, rows)
         elif rows is not None:
             x = x[rows[0]:rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, device=x.device)]
         return self.lm_head(ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
 
+    def _layout(self, kvs: list[LayerKV], dtype: torch.dtype) -> StepLayout:
+        ropes = [self._rope(kv, dtype) for kv in kvs]
+        starts = [0, *itertools.accumulate(kv.q_pos.shape[0] for kv in kvs)]
+        if len(kvs) == 1:
+            return StepLayout(ropes, starts, None, [], None)
+        joint = None
+        if not any(kv.rolling for kv in kvs):
+            joint = Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None)
+        batched = [i for i, kv in enumerate(kvs) if not kv.rolling and kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
+        if self.ops.attention_batch is None or len(batched) < 2:
+            return StepLayout(ropes, starts, joint, [], None)
+        return StepLayout(ropes, starts, joint, batched, self._attention_batch([kvs[i] for i in batched],
+                                                                               [starts[i] for i in batched]))
+
     @staticmethod
-    def _decode_batch(kvs: list[LayerKV]) -> DecodeBatch:
-        """The padded key lists of B one-token steps, shared by every layer."""
-        longest = max(kv.k_pos.shape[0] for kv in kvs)
+    def _attention_batch(kvs: list[LayerKV], starts: list[int]) -> AttentionBatch:
+        """The padded query and key lists of a few sessions' steps, shared by every layer."""
         dev = kvs[0].k_pos.device
+        widths = [kv.q_pos.shape[0] for kv in kvs]
+        tq, longest = max(widths), max(kv.k_pos.shape[0] for kv in kvs)
+        q_rows = torch.tensor([[a + min(j, w - 1) for j in range(tq)] for a, w in zip(starts, widths, strict=True)],
+                              dtype=torch.long, device=dev)
+        out_rows = torch.tensor([i * tq + j for i, w in enumerate(widths) for j in range(w)], device=dev)
+        q_pos = torch.stack([kv.q_pos[torch.arange(tq, device=dev).clamp(max=w - 1)]
+                             for kv, w in zip(kvs, widths, strict=True)])
         slots = torch.zeros(len(kvs), longest, dtype=torch.long, device=dev)
         k_pos = torch.full((len(kvs), longest), NO_POSITION, dtype=torch.long, device=dev)
         for i, kv in enumerate(kvs):
             n = kv.k_pos.shape[0]
             slots[i, :n], k_pos[i, :n] = kv.read_slots, kv.k_pos
         pols = [kv.policy for kv in kvs]
-        return DecodeBatch(slots, k_pos, torch.cat([kv.q_pos for kv in kvs]),
-                           torch.tensor([p.sinks for p in pols], device=dev),
-                           torch.tensor([NO_POSITION if p.window is None else p.window for p in pols], device=dev))
+        return AttentionBatch(q_rows, q_pos, slots, k_pos, torch.tensor([p.sinks for p in pols], device=dev),
+                              torch.tensor([NO_POSITION if p.window is None else p.window for p in pols], device=dev),
+                              out_rows)
 
     def _rope(self, kv: LayerKV, dtype: torch.dtype) -> Rope:
         """The rotations of one session's step, shared by every layer."""

@@ -50,8 +50,8 @@ class Ops:
     attention: Callable[..., torch.Tensor]
     rolling_rope: Callable[..., ref.RollingRope]
     attention_rolling: Callable[..., torch.Tensor]
-    # several sessions' decode queries in one call (absolute positions); None: one `attention` call per session
-    attention_decode_batch: Callable[..., torch.Tensor] | None
+    # a few tokens of each of several sessions in one call (absolute positions); None: one call per session
+    attention_batch: Callable[..., torch.Tensor] | None
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_experts: Callable[..., torch.Tensor]
 
@@ -66,7 +66,7 @@ TORCH_OPS = Ops(
     attention=ref.paged_attention,
     rolling_rope=ref.rolling_rope,
     attention_rolling=ref.paged_attention_rolling,
-    attention_decode_batch=ref.paged_attention_decode_batch,
+    attention_batch=ref.paged_attention_batch,
     moe_route=ref.moe_route,
     moe_experts=moe_experts_torch,
 )
@@ -89,7 +89,7 @@ def triton_ops(device: torch.device) -> Ops:
     return replace(TORCH_OPS, name="triton", rms_norm=tb.rms_norm, add_rms_norm=tb.add_rms_norm,
                    silu_mul=tb.silu_mul, apply_rope=tb.apply_rope, attention=tb.paged_attention,
                    attention_rolling=tb.paged_attention_rolling,
-                   attention_decode_batch=None,  # the Triton decode kernel runs per session (reads pages in place)
+                   attention_batch=None,  # the Triton kernels run per session (they read pages in place)
                    moe_experts=tb.moe_experts)
 
 

@@ -174,29 +174,35 @@ def test_sampling_edges_full_vocab_mixed_rows_and_tiny_temperature() -> None:
 
 
 @pytest.mark.parametrize(("H", "KVH", "hd", "sliding"), [(4, 2, 16, None), (6, 1, 24, 7), (3, 3, 8, None)])
-def test_batched_decode_attention_equals_one_session_at_a_time(H: int, KVH: int, hd: int, sliding: int | None) -> None:
-    """B sessions' decode queries in one padded call = each session's own `paged_attention`, with mixed
-    lengths, windows and sinks; padding keys (slot 0, unreachable position) never leak in."""
+def test_batched_attention_equals_one_session_at_a_time(H: int, KVH: int, hd: int, sliding: int | None) -> None:
+    """B sessions' queries (1 to 5 each) in one padded call = each session's own `paged_attention`, with
+    mixed lengths, windows and sinks; padding keys (slot 0, unreachable position) never leak in."""
     g = torch.Generator().manual_seed(H * 100 + hd)
     pool_slots = 300
     k_pool = torch.randn(pool_slots, KVH, hd, generator=g, dtype=torch.float64)
     v_pool = torch.randn(pool_slots, KVH, hd, generator=g, dtype=torch.float64)
-    sessions = [(1, 0, None), (17, 4, 9), (40, 2, 25), (33, 0, None), (5, 1, 3)]  # (length, sinks, window)
+    sessions = [(1, 1, 0, None), (17, 3, 4, 9), (40, 1, 2, 25), (33, 5, 0, None), (5, 2, 1, 3)]  # (len, T, sinks, win)
     perm = torch.randperm(pool_slots - 1, generator=g) + 1  # slot 0 only ever padding
-    q = torch.randn(len(sessions), H, hd, generator=g, dtype=torch.float64)
-    longest = max(n for n, _, _ in sessions)
-    slots = torch.zeros(len(sessions), longest, dtype=torch.long)
-    k_pos = torch.full((len(sessions), longest), 1 << 62, dtype=torch.long)
-    expected, used = [], 0
-    for i, (n, sinks, window) in enumerate(sessions):
+    n_q = sum(t for _, t, _, _ in sessions)
+    q = torch.randn(n_q, H, hd, generator=g, dtype=torch.float64)
+    tq, longest = max(t for _, t, _, _ in sessions), max(n for n, _, _, _ in sessions)
+    b = len(sessions)
+    slots, k_pos = torch.zeros(b, longest, dtype=torch.long), torch.full((b, longest), 1 << 62, dtype=torch.long)
+    q_rows, q_pos = torch.zeros(b, tq, dtype=torch.long), torch.zeros(b, tq, dtype=torch.long)
+    expected, used, row, out_rows = [], 0, 0, []
+    for i, (n, t, sinks, window) in enumerate(sessions):
         pos = torch.arange(n)
         sl = perm[used:used + n]
         used += n
         slots[i, :n], k_pos[i, :n] = sl, pos
+        for j in range(tq):  # padding queries repeat the last one
+            q_rows[i, j], q_pos[i, j] = row + min(j, t - 1), n - t + min(j, t - 1)
+        out_rows += [i * tq + j for j in range(t)]
         paged = ref.PagedKeys(k_pool, v_pool, sl, pos)
-        expected.append(ref.paged_attention(q[i:i + 1], paged, pos[-1:], 0.3, sliding, sinks, window))
-    batch = ref.DecodeBatch(slots, k_pos, torch.tensor([n - 1 for n, _, _ in sessions]),
-                            torch.tensor([s for _, s, _ in sessions]),
-                            torch.tensor([1 << 62 if w is None else w for _, _, w in sessions]))
-    got = ref.paged_attention_decode_batch(q, k_pool, v_pool, batch, 0.3, sliding)
+        expected.append(ref.paged_attention(q[row:row + t], paged, pos[n - t:], 0.3, sliding, sinks, window))
+        row += t
+    batch = ref.AttentionBatch(q_rows, q_pos, slots, k_pos, torch.tensor([s for _, _, s, _ in sessions]),
+                               torch.tensor([1 << 62 if w is None else w for _, _, _, w in sessions]),
+                               torch.tensor(out_rows))
+    got = ref.paged_attention_batch(q, k_pool, v_pool, batch, 0.3, sliding)
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-10, atol=1e-10)
