@@ -45,6 +45,11 @@ log = logging.getLogger("streamserve")
 
 __all__ = ["DEFAULT_MODEL_DIR", "Engine"]
 
+# On a CPU, steps of fewer tokens than this run on one intra-op thread: waking a thread pool costs more than
+# these small matmuls gain from it (default model, 2 cores: a 3-token step 5.5 ms on 2 threads, 1.9 ms on 1;
+# from about 64 tokens on, more threads win; docs/benchmarks.md)
+CPU_SMALL_STEP_TOKENS = 64
+
 
 class Engine:
     """Holds the model, tokenizer and KV pool; sessions share them. Thread-safe: one forward at a time."""
@@ -75,6 +80,7 @@ class Engine:
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
                           "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
+        self._threads = torch.get_num_threads()  # for large CPU steps; small ones use one thread
         self.metrics = EngineMetrics(self)
         self.loop = EngineLoop(self, limits)
 
@@ -249,6 +255,7 @@ class Engine:
         """
         with self._lock:
             self._begin(session, kv, len(ids), [kv])
+            self._cpu_threads(len(ids))
             t0 = time.perf_counter()
             try:
                 if self.graphs is not None and graphable([len(ids)]):
@@ -311,6 +318,7 @@ class Engine:
         """The planned (`begin`) steps of `jobs` in one forward -> logits [n, V] of each job's last token."""
         t0 = time.perf_counter()
         kvs, ids = [s.kv for s, _ in jobs], [i for _, i in jobs]
+        self._cpu_threads(sum(len(i) for i in ids))
         if self.graphs is not None and graphable([len(i) for i in ids]):
             logits = self.graphs.run(kvs, ids)
         else:
@@ -319,6 +327,12 @@ class Engine:
             logits = self.model.forward_batch(flat, kvs, [r - 1 for r in rows])
         self._count([len(i) for i in ids], time.perf_counter() - t0)
         return logits
+
+    def _cpu_threads(self, tokens: int) -> None:
+        if self.device.type == "cpu":
+            want = 1 if tokens < CPU_SMALL_STEP_TOKENS else self._threads
+            if torch.get_num_threads() != want:
+                torch.set_num_threads(want)
 
     def _count(self, widths: list[int], seconds: float) -> None:
         c = self._counters
