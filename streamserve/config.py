@@ -32,6 +32,34 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class SchedulerConfig:
+    """How the engine loop shares steps between sessions (streamserve.engine.scheduler)."""
+
+    step_tokens: int = field(default=256, metadata={
+        "help": "input tokens one engine step runs at most (answering sessions' next tokens + parts of chunks): "
+                "bounds the inter-token latency of replies while chunks are being appended"})
+    max_batch: int = field(default=64, metadata={"help": "sessions in one engine step at most"})
+    min_append_tokens: int = field(default=32, metadata={
+        "help": "tokens of every step kept for queued chunks, however many sessions are answering"})
+    max_queued: int = field(default=64, metadata={
+        "help": "chunks and replies queued on one session at most; more are refused (capacity_exceeded)"})
+    max_wait: float = field(default=1.0, metadata={
+        "help": "seconds after which a waiting chunk is served as if due, whatever its deadline"})
+
+    def __post_init__(self) -> None:
+        from streamserve.errors import InvalidInputError
+
+        for name in ("step_tokens", "max_batch", "min_append_tokens", "max_queued"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
+        if self.max_batch < 2:
+            raise InvalidInputError("max_batch must be >= 2 (one slot is kept for appends)")
+        if isinstance(self.max_wait, bool) or not isinstance(self.max_wait, (int, float)) or not self.max_wait > 0:
+            raise InvalidInputError(f"max_wait must be a number of seconds > 0, got {self.max_wait!r}")
+
+
+@dataclass(frozen=True)
 class SessionConfig:
     window: int | None = field(default=None, metadata={
         "help": "keep only the last WINDOW tokens (plus the sinks) of each session: constant memory on endless "
@@ -57,5 +85,6 @@ class SamplingConfig:
 
 
 ENGINE_DEFAULTS = EngineConfig()
+SCHEDULER_DEFAULTS = SchedulerConfig()
 SESSION_DEFAULTS = SessionConfig()
 SAMPLING_DEFAULTS = SamplingConfig()

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS
+from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
 from streamserve.engine.graphs import DecodeGraphs, graphable
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
@@ -34,7 +34,6 @@ from streamserve.engine.loading import (
 )
 from streamserve.engine.loop import EngineLoop
 from streamserve.engine.metrics import EngineMetrics
-from streamserve.engine.scheduler import SchedulerLimits
 from streamserve.engine.session import Session, SessionState
 from streamserve.engine.snapshot import Snapshot
 from streamserve.errors import CapacityError, InvalidInputError, SessionNotFoundError, SnapshotError
@@ -56,7 +55,7 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...],
                  kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None,
-                 limits: SchedulerLimits | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.cfg
@@ -82,7 +81,7 @@ class Engine:
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
         self._threads = torch.get_num_threads()  # for large CPU steps; small ones use one thread
         self.metrics = EngineMetrics(self)
-        self.loop = EngineLoop(self, limits)
+        self.loop = EngineLoop(self, scheduler)
 
     def __enter__(self) -> Engine:
         return self
@@ -104,14 +103,14 @@ class Engine:
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
-                        limits: SchedulerLimits | None = None) -> Engine:
+                        scheduler: SchedulerConfig | None = None) -> Engine:
         """Load "default" (the embedded model) or a Hugging Face checkpoint folder.
 
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
         CUDA + Triton), "on" or "off".
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
-        session is closed (None: never). limits: the scheduler's step budget and queue bounds.
+        session is closed (None: never). scheduler: the engine loop's step budget and queue bounds.
         """
         path = resolve_model_path(model)
         cfg = ModelConfig.from_file(path / "config.json")
@@ -131,7 +130,7 @@ class Engine:
             eos += g if isinstance(g, list) else [g] if g is not None else []
         eos += tokenizer.eos_token_ids
         eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
-        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, limits)
+        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, scheduler)
         if cuda_graphs not in ("auto", "on", "off"):
             raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
         if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
@@ -350,6 +349,8 @@ class Engine:
     def stats(self) -> dict[str, Any]:
         c = self._counters
         sessions = self.sessions()
+        with self.loop.cv:
+            depths = self.loop.scheduler.depths()
         alloc = self.pool.allocator
         per_page = KVPool.bytes_per_page(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
                                          self.pool.page_size, self.dtype)
@@ -369,4 +370,7 @@ class Engine:
             **c,
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_seconds"] if c["prefill_seconds"] else 0.0,
             "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,
+            "steps": self.loop.steps,
+            "chunks_shed": self.loop.scheduler.shed_total,
+            **depths,
         }

@@ -18,8 +18,9 @@ import threading
 import time
 from typing import TYPE_CHECKING
 
+from streamserve.config import SchedulerConfig
 from streamserve.engine.runner import Runner
-from streamserve.engine.scheduler import Scheduler, SchedulerLimits
+from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.streams import Delta, End
 from streamserve.engine.work import (
     Chunk,
@@ -46,9 +47,9 @@ IDLE_CHECK_SECONDS = 1.0
 
 
 class EngineLoop:
-    def __init__(self, engine: Engine, limits: SchedulerLimits | None = None) -> None:
+    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
         self.engine = engine
-        self.scheduler = Scheduler(limits)
+        self.scheduler = Scheduler(config)
         self.runner = Runner(engine)
         self.cv = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -152,6 +153,7 @@ class EngineLoop:
             if isinstance(e, SessionFailed):  # a faulted session is closed: its pages come back
                 s = self.engine._sessions.get(e.session_id)
                 log.warning("session %s failed and was closed: %s", e.session_id, e.error)
+                self.engine._counters["sessions_failed_total"] += 1
                 if s is not None:
                     s._close(drop=False)
 

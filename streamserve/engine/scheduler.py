@@ -21,8 +21,8 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
+from streamserve.config import SchedulerConfig
 from streamserve.engine.work import (
     Ack,
     Chunk,
@@ -39,29 +39,12 @@ from streamserve.engine.work import (
     TokenProduced,
     WorkItem,
 )
-from streamserve.errors import CapacityError, InvalidInputError, SessionClosedError, StepError
-
-
-@dataclass(frozen=True)
-class SchedulerLimits:
-    step_tokens: int = 256  # input tokens one step runs at most (decodes + parts of chunks)
-    max_batch: int = 64  # sessions in one step at most
-    min_append_tokens: int = 32  # appends get at least this much of every step that has some waiting
-    max_queued: int = 64  # chunks + responses queued on one session at most (bounded queues)
-    max_wait: float = 1.0  # seconds: a chunk waiting longer is ordered as if due now
-
-    def __post_init__(self) -> None:
-        for name in ("step_tokens", "max_batch", "min_append_tokens", "max_queued"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
-        if self.max_batch < 2:
-            raise InvalidInputError("max_batch must be >= 2 (one slot is kept for appends)")
+from streamserve.errors import CapacityError, SessionClosedError, StepError
 
 
 class Scheduler:
-    def __init__(self, limits: SchedulerLimits | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits = limits or SchedulerLimits()
+    def __init__(self, limits: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self.limits = limits or SchedulerConfig()  # step budget and queue bounds
         self.clock = clock
         self._queues: dict[str, deque[Chunk | Response]] = {}
         self._last_served: dict[str, int] = {}

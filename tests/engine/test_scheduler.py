@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from streamserve.engine.scheduler import Scheduler, SchedulerLimits
+from streamserve.config import SchedulerConfig
+from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.work import (
     Chunk,
     ChunkAcked,
@@ -48,7 +49,7 @@ def run(sched: Scheduler, clock: Clock, token: int = 7, dt: float = 0.01) -> tup
 
 def test_answering_sessions_go_first_and_appends_fill_the_budget_in_deadline_order() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(step_tokens=20, max_batch=8, min_append_tokens=4), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=20, max_batch=8, min_append_tokens=4), clock)
     sched.add(chunk("late", 10, 100.0, deadline=100.9))
     sched.add(chunk("early", 10, 100.0, deadline=100.1))
     sched.add(chunk("middle", 10, 100.0, deadline=100.5))
@@ -66,7 +67,7 @@ def test_answering_sessions_go_first_and_appends_fill_the_budget_in_deadline_ord
 
 def test_a_chunk_is_acked_with_its_queue_and_compute_time() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(step_tokens=6, min_append_tokens=1), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=6, min_append_tokens=1), clock)
     sched.add(chunk("a", 10, 99.9, deadline=100.015, seq=3))
     assert run(sched, clock)[1] == []  # 6 of 10 tokens: no ack yet
     _, events = run(sched, clock)
@@ -78,7 +79,7 @@ def test_a_chunk_is_acked_with_its_queue_and_compute_time() -> None:
 
 def test_appends_progress_even_when_many_sessions_answer() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(step_tokens=8, max_batch=8, min_append_tokens=3), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=8, max_batch=8, min_append_tokens=3), clock)
     for i in range(20):
         sched.add(response(f"r{i}", max_tokens=100))
     sched.add(chunk("in", 5, 100.0))
@@ -91,7 +92,7 @@ def test_appends_progress_even_when_many_sessions_answer() -> None:
 
 def test_answering_sessions_take_turns_when_there_are_more_than_fit() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(step_tokens=64, max_batch=3), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=64, max_batch=3), clock)
     for i in range(5):
         sched.add(response(f"r{i}", max_tokens=100))
     served: dict[str, int] = {}
@@ -105,7 +106,7 @@ def test_answering_sessions_take_turns_when_there_are_more_than_fit() -> None:
 
 def test_a_late_deadline_does_not_starve_a_chunk() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(step_tokens=4, min_append_tokens=4, max_wait=0.05), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=4, min_append_tokens=4, max_wait=0.05), clock)
     sched.add(chunk("patient", 4, 100.0, deadline=200.0))
     acked = []
     for step in range(12):  # a new urgent chunk arrives every step, each due 30 ms after it arrives
@@ -118,7 +119,7 @@ def test_a_late_deadline_does_not_starve_a_chunk() -> None:
 
 def test_each_session_runs_its_work_in_submission_order() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(), clock)
+    sched = Scheduler(SchedulerConfig(), clock)
     sched.add(chunk("s", 3, 100.0))
     sched.add(response("s", max_tokens=2))
     sched.add(chunk("s", 2, 100.0, seq=1))
@@ -132,7 +133,7 @@ def test_each_session_runs_its_work_in_submission_order() -> None:
 
 def test_a_reply_ends_at_max_tokens_at_a_stop_token_or_when_cancelled_within_one_step() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(), clock)
+    sched = Scheduler(SchedulerConfig(), clock)
     sched.add(response("a", max_tokens=3))
     sched.add(response("b", max_tokens=50, stop_ids=frozenset({9})))
     sched.add(response("c", max_tokens=50))
@@ -151,7 +152,7 @@ def test_a_reply_ends_at_max_tokens_at_a_stop_token_or_when_cancelled_within_one
 
 def test_under_overload_stale_video_is_shed_oldest_first_but_never_text_or_audio() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(step_tokens=4, min_append_tokens=4), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=4, min_append_tokens=4), clock)
     for j in range(4):
         sched.add(chunk("cam", 2, 100.0 + j * 0.01, kind="video", seq=j))
     sched.add(chunk("mic", 2, 100.0, kind="audio"))
@@ -170,19 +171,19 @@ def test_under_overload_stale_video_is_shed_oldest_first_but_never_text_or_audio
 
 
 def test_queues_are_bounded_and_limits_are_checked() -> None:
-    sched = Scheduler(SchedulerLimits(max_queued=3), Clock())
+    sched = Scheduler(SchedulerConfig(max_queued=3), Clock())
     for i in range(3):
         sched.add(chunk("s", 1, 100.0, seq=i))
     with pytest.raises(CapacityError, match="queued"):
         sched.add(chunk("s", 1, 100.0, seq=3))
     sched.add(chunk("other", 1, 100.0))  # another session's queue is separate
     with pytest.raises(InvalidInputError, match="step_tokens"):
-        SchedulerLimits(step_tokens=0)
+        SchedulerConfig(step_tokens=0)
 
 
 def test_a_failed_item_fails_only_its_work_and_a_fatal_one_its_whole_session() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerLimits(), clock)
+    sched = Scheduler(SchedulerConfig(), clock)
     sched.add(chunk("bad", 3, 100.0))
     sched.add(chunk("worse", 3, 100.0))
     sched.add(response("worse"))
@@ -199,7 +200,7 @@ def test_a_failed_item_fails_only_its_work_and_a_fatal_one_its_whole_session() -
 
 
 def test_dropping_a_session_fails_its_chunks_and_closes_its_reply() -> None:
-    sched = Scheduler(SchedulerLimits(), Clock())
+    sched = Scheduler(SchedulerConfig(), Clock())
     sched.add(response("s"))
     sched.add(chunk("s", 2, 100.0))
     events = sched.drop_session("s")
