@@ -10,13 +10,14 @@ session opens). One step runs at a time (a lock); every page is counted (`check_
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,7 +80,6 @@ class Engine:
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
                           "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
-        self._threads = torch.get_num_threads()  # for large CPU steps; small ones use one thread
         self.metrics = EngineMetrics(self)
         self.loop = EngineLoop(self, scheduler)
 
@@ -254,14 +254,14 @@ class Engine:
         """
         with self._lock:
             self._begin(session, kv, len(ids), [kv])
-            self._cpu_threads(len(ids))
             t0 = time.perf_counter()
             try:
-                if self.graphs is not None and graphable([len(ids)]):
-                    logits = self.graphs.run([kv], [ids], all_logits)
-                else:
-                    logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), kv, all_logits)
-                    logits = logits if all_logits else logits[None]
+                with self._threads_for(len(ids)):
+                    if self.graphs is not None and graphable([len(ids)]):
+                        logits = self.graphs.run([kv], [ids], all_logits)
+                    else:
+                        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), kv, all_logits)
+                        logits = logits if all_logits else logits[None]
                 self._count([len(ids)], time.perf_counter() - t0)
             except BaseException:
                 kv.abort()
@@ -317,21 +317,28 @@ class Engine:
         """The planned (`begin`) steps of `jobs` in one forward -> logits [n, V] of each job's last token."""
         t0 = time.perf_counter()
         kvs, ids = [s.kv for s, _ in jobs], [i for _, i in jobs]
-        self._cpu_threads(sum(len(i) for i in ids))
-        if self.graphs is not None and graphable([len(i) for i in ids]):
-            logits = self.graphs.run(kvs, ids)
-        else:
-            flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=self.device)
-            rows = list(itertools.accumulate(len(i) for i in ids))
-            logits = self.model.forward_batch(flat, kvs, [r - 1 for r in rows])
+        with self._threads_for(sum(len(i) for i in ids)):
+            if self.graphs is not None and graphable([len(i) for i in ids]):
+                logits = self.graphs.run(kvs, ids)
+            else:
+                flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=self.device)
+                rows = list(itertools.accumulate(len(i) for i in ids))
+                logits = self.model.forward_batch(flat, kvs, [r - 1 for r in rows])
         self._count([len(i) for i in ids], time.perf_counter() - t0)
         return logits
 
-    def _cpu_threads(self, tokens: int) -> None:
-        if self.device.type == "cpu":
-            want = 1 if tokens < CPU_SMALL_STEP_TOKENS else self._threads
-            if torch.get_num_threads() != want:
-                torch.set_num_threads(want)
+    @contextlib.contextmanager
+    def _threads_for(self, tokens: int) -> Iterator[None]:
+        """A small CPU step runs on one intra-op thread; the process's setting is restored after it."""
+        prev = torch.get_num_threads()
+        if self.device.type != "cpu" or tokens >= CPU_SMALL_STEP_TOKENS or prev == 1:
+            yield
+            return
+        torch.set_num_threads(1)
+        try:
+            yield
+        finally:
+            torch.set_num_threads(prev)
 
     def _count(self, widths: list[int], seconds: float) -> None:
         c = self._counters
