@@ -11,9 +11,10 @@
    GB/s of expert weights read and as a fraction of the measured device-to-device copy bandwidth
    (target >= 0.70 at T = 1).
 3. Decode attention GB/s (keys + values read) at 1k / 8k / 32k windows, bf16, 32 query / 4 KV heads, hd 128.
-4. End to end: batch-1 decode tokens/s of a random Qwen3-30B-A3B-shaped model cut to 8 layers (the
-   full 48 layers do not change per-layer figures and would take most of the time budget to build):
-   kernels="triton" with and without CUDA graphs, and kernels="torch".
+4. End to end: decode tokens/s of a random Qwen3-30B-A3B-shaped model cut to 8 layers (the full 48
+   layers do not change per-layer figures and would take most of the time budget to build):
+   kernels="triton" with and without CUDA graphs, and kernels="torch", at batch 1 (one session) and
+   batch 2, 4, 8 (sessions decoding in the same engine steps; aggregate tokens/s).
 Prints a table and one JSON line last.
 """
 
@@ -177,30 +178,57 @@ def bench_end_to_end(device: torch.device, layers: int, new: int) -> dict:
         shape.update(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_experts=8, moe_intermediate_size=32, intermediate_size=64)
     res: dict = {"layers": layers}
-    tokens = {}
+    tokens: dict[str, list] = {}
     with tempfile.TemporaryDirectory() as tmp:
         make_random_checkpoint(Path(tmp), "qwen3_moe", **shape)
         for label, kernels, graphs in (("triton_graphs", "triton", "on"), ("triton", "triton", "off"),
                                        ("torch", "torch", "off")):
             engine = Engine.from_pretrained(tmp, device=device, dtype="bfloat16", kernels=kernels, cuda_graphs=graphs,
                                             kv_memory="2GiB")
-            with engine.open_session() as s:
-                s.append(token_ids=list(range(1, 129)))
-                s.generate(max_tokens=4, stop_token_ids=())
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                t0 = time.perf_counter()
-                tokens[label] = s.generate(max_tokens=new, stop_token_ids=())
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                res[f"{label}_decode_tok_s"] = round(new / (time.perf_counter() - t0), 1)
+            for batch in (1, 2, 4, 8):
+                tok_s, tokens[f"{label}_b{batch}"] = batched_decode(engine, batch, new)
+                key = f"{label}_decode_tok_s" if batch == 1 else f"{label}_b{batch}_decode_tok_s"
+                res[key] = round(tok_s, 1)
+            engine.shutdown()
             del engine
     res["triton_over_torch"] = round(res["triton_decode_tok_s"] / res["torch_decode_tok_s"], 2)
     res["graphs_over_eager"] = round(res["triton_graphs_decode_tok_s"] / res["triton_decode_tok_s"], 2)
-    res["graphs_tokens_equal_eager"] = tokens["triton_graphs"] == tokens["triton"]  # must hold: same kernels
-    res["triton_tokens_equal_torch"] = tokens["triton"] == tokens["torch"]  # bf16 rounding may differ
+    for b in (2, 4, 8):
+        res[f"graphs_over_eager_b{b}"] = round(res[f"triton_graphs_b{b}_decode_tok_s"] /
+                                                res[f"triton_b{b}_decode_tok_s"], 2)
+    # must hold: same kernels, with and without graphs, at every batch size
+    res["graphs_tokens_equal_eager"] = all(tokens[f"triton_graphs_b{b}"] == tokens[f"triton_b{b}"]
+                                           for b in (1, 2, 4, 8))
+    res["triton_tokens_equal_torch"] = tokens["triton_b1"] == tokens["torch_b1"]  # bf16 rounding may differ
     print(f"end to end: {res}", file=sys.stderr)
     return res
+
+
+def batched_decode(engine, batch: int, new: int) -> tuple[float, list[list[int]]]:
+    """`batch` sessions (128-token prompts) decode `new` tokens each in the same engine steps;
+    -> aggregate tokens/s and each session's tokens."""
+    sessions = [engine.open_session() for _ in range(batch)]
+    for i, s in enumerate(sessions):
+        s.append(token_ids=[(7 * i + j) % 1000 + 1 for j in range(128)])
+
+    def together(n: int) -> list:
+        with engine._lock:  # every reply queued before the first step: they decode batched throughout
+            streams = [s.stream(max_tokens=n, stop_token_ids=()) for s in sessions]
+        for st in streams:
+            st.wait()
+        return streams
+
+    together(4)  # warm-up: compiles, and captures this batch size's graphs
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    streams = together(new)
+    if engine.device.type == "cuda":
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - t0
+    for s in sessions:
+        s.close()
+    return batch * new / seconds, [st.token_ids for st in streams]
 
 
 def main() -> None:

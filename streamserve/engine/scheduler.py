@@ -121,7 +121,10 @@ class Scheduler:
                 q.remove(r)
             plan.cancelled += cancelled
         plan.shed = self._shed(now)
-        heads = {sid: q[0] for sid, q in self._queues.items() if q}
+        for sid in [sid for sid, q in self._queues.items() if not q]:  # idle sessions hold nothing here
+            del self._queues[sid]
+            self._last_served.pop(sid, None)
+        heads = {sid: q[0] for sid, q in self._queues.items()}
         decoders = sorted((sid for sid, w in heads.items() if isinstance(w, Response)),
                           key=lambda sid: self._last_served.get(sid, -1))
         appenders = sorted((sid for sid, w in heads.items() if isinstance(w, Chunk)),

@@ -224,3 +224,29 @@ def test_shutdown_ends_replies_and_refuses_new_work(checkpoints) -> None:
         s.append(token_ids=[4])
     s.close()
     assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_nothing_is_left_behind_after_sessions_end_one_way_or_another(checkpoints) -> None:
+    """Closed, dropped (garbage-collected), cancelled and finished sessions leave no queue, no pages and
+    no session entry behind."""
+    import gc
+
+    engine = Engine.from_pretrained(checkpoints["qwen3"][0], device="cpu", kv_memory="16MiB")
+    for i in range(12):
+        s = engine.open_session(window=16 if i % 2 else None)
+        s.append(token_ids=random_ids(9, seed=i))
+        st = s.stream(max_tokens=50_000 if i % 3 == 0 else 4, stop_token_ids=())
+        if i % 3 == 0:
+            next(st)
+            s.cancel()
+        st.wait()
+        if i % 4 == 0:
+            del s, st  # dropped without close: the finalizer gives the pages back
+            gc.collect()
+        else:
+            s.close()
+    engine.loop.step()  # one more step lets the scheduler forget idle queues
+    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["sessions_open"] == 0
+    assert not engine.loop.scheduler._queues and not engine.loop.scheduler._last_served
+    engine.check_integrity()
+    engine.shutdown()
