@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from streamserve import __version__
-from streamserve.config import EngineConfig, SamplingConfig, SessionConfig
+from streamserve.config import EngineConfig, SamplingConfig, SchedulerConfig, ServerConfig, SessionConfig
 from streamserve.errors import StreamserveError
 
 DESCRIPTION = """\
@@ -24,6 +24,8 @@ of everything before it. With no --model, the embedded default model is used: a 
 Qwen3-MoE trained on the King James Bible, so it continues text in KJV English.
 
 examples:
+  streamserve serve                          # the server on 127.0.0.1:8000 (WebSocket /v1/stream)
+  streamserve serve --port 9000 --window 1024 --sinks 4 --api-key secret
   streamserve generate --prompt "In the beginning" --max-tokens 40
   streamserve generate                       # interactive: each line continues one session
   streamserve generate --model ./Qwen3-30B-A3B --chat --temperature 0.7
@@ -54,6 +56,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"streamserve {__version__}")
     parser.add_argument("-v", "--verbose", action="store_true", help="log what the engine does")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="serve the model: WebSocket streaming sessions, health, metrics",
+                           description="Serve the model on one port: WS /v1/stream (the native msgpack protocol, "
+                                       "docs/protocol.md), GET /healthz, GET /metrics. --window/--sinks/"
+                                       "--positions are the defaults of sessions that do not choose. "
+                                       "SIGINT or SIGTERM shuts down gracefully.")
+    add_config_args(serve, ServerConfig)
+    add_config_args(serve, EngineConfig)
+    add_config_args(serve, SessionConfig)
+    add_config_args(serve, SchedulerConfig)
 
     gen = sub.add_parser("generate", help="continue a prompt, or chat interactively, streaming to the terminal",
                          description="Stream the model's continuation of --prompt; without --prompt, read "
@@ -134,6 +146,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
                 _reply(session, separator + line, sampling, args.chat)
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from streamserve.server.app import Server, engine_loader, run
+
+    server_cfg: ServerConfig = config_from_args(ServerConfig, args)
+    engine_cfg: EngineConfig = config_from_args(EngineConfig, args)
+    server = Server(server_cfg, engine_loader(engine_cfg, config_from_args(SchedulerConfig, args)),
+                    config_from_args(SessionConfig, args))
+    run(server, announce=lambda line: print(line, file=sys.stderr, flush=True))
+    return 0
+
+
 def cmd_info(args: argparse.Namespace) -> int:
     engine = _load(args)
     cfg = engine.config
@@ -149,7 +172,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    commands = {"generate": cmd_generate, "info": cmd_info}
+    commands = {"serve": cmd_serve, "generate": cmd_generate, "info": cmd_info}
     if args.command is None:
         parser.print_help()
         sys.exit(2)

@@ -32,6 +32,29 @@ class EngineConfig:
 
 
 @dataclass(frozen=True)
+class ServerConfig:
+    """`streamserve serve`: where it listens and what one client may do."""
+
+    host: str = field(default="127.0.0.1", metadata={
+        "help": "address to listen on; 127.0.0.1 serves this machine only (use 0.0.0.0 to serve others, "
+                "ideally with --api-key)"})
+    port: int = field(default=8000, metadata={"help": "TCP port (0: any free port, printed at start)"})
+    api_key: str | None = field(default=None, metadata={
+        "help": "require 'Authorization: Bearer KEY' on /v1/stream and /metrics (default: the "
+                "STREAMSERVE_API_KEY environment variable; unset: no key)"})
+    max_frame_bytes: int = field(default=1 << 20, metadata={"help": "largest WebSocket frame accepted, bytes"})
+    max_chunk_tokens: int = field(default=1024, metadata={"help": "most tokens one appended chunk may have"})
+    max_sessions_per_connection: int = field(default=8, metadata={"help": "sessions one connection may hold"})
+    max_connections: int = field(default=256, metadata={
+        "help": "connections served at once; more are closed with 1013 (try again later)"})
+    messages_per_second: float = field(default=200.0, metadata={
+        "help": "per-connection message rate limit (a burst of twice this is allowed)"})
+    resume_ttl: float = field(default=60.0, metadata={
+        "help": "seconds a session whose connection dropped waits for a resume before it is closed"})
+    max_reply_tokens: int = field(default=1024, metadata={"help": "most tokens one reply may ask for"})
+
+
+@dataclass(frozen=True)
 class SchedulerConfig:
     """How the engine loop shares steps between sessions (streamserve.engine.scheduler)."""
 
@@ -85,6 +108,7 @@ class SamplingConfig:
 
 
 ENGINE_DEFAULTS = EngineConfig()
+SERVER_DEFAULTS = ServerConfig()
 SCHEDULER_DEFAULTS = SchedulerConfig()
 SESSION_DEFAULTS = SessionConfig()
 SAMPLING_DEFAULTS = SamplingConfig()

@@ -97,5 +97,11 @@ class StepError(StreamserveError):
     code = "step_failed"
 
 
+class ChunkTooLargeError(InvalidInputError):
+    """A chunk with more tokens than the server allows in one append; split it."""
+
+    code = "chunk_too_large"
+
+
 class ChatTemplateError(StreamserveError):
     code = "chat_template_error"

@@ -32,6 +32,7 @@ from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.streams import Outbox, ResponseStream
 from streamserve.engine.work import CHUNK_KINDS, Ack, Chunk, ChunkKind, Response
 from streamserve.errors import (
+    ChunkTooLargeError,
     ContextLengthError,
     EmptyAppendError,
     InvalidInputError,
@@ -86,6 +87,7 @@ class Session:
         self.timeline: list[ChunkRecord] = []
         self.last_active = time.monotonic()
         self.chunk_budget = chunk_budget  # seconds from capture to the default deadline of a chunk
+        self.max_chunk_tokens: int | None = None  # set by servers: a longer chunk is refused at the call
         self._next_seq = 0
         self._submit_lock = threading.Lock()
         self._logits: torch.Tensor | None = None  # [V] after the first `_logits_at` tokens
@@ -192,6 +194,9 @@ class Session:
                 ids = self._check_ids(token_ids)
             if not ids:
                 raise EmptyAppendError("append got an empty chunk; send at least one token or character")
+            if self.max_chunk_tokens is not None and len(ids) > self.max_chunk_tokens:
+                raise ChunkTooLargeError(f"a chunk of {len(ids)} tokens is over the limit of {self.max_chunk_tokens}; "
+                                         "split it into smaller chunks")
             self._check_context(len(ids))
             now = time.monotonic()
             capture = now if capture_time is None else float(capture_time)

@@ -1,0 +1,229 @@
+"""`WS /v1/stream`: one connection of the native protocol (docs/protocol.md).
+
+The read loop decodes and validates each frame (`protocol.decode_client`) and dispatches it; nothing
+it does waits for the model. Appends are submitted at once and their acks sent by a task when the
+engine has the chunk in the KV; replies are forwarded delta by delta by a task each. Blocking session
+operations (open, rewind, close: they take the engine lock) run in a worker thread. Everything the
+server sends goes through one bounded queue and one writer task, so a client that stops reading slows
+only its own connection, and the engine's outboxes merge what it has not read yet. When the connection
+ends, for whatever reason, its tasks are cancelled and its sessions detached for a resume.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from aiohttp import WSMsgType, web
+
+from streamserve.errors import StreamserveError
+from streamserve.server import protocol as P
+from streamserve.server.registry import Entry
+
+if TYPE_CHECKING:
+    from streamserve.server.app import Server
+
+log = logging.getLogger("streamserve.server")
+
+OUTGOING_QUEUE = 256  # frames waiting for the writer; a full queue makes this connection's tasks wait
+MAX_BAD_MESSAGES = 16  # malformed frames tolerated per connection before it is closed (4400)
+
+
+class RateLimiter:
+    """A token bucket: `rate` messages a second on average, bursts of twice that."""
+
+    def __init__(self, rate: float) -> None:
+        self.rate, self.capacity = rate, 2 * rate
+        self.tokens, self.stamp = self.capacity, time.monotonic()
+
+    def allow(self) -> bool:
+        now = time.monotonic()
+        self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
+        self.stamp = now
+        if self.tokens >= 1:
+            self.tokens -= 1
+            return True
+        return False
+
+
+class NativeConnection:
+    def __init__(self, server: Server, ws: web.WebSocketResponse) -> None:
+        self.server, self.ws = server, ws
+        self.cfg = server.config
+        self.out: asyncio.Queue[bytes | None] = asyncio.Queue(OUTGOING_QUEUE)
+        self.tasks: set[asyncio.Task] = set()
+        self.limiter = RateLimiter(self.cfg.messages_per_second)
+        self.bad = 0
+
+    # ---- lifecycle ------------------------------------------------------------------------------------
+    async def run(self) -> None:
+        writer = asyncio.create_task(self._writer())
+        try:
+            await self.send(self.server.hello())
+            async for msg in self.ws:
+                if msg.type == WSMsgType.BINARY:
+                    await self.handle(msg.data)
+                elif msg.type == WSMsgType.TEXT:
+                    await self.handle(msg.data)  # answered with bad_message: the protocol is binary
+                else:  # CLOSE / ERROR
+                    break
+        finally:
+            for t in list(self.tasks):
+                t.cancel()
+            self.server.registry.detach_all(self)
+            await self.out.put(None)
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await asyncio.wait_for(writer, 5.0)
+
+    async def _writer(self) -> None:
+        while True:
+            frame = await self.out.get()
+            try:
+                if frame is None:
+                    return
+                if not self.ws.closed:  # else drain: nobody can receive it any more
+                    with contextlib.suppress(ConnectionError, RuntimeError):  # going away: the read loop ends it
+                        await self.ws.send_bytes(frame)
+            finally:
+                self.out.task_done()
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await self.out.put(P.encode(message))
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    async def close(self, code: int, reason: str) -> None:
+        await self.ws.close(code=code, message=reason.encode()[:120])
+
+    # ---- dispatch -------------------------------------------------------------------------------------
+    async def handle(self, data: bytes | str) -> None:
+        if not self.limiter.allow():
+            await self.send(P.error_message("rate_limited", f"over {self.cfg.messages_per_second:g} messages a "
+                                            "second on this connection; the message was dropped"))
+            return
+        try:
+            m = P.decode_client(data, self.cfg.max_frame_bytes)
+        except P.ProtocolError as e:
+            await self.send(P.error_message(e.code, e.message, request_id=e.request_id, session=e.session, seq=e.seq))
+            self.bad += 1
+            if self.bad >= MAX_BAD_MESSAGES:
+                await self.close(P.CLOSE_BAD_CLIENT, f"{self.bad} malformed messages")
+            return
+        self.server.server_metrics.messages.labels(m.type).inc()
+        try:
+            await getattr(self, f"on_{m.type}")(m)
+        except StreamserveError as e:
+            await self.send(P.error_message(e.code, str(e), request_id=m.id, session=m.session,
+                                            seq=m.fields.get("seq")))
+
+    async def on_open(self, m: P.ClientMessage) -> None:
+        f, d = m.fields, self.server.session_defaults
+        kw: dict[str, Any] = {"window": d.window, "sinks": d.sinks, "positions": d.positions, "page_cap": d.page_cap,
+                              "chunk_budget": d.chunk_budget}
+        kw.update({k: f[k] for k in ("window", "sinks", "positions") if f[k] is not None})
+        if f["chunk_budget_ms"] is not None:
+            kw["chunk_budget"] = f["chunk_budget_ms"] / 1e3
+        sampling = self.server.check_sampling(f["sampling"] or {})
+        entry = await asyncio.to_thread(self.server.registry.open, self, sampling, **kw)
+        await self.send(self._opened(entry, m.id, resumed=False))
+
+    async def on_resume(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        entry, previous = self.server.registry.resume(self, m.session, m.fields["resume_token"])
+        if previous is not None:  # taken over from a connection that has not noticed it is gone
+            await previous.send(P.error_message("session_moved", "another connection resumed this session",
+                                                session=m.session))
+        await self.send(self._opened(entry, m.id, resumed=True))
+
+    def _opened(self, e: Entry, request_id: Any, resumed: bool) -> dict[str, Any]:
+        s, pol = e.session, e.session.kv.policy
+        return {"type": "opened", "id": request_id, "session": s.id, "resume_token": e.resume_token,
+                "resumed": resumed, "next_seq": s._next_seq, "tokens": len(s.token_ids), "window": pol.window,
+                "sinks": pol.sinks, "positions": pol.mode, "chunk_budget_ms": s.chunk_budget * 1e3}
+
+    async def on_append(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        f = m.fields
+        s = self.server.registry.get(self, m.session).session
+        if f["audio"] is not None or f["image"] is not None:
+            raise UnsupportedModalityError(f"this server accepts text and token_ids; {self.server.engine.name} "
+                                           "has no audio or vision input yet")
+        now = time.monotonic()
+        deadline = None if f["deadline_ms"] is None else now + f["deadline_ms"] / 1e3
+        fut = s._submit_chunk(f["text"], f["token_ids"], None, f["seq"], now, deadline, f["kind"] or "text")
+        self.spawn(self._ack(m, s.id, fut))
+
+    async def _ack(self, m: P.ClientMessage, session_id: str, fut: Any) -> None:
+        try:
+            ack = await asyncio.wrap_future(fut)
+        except StreamserveError as e:
+            await self.send(P.error_message(e.code, str(e), session=session_id, seq=m.fields["seq"]))
+            return
+        await self.send({"type": "ack", "session": session_id, "seq": ack.seq, "tokens": ack.tokens,
+                         "queue_ms": round(ack.queue_ms, 3), "compute_ms": round(ack.compute_ms, 3),
+                         "deadline_missed": ack.deadline_missed, "shed": ack.shed,
+                         "capture_time": m.fields["capture_time"]})
+
+    async def on_respond(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        entry = self.server.registry.get(self, m.session)
+        params = self.server.check_sampling({**entry.sampling, **m.fields})
+        stop = params.pop("stop", None)
+        stream = entry.session.stream(**params, stop=stop)
+        self.spawn(self._forward(stream, m.session))
+
+    async def _forward(self, stream: Any, session_id: str) -> None:
+        try:
+            async for d in stream:
+                await self.send({"type": "delta", "session": session_id, "response": stream.id, "text": d.text,
+                                 "token_ids": d.token_ids})
+            reason = stream.finish_reason
+        except StreamserveError as e:
+            await self.send(P.error_message(e.code, str(e), session=session_id))
+            reason = "error"
+        await self.send({"type": "done", "session": session_id, "response": stream.id, "reason": reason,
+                         "usage": stream.usage})
+
+    async def on_cancel(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        self.server.registry.get(self, m.session).session.cancel()
+
+    async def on_rewind(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        s = self.server.registry.get(self, m.session).session
+        n = await asyncio.to_thread(s.rewind, m.fields["to"], m.fields["to_seq"])
+        await self.send({"type": "rewound", "id": m.id, "session": s.id, "tokens": n, "next_seq": s._next_seq})
+
+    async def on_configure(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        entry = self.server.registry.get(self, m.session)
+        if m.fields["sampling"] is not None:
+            entry.sampling = self.server.check_sampling({**entry.sampling, **m.fields["sampling"]})
+        if m.fields["chunk_budget_ms"] is not None:
+            entry.session.chunk_budget = m.fields["chunk_budget_ms"] / 1e3
+        await self.send({"type": "configured", "id": m.id, "session": m.session, "sampling": entry.sampling,
+                         "chunk_budget_ms": entry.session.chunk_budget * 1e3})
+
+    async def on_close(self, m: P.ClientMessage) -> None:
+        assert m.session is not None
+        entry = self.server.registry.get(self, m.session)
+        self.server.registry.remove(m.session)
+        await asyncio.to_thread(entry.session.close)
+        await self.send({"type": "closed", "id": m.id, "session": m.session, "reason": "client"})
+
+    async def on_stats(self, m: P.ClientMessage) -> None:
+        st = self.server.engine.stats()
+        keys = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_pages_total", "steps",
+                "queued_chunks", "queued_tokens", "responding", "chunks_shed", "decode_tokens_per_s")
+        await self.send({"type": "stats", "id": m.id, **{k: st[k] for k in keys},
+                         "connection_sessions": len(self.server.registry.owned(self))})
+
+
+class UnsupportedModalityError(StreamserveError):
+    code = "unsupported_modality"

@@ -1,0 +1,221 @@
+"""The native streaming protocol, version 1: msgpack maps in binary WebSocket frames (docs/protocol.md).
+
+No I/O and no torch here: `decode_client` turns one frame into a validated `ClientMessage` or raises
+`ProtocolError` (a typed code and a message the client can act on); `encode` turns a server message
+(a plain dict with a `type`) into a frame. Transports only move bytes through these two functions.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgpack
+
+PROTOCOL_VERSION = 1
+MAX_ID_CHARS = 128  # session ids, resume tokens and request ids
+MAX_STOP_STRINGS = 16
+
+# WebSocket close codes the server uses
+CLOSE_NORMAL = 1000
+CLOSE_GOING_AWAY = 1001  # the server is shutting down
+CLOSE_POLICY = 1008  # a permanent error: too many malformed messages, a protocol the server cannot serve
+CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
+CLOSE_INTERNAL = 1011
+CLOSE_TRY_LATER = 1013  # overload: too many connections; retry after a pause
+CLOSE_BAD_CLIENT = 4400  # the client keeps sending what the protocol does not allow
+
+CLIENT_TYPES = ("open", "resume", "append", "respond", "cancel", "rewind", "configure", "close", "stats")
+SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+
+
+class ProtocolError(Exception):
+    """A frame the protocol does not allow; answered with an `error` message carrying `code`."""
+
+    def __init__(self, code: str, message: str, *, request_id: Any = None, session: str | None = None,
+                 seq: int | None = None, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.code, self.message, self.fatal = code, message, fatal
+        self.request_id, self.session, self.seq = request_id, session, seq
+
+
+@dataclass
+class ClientMessage:
+    type: str
+    id: Any = None  # the client's request id, echoed in the reply
+    session: str | None = None
+    fields: dict[str, Any] = field(default_factory=dict)  # the validated type-specific fields
+
+
+def encode(message: dict[str, Any]) -> bytes:
+    """A server message -> one binary frame."""
+    return msgpack.packb({k: v for k, v in message.items() if v is not None}, use_bin_type=True)
+
+
+def error_message(code: str, message: str, *, fatal: bool = False, request_id: Any = None,
+                  session: str | None = None, seq: int | None = None) -> dict[str, Any]:
+    return {"type": "error", "code": code, "message": message, "fatal": fatal, "id": request_id,
+            "session": session, "seq": seq}
+
+
+def decode_client(frame: bytes | str, max_frame_bytes: int) -> ClientMessage:
+    """One client frame -> a validated message, or ProtocolError("bad_message", ...)."""
+    if isinstance(frame, str):
+        raise ProtocolError("bad_message", "send binary frames (msgpack), not text frames")
+    if len(frame) > max_frame_bytes:
+        raise ProtocolError("frame_too_large", f"a frame of {len(frame)} bytes is over the limit of "
+                                               f"{max_frame_bytes}")
+    try:
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
+    except Exception as e:  # msgpack raises several types for malformed input
+        raise ProtocolError("bad_message", f"the frame is not valid msgpack ({type(e).__name__})") from None
+    if not isinstance(obj, dict):
+        raise ProtocolError("bad_message", f"a frame must be a msgpack map, got {type(obj).__name__}")
+    request_id = obj.get("id")
+    if request_id is not None and not (_is_int(request_id) or (isinstance(request_id, str)
+                                                               and len(request_id) <= MAX_ID_CHARS)):
+        raise ProtocolError("bad_message", f"id must be an int or a string of at most {MAX_ID_CHARS} characters")
+    kind = obj.get("type")
+    if kind not in CLIENT_TYPES:
+        raise ProtocolError("bad_message", f"unknown message type {kind!r}; expected one of {list(CLIENT_TYPES)}",
+                            request_id=request_id)
+    f = _Fields(obj, request_id)
+    session = None
+    if kind not in ("open", "stats"):
+        session = f.text("session", required=True, max_chars=MAX_ID_CHARS)
+    msg = ClientMessage(kind, request_id, session)
+    f.session = session
+    msg.fields = _PARSERS[kind](f)
+    f.reject_unknown()
+    return msg
+
+
+# ---- per-type fields ------------------------------------------------------------------------------------
+def _open(f: _Fields) -> dict[str, Any]:
+    return {"window": f.integer("window", minimum=1), "sinks": f.integer("sinks", minimum=0),
+            "positions": f.choice("positions", ("absolute", "rolling")),
+            "chunk_budget_ms": f.number("chunk_budget_ms", positive=True), "sampling": f.sampling("sampling")}
+
+
+def _resume(f: _Fields) -> dict[str, Any]:
+    return {"resume_token": f.text("resume_token", required=True, max_chars=MAX_ID_CHARS)}
+
+
+def _append(f: _Fields) -> dict[str, Any]:
+    out = {"seq": f.integer("seq", minimum=0), "capture_time": f.number("capture_time"),
+           "deadline_ms": f.number("deadline_ms", positive=True), "kind": f.choice("kind", ("text", "audio", "video")),
+           "text": f.text("text"), "token_ids": f.int_list("token_ids"),
+           "audio": f.raw("audio"), "image": f.raw("image")}
+    given = [k for k in ("text", "token_ids", "audio", "image") if out[k] is not None]
+    if len(given) != 1:
+        raise f.error(f"append takes exactly one of text, token_ids, audio, image; got {given or 'none'}", out["seq"])
+    return out
+
+
+def _respond(f: _Fields) -> dict[str, Any]:
+    return f.sampling_fields()
+
+
+def _nothing(f: _Fields) -> dict[str, Any]:
+    return {}
+
+
+def _rewind(f: _Fields) -> dict[str, Any]:
+    out = {"to_seq": f.integer("to_seq", minimum=0), "to": f.integer("to", minimum=0)}
+    if (out["to_seq"] is None) == (out["to"] is None):
+        raise f.error("rewind takes exactly one of to_seq and to")
+    return out
+
+
+def _configure(f: _Fields) -> dict[str, Any]:
+    return {"sampling": f.sampling("sampling"), "chunk_budget_ms": f.number("chunk_budget_ms", positive=True)}
+
+
+_PARSERS = {"open": _open, "resume": _resume, "append": _append, "respond": _respond, "cancel": _nothing,
+            "rewind": _rewind, "configure": _configure, "close": _nothing, "stats": _nothing}
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+class _Fields:
+    """Typed access to a message's fields; every accessor marks the key as known."""
+
+    def __init__(self, obj: dict[str, Any], request_id: Any) -> None:
+        self.obj, self.request_id, self.session = obj, request_id, None
+        self.seen = {"type", "id", "session"}
+
+    def error(self, message: str, seq: int | None = None) -> ProtocolError:
+        return ProtocolError("bad_message", f"{self.obj.get('type')}: {message}", request_id=self.request_id,
+                             session=self.session, seq=seq)
+
+    def _get(self, key: str, required: bool) -> Any:
+        self.seen.add(key)
+        v = self.obj.get(key)
+        if v is None and required:
+            raise self.error(f"missing field {key!r}")
+        return v
+
+    def text(self, key: str, required: bool = False, max_chars: int | None = None) -> str | None:
+        v = self._get(key, required)
+        if v is not None and (not isinstance(v, str) or (max_chars is not None and len(v) > max_chars)):
+            raise self.error(f"{key} must be a string" + (f" of at most {max_chars} characters" if max_chars else ""))
+        return v
+
+    def integer(self, key: str, minimum: int | None = None) -> int | None:
+        v = self._get(key, False)
+        if v is not None and (not _is_int(v) or (minimum is not None and v < minimum)):
+            raise self.error(f"{key} must be an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        return v
+
+    def number(self, key: str, positive: bool = False) -> float | None:
+        v = self._get(key, False)
+        if v is None:
+            return None
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
+            raise self.error(f"{key} must be a finite number" + (" > 0" if positive else ""))
+        return float(v)
+
+    def choice(self, key: str, options: tuple[str, ...]) -> str | None:
+        v = self._get(key, False)
+        if v is not None and v not in options:
+            raise self.error(f"{key} must be one of {list(options)}, got {v!r}")
+        return v
+
+    def int_list(self, key: str) -> list[int] | None:
+        v = self._get(key, False)
+        if v is not None and (not isinstance(v, list) or not all(_is_int(i) for i in v)):
+            raise self.error(f"{key} must be a list of integers")
+        return v
+
+    def raw(self, key: str) -> Any:
+        return self._get(key, False)
+
+    def sampling_fields(self, obj: dict[str, Any] | None = None) -> dict[str, Any]:
+        sub = _Fields(obj, self.request_id) if obj is not None else self
+        sub.session = self.session
+        out = {"max_tokens": sub.integer("max_tokens"), "temperature": sub.number("temperature"),
+               "top_p": sub.number("top_p"), "top_k": sub.integer("top_k"), "seed": sub.integer("seed")}
+        stop = sub._get("stop", False)
+        if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
+                                 or not all(isinstance(s, str) for s in stop)):
+            raise self.error(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+        out["stop"] = stop
+        if obj is not None:
+            sub.reject_unknown()
+        return {k: v for k, v in out.items() if v is not None}
+
+    def sampling(self, key: str) -> dict[str, Any] | None:
+        v = self._get(key, False)
+        if v is None:
+            return None
+        if not isinstance(v, dict):
+            raise self.error(f"{key} must be a map of {list(SAMPLING_KEYS)}")
+        return self.sampling_fields(v)
+
+    def reject_unknown(self) -> None:
+        unknown = sorted(str(k) for k in self.obj if k not in self.seen)
+        if unknown:
+            raise self.error(f"unknown field(s) {unknown}")
