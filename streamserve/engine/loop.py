@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+import weakref
 from typing import TYPE_CHECKING
 
 from streamserve.config import SchedulerConfig
@@ -54,6 +55,7 @@ class EngineLoop:
         self.cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
+        self._last_idle_check = time.monotonic()
         self.steps = 0
 
     # ---- called from any thread -----------------------------------------------------------------------
@@ -87,7 +89,10 @@ class EngineLoop:
 
     def _ensure_thread(self) -> None:
         if self._thread is None or not self._thread.is_alive():
-            self._thread = threading.Thread(target=self._run, name="streamserve-engine", daemon=True)
+            # the thread holds the loop only weakly between iterations: an engine nobody uses any more is
+            # garbage-collected (with its KV pool), and its thread ends within a second
+            self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self), self.cv),
+                                            name="streamserve-engine", daemon=True)
             self._thread.start()
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -102,20 +107,20 @@ class EngineLoop:
         self._deliver(events)
 
     # ---- the engine thread ----------------------------------------------------------------------------
-    def _run(self) -> None:
-        last_idle_check = time.monotonic()
-        while True:
-            with self.cv:
-                while not self.scheduler.has_work() and not self._stopping:
-                    self.cv.wait(IDLE_CHECK_SECONDS)
-                    if time.monotonic() - last_idle_check >= IDLE_CHECK_SECONDS:
-                        break
-                if self._stopping:
-                    return
-            if time.monotonic() - last_idle_check >= IDLE_CHECK_SECONDS:
-                last_idle_check = time.monotonic()
-                self._guarded(self.engine.expire_idle)
-            self._guarded(self.step)
+    def _idle(self) -> bool:
+        with self.cv:
+            return not self.scheduler.has_work() and not self._stopping
+
+    def _iteration(self) -> bool:
+        """Run a step (and the idle-TTL check when due); -> False when the loop is stopping."""
+        with self.cv:
+            if self._stopping:
+                return False
+        if time.monotonic() - self._last_idle_check >= IDLE_CHECK_SECONDS:
+            self._last_idle_check = time.monotonic()
+            self._guarded(self.engine.expire_idle)
+        self._guarded(self.step)
+        return True
 
     def _guarded(self, fn: object) -> None:
         try:
@@ -171,6 +176,24 @@ class EngineLoop:
                 e.response.outbox.put(End(e.reason))
             elif isinstance(e, ResponseFailed):
                 e.response.outbox.put(End("error", e.error))
+
+
+def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
+    """The engine thread. It holds the loop strongly only while it checks for work or runs a step, never
+    while it sleeps, so an engine nobody uses any more can be collected."""
+    while True:
+        with cv:  # checked and waited under one hold of the lock: a submit() cannot slip in between
+            loop = ref()
+            if loop is None:
+                return
+            idle = loop._idle()
+            del loop
+            if idle:
+                cv.wait(IDLE_CHECK_SECONDS)  # submit() and stop() notify
+        loop = ref()
+        if loop is None or not loop._iteration():
+            return
+        del loop
 
 
 def _resolve(chunk: Chunk, ack: object, error: BaseException | None) -> None:

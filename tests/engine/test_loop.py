@@ -250,3 +250,24 @@ def test_nothing_is_left_behind_after_sessions_end_one_way_or_another(checkpoint
     assert not engine.loop.scheduler._queues and not engine.loop.scheduler._last_served
     engine.check_integrity()
     engine.shutdown()
+
+
+def test_an_engine_nobody_uses_is_collected_with_its_thread(checkpoints) -> None:
+    """The engine thread holds its engine only while it works: a dropped engine (and its KV pool) is
+    garbage-collected and its thread ends."""
+    import gc
+    import threading
+    import weakref
+
+    engine = Engine.from_pretrained(checkpoints["llama"][0], device="cpu", kv_memory="8MiB")
+    with engine.open_session() as s:
+        s.append(token_ids=[1, 2, 3])
+        s.generate(max_tokens=2)
+    thread = engine.loop._thread
+    ref = weakref.ref(engine)
+    del engine, s
+    deadline = time.monotonic() + 10
+    while (ref() is not None or thread.is_alive()) and time.monotonic() < deadline:
+        gc.collect()
+        time.sleep(0.05)
+    assert ref() is None and not thread.is_alive()

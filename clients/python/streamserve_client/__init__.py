@@ -1,0 +1,28 @@
+"""Python client of streamserve's native streaming protocol (msgpack over WebSocket; no torch).
+
+    async with streamserve_client.connect("ws://127.0.0.1:8000", api_key=None) as client:
+        session = await client.open_session(window=None, sinks=4)
+        ack = await session.append(text="...")
+        async for delta in session.respond(max_tokens=32, temperature=0.0):
+            print(delta.text, end="")
+"""
+
+from streamserve_client.client import Ack, Client, Delta, Response, Session, connect
+from streamserve_client.errors import (
+    CapacityError,
+    ConnectionLostError,
+    InvalidInputError,
+    ServerBusyError,
+    StepFailedError,
+    StreamserveClientError,
+    UnauthorizedError,
+    UnknownSessionError,
+    UnsupportedModalityError,
+)
+from streamserve_client.sync import SyncClient, SyncSession
+
+__version__ = "0.1.0"
+
+__all__ = ["Ack", "CapacityError", "Client", "ConnectionLostError", "Delta", "InvalidInputError", "Response",
+           "ServerBusyError", "Session", "StepFailedError", "StreamserveClientError", "SyncClient", "SyncSession",
+           "UnauthorizedError", "UnknownSessionError", "UnsupportedModalityError", "connect"]

@@ -1,0 +1,81 @@
+"""Typed errors, one class per family of the server's error codes (docs/protocol.md)."""
+
+from __future__ import annotations
+
+
+class StreamserveClientError(Exception):
+    """An error the server reported (`code` is its stable code) or the client detected."""
+
+    code = "client_error"
+
+    def __init__(self, message: str, code: str | None = None, seq: int | None = None, fatal: bool = False) -> None:
+        super().__init__(message)
+        self.message, self.seq, self.fatal = message, seq, fatal
+        if code is not None:
+            self.code = code
+
+
+class InvalidInputError(StreamserveClientError):
+    """The request was malformed or out of range; fix it and send again."""
+
+    code = "invalid_input"
+
+
+class UnknownSessionError(StreamserveClientError):
+    """The session is not (or no longer) held by this connection: closed, expired, or moved."""
+
+    code = "unknown_session"
+
+
+class CapacityError(StreamserveClientError):
+    """The server is at a limit (KV memory, queued chunks, sessions, message rate); retry later."""
+
+    code = "capacity_exceeded"
+
+
+class UnsupportedModalityError(StreamserveClientError):
+    code = "unsupported_modality"
+
+
+class StepFailedError(StreamserveClientError):
+    """The engine failed on this session's step; the server closed the session."""
+
+    code = "step_failed"
+
+
+class UnauthorizedError(StreamserveClientError):
+    """The server wants `api_key=` (or a different one)."""
+
+    code = "unauthorized"
+
+
+class ServerBusyError(StreamserveClientError):
+    """The server closed the connection with 1013 (too many connections, or the model is still loading)."""
+
+    code = "busy"
+
+
+class ConnectionLostError(StreamserveClientError):
+    """The connection dropped and could not be resumed (or a reply was running when it dropped)."""
+
+    code = "connection_lost"
+
+
+_FAMILIES: dict[str, type[StreamserveClientError]] = {
+    **dict.fromkeys(("invalid_input", "bad_message", "empty_append", "token_out_of_range", "context_length_exceeded",
+                     "session_page_cap", "invalid_rewind", "chunk_too_large", "response_in_progress",
+                     "frame_too_large", "chat_template_error"), InvalidInputError),
+    **dict.fromkeys(("unknown_session", "session_closed", "invalid_resume_token", "session_moved"),
+                    UnknownSessionError),
+    **dict.fromkeys(("capacity_exceeded", "too_many_sessions", "rate_limited"), CapacityError),
+    "unsupported_modality": UnsupportedModalityError,
+    "step_failed": StepFailedError,
+    "unauthorized": UnauthorizedError,
+}
+
+
+def from_message(msg: dict) -> StreamserveClientError:
+    """An `error` message -> the matching exception."""
+    code = str(msg.get("code", "internal_error"))
+    cls = _FAMILIES.get(code, StreamserveClientError)
+    return cls(str(msg.get("message", "")), code=code, seq=msg.get("seq"), fatal=bool(msg.get("fatal")))
