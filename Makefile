@@ -18,9 +18,7 @@ endif
 .PHONY: serve test bench install install-dev clean
 
 serve: $(VENV)/.installed
-	@echo "streamserve: the server arrives in a later release; PORT=$(PORT) is kept for it." >&2
-	@echo "streamserve: for now this runs the interactive generator on the default model." >&2
-	$(VENV)/bin/streamserve generate
+	$(VENV)/bin/streamserve serve --port $(PORT)
 
 test: $(VENV)/.installed-dev
 	$(PY) -m ruff check .
@@ -40,8 +38,8 @@ $(VENV)/.installed: pyproject.toml | $(PY)
 	$(PIP) install -e .
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml
-	$(PIP) install -e ".[dev]"
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml clients/python/pyproject.toml
+	$(PIP) install -e ".[dev]" -e clients/python
 	touch $@
 
 clean:

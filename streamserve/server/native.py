@@ -121,6 +121,10 @@ class NativeConnection:
         except StreamserveError as e:
             await self.send(P.error_message(e.code, str(e), request_id=m.id, session=m.session,
                                             seq=m.fields.get("seq")))
+        except Exception as e:  # a bug: say so, log it, keep serving this connection
+            log.exception("streamserve: %s failed", m.type)
+            await self.send(P.error_message("internal_error", f"the server failed on this {m.type}: {e!r}",
+                                            request_id=m.id, session=m.session, seq=m.fields.get("seq")))
 
     async def on_open(self, m: P.ClientMessage) -> None:
         f, d = m.fields, self.server.session_defaults

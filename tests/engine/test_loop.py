@@ -256,7 +256,6 @@ def test_an_engine_nobody_uses_is_collected_with_its_thread(checkpoints) -> None
     """The engine thread holds its engine only while it works: a dropped engine (and its KV pool) is
     garbage-collected and its thread ends."""
     import gc
-    import threading
     import weakref
 
     engine = Engine.from_pretrained(checkpoints["llama"][0], device="cpu", kv_memory="8MiB")
