@@ -93,6 +93,16 @@ class PagedSessionKV:
         P = self.pool.page_size
         return [j for j in range(start // P, (end + P - 1) // P) if j not in self.page_table]
 
+    def check_fits(self, n: int) -> None:
+        """PageCapError unless n more tokens fit under the page cap (sessions without a window; with one,
+        pages outside it go back as the tokens come)."""
+        if self.page_cap is None or self.policy.window is not None:
+            return
+        total = len(self.page_table) + len(self._missing_pages(self.length, self.length + n))
+        if total > self.page_cap:
+            raise PageCapError(f"{n} more tokens need {total} KV pages, over the session's cap of {self.page_cap}; "
+                               "use a window or rewind")
+
     def pages_needed(self, n: int) -> int:
         """How many free pool pages a step of n tokens (or bringing a parked session back) takes."""
         if self.parked is not None:

@@ -14,6 +14,7 @@ import contextlib
 import itertools
 import json
 import logging
+import queue
 import threading
 import time
 import weakref
@@ -77,6 +78,8 @@ class Engine:
         self._lock = threading.RLock()
         # weak: a session dropped without close() is garbage-collected, and its finalizer returns its pages
         self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
+        self._sessions_lock = threading.Lock()  # guards _sessions: callers open and close while the engine admits
+        self._orphans: queue.SimpleQueue[PagedSessionKV] = queue.SimpleQueue()  # KV of collected sessions
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
                           "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
@@ -157,7 +160,8 @@ class Engine:
         if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, (int, float)) or not chunk_budget > 0:
             raise InvalidInputError(f"chunk_budget must be a number of seconds > 0, got {chunk_budget!r}")
         s = Session(self, kv, seed, float(chunk_budget))
-        self._sessions[s.id] = s
+        with self._sessions_lock:
+            self._sessions[s.id] = s
         return s
 
     def restore(self, snapshot: Snapshot | str | Path) -> Session:
@@ -185,18 +189,32 @@ class Engine:
         return s
 
     def _release(self, session: Session) -> None:
-        self._sessions.pop(session.id, None)
+        with self._sessions_lock:
+            self._sessions.pop(session.id, None)
 
     def get_session(self, session_id: str) -> Session:
         """The open session with this id (SessionNotFoundError otherwise)."""
-        s = self._sessions.get(session_id) if isinstance(session_id, str) else None
+        with self._sessions_lock:
+            s = self._sessions.get(session_id) if isinstance(session_id, str) else None
         if s is None or s.closed:
             raise SessionNotFoundError(f"no open session has id {session_id!r}; it was closed, expired, or never "
                                        "existed: open a new one")
         return s
 
     def sessions(self) -> list[Session]:
-        return list(self._sessions.values())
+        with self._sessions_lock:
+            return list(self._sessions.values())
+
+    def free_orphans(self) -> None:
+        """Give back the pages of sessions that were garbage-collected without close()."""
+        with self._lock:
+            while True:
+                try:
+                    kv = self._orphans.get_nowait()
+                except queue.Empty:
+                    return
+                kv.release()
+                kv.parked = None
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close the sessions idle for longer than `idle_ttl`; returns how many."""
@@ -218,6 +236,7 @@ class Engine:
         succeeds. Sessions with work queued are parked only when no other is left. Fails at once, parking
         nobody, when even parking every idle session would not free enough."""
         with self._lock:
+            self.free_orphans()
             if needed <= self.pool.allocator.free_count:  # the common case: no search for idle sessions
                 try:
                     take()
@@ -288,7 +307,7 @@ class Engine:
                     for i in ready:  # find the job that fails: each runs alone
                         if self._try_begin(jobs[i], busy, out, i):
                             try:
-                                out[i] = self._forward_planned([jobs[i]])[0]
+                                out[i] = self._forward_planned([jobs[i]])[0].clone()
                                 jobs[i][0].kv.commit()
                             except Exception as e1:
                                 jobs[i][0].kv.abort()
@@ -296,7 +315,7 @@ class Engine:
             else:
                 for j, i in enumerate(ready):
                     jobs[i][0].kv.commit()
-                    out[i] = logits[j]  # type: ignore[index]
+                    out[i] = logits[j].clone()  # type: ignore[index]  # a view would pin the whole batch's logits
         return out  # type: ignore[return-value]
 
     def _begin(self, session: Session | None, kv: PagedSessionKV, n: int, busy: list[PagedSessionKV]) -> None:
@@ -350,10 +369,12 @@ class Engine:
     # ---- accounting -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every page is free or held by exactly the sessions that list it (AssertionError otherwise)."""
+        self.free_orphans()
         with self._lock:
             self.pool.allocator.check([s.kv.held_pages for s in self.sessions()])
 
     def stats(self) -> dict[str, Any]:
+        self.free_orphans()
         c = self._counters
         sessions = self.sessions()
         with self.loop.cv:

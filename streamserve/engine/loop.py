@@ -131,6 +131,7 @@ class EngineLoop:
     def step(self) -> list[Event]:
         """One engine step (normally run by the loop thread)."""
         with self.engine._lock:
+            self.engine.free_orphans()
             with self.cv:
                 plan = self.scheduler.schedule()
             if plan.empty:
@@ -164,18 +165,24 @@ class EngineLoop:
 
     def _deliver(self, events: list[Event]) -> None:
         for e in events:
-            if isinstance(e, ChunkAcked):
-                _resolve(e.chunk, e.ack, None)
-            elif isinstance(e, ChunkFailed):
-                _resolve(e.chunk, None, e.error)
-            elif isinstance(e, TokenProduced):
-                e.response.outbox.put(Delta(e.text, [e.token]))
-            elif isinstance(e, ResponseDone):
-                if e.text:
-                    e.response.outbox.put(Delta(e.text, []))
-                e.response.outbox.put(End(e.reason))
-            elif isinstance(e, ResponseFailed):
-                e.response.outbox.put(End("error", e.error))
+            try:
+                self._deliver_one(e)
+            except Exception:  # one bad delivery must not cost the others theirs
+                log.exception("streamserve: delivering %s failed", type(e).__name__)
+
+    def _deliver_one(self, e: Event) -> None:
+        if isinstance(e, ChunkAcked):
+            _resolve(e.chunk, e.ack, None)
+        elif isinstance(e, ChunkFailed):
+            _resolve(e.chunk, None, e.error)
+        elif isinstance(e, TokenProduced):
+            e.response.outbox.put(Delta(e.text, [e.token]))
+        elif isinstance(e, ResponseDone):
+            if e.text:
+                e.response.outbox.put(Delta(e.text, []))
+            e.response.outbox.put(End(e.reason))
+        elif isinstance(e, ResponseFailed):
+            e.response.outbox.put(End("error", e.error))
 
 
 def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:

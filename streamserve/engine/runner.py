@@ -18,7 +18,7 @@ import torch
 from streamserve.engine.sampling import sample
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.work import Chunk, ItemResult, Plan, Response, StepOutput, WorkItem
-from streamserve.errors import SessionClosedError, StepError, StreamserveError
+from streamserve.errors import InvalidInputError, RewindError, SessionClosedError, StepError, StreamserveError
 
 if TYPE_CHECKING:
     from streamserve.engine.engine import Engine
@@ -67,9 +67,13 @@ class Runner:
         work = item.work
         if isinstance(work, Chunk):
             part = work.token_ids[work.done:work.done + item.n_tokens]
-            if work.done == 0:
+            if work.done == 0:  # the whole chunk must fit before any of it runs
                 s._check_context(work.remaining)
+                s.kv.check_fits(len(s._pending) + work.remaining)
             return s._pending + part
+        if not s.token_ids:  # the chunks before this reply failed or were shed
+            raise InvalidInputError("a reply needs at least one appended token; the chunks before it did not "
+                                    "enter the session")
         if not s.kv.rolling and len(s.token_ids) >= self.engine.config.max_position_embeddings:
             return ItemResult(context_full=True)
         if not s._pending and s._logits_at != len(s.token_ids):
@@ -80,9 +84,11 @@ class Runner:
     def _finish(self, s: Session, item: WorkItem, ids: list[int], logits: torch.Tensor | BaseException | None
                 ) -> ItemResult:
         if isinstance(logits, BaseException):
-            if isinstance(logits, USER_ERRORS):
-                return ItemResult(error=logits)
-            return ItemResult(error=_fault(logits), fatal=True)
+            if not isinstance(logits, USER_ERRORS):
+                return ItemResult(error=_fault(logits), fatal=True)
+            if isinstance(item.work, Chunk) and item.work.done > 0:
+                return ItemResult(error=self._undo_partial(s, item.work, logits))
+            return ItemResult(error=logits)
         if logits is not None:
             s._logits, s._logits_at = logits, s.kv.length
         work = item.work
@@ -98,6 +104,19 @@ class Runner:
                 s.timeline[-1] = ChunkRecord(r.kind, r.seq, r.start, len(s.token_ids), r.capture_time, r.deadline)
             return ItemResult()
         return self._decode(s, work)
+
+    @staticmethod
+    def _undo_partial(s: Session, chunk: Chunk, error: StreamserveError) -> StreamserveError:
+        """A later part of a split chunk failed: take the parts that ran out of the session again, so a
+        failed chunk is never half in it. Where the window already dropped what that needs, say so."""
+        rec = s.timeline[-1]
+        assert rec.kind == "input" and rec.seq == chunk.seq
+        try:
+            s._rewind_to(rec.start)
+        except RewindError:
+            error.args = (f"{error} ({chunk.done} of its {len(chunk.token_ids)} tokens had entered the session and "
+                          "stay: the window dropped what undoing them needs)",)
+        return error
 
     def _decode(self, s: Session, r: Response) -> ItemResult:
         assert s._logits is not None

@@ -9,16 +9,34 @@ import torch
 from streamserve.errors import InvalidInputError
 from streamserve.kernels.reference import MIN_TEMPERATURE, sample_tokens
 
+MAX_TOP_K = 1 << 24  # larger than any vocabulary; a larger top_k means no limit anyway
+MAX_SEED = (1 << 63) - 1
+
+
+def _finite(x: object) -> bool:
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(float(x))
+    except OverflowError:  # an int too large for a float
+        return False
+
 
 def check_sampling(max_tokens: int, temperature: float, top_p: float, top_k: int = 0) -> None:
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
-        raise InvalidInputError(f"top_k must be an integer >= 0 (0: no limit), got {top_k!r}")
+    """InvalidInputError for any parameter out of range (everything is checked before the engine sees it)."""
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 0 <= top_k <= MAX_TOP_K:
+        raise InvalidInputError(f"top_k must be an integer in [0, {MAX_TOP_K}] (0: no limit), got {top_k!r}")
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise InvalidInputError(f"max_tokens must be an integer >= 1, got {max_tokens!r}")
-    if not isinstance(temperature, (int, float)) or not math.isfinite(temperature) or temperature < 0:
+    if not _finite(temperature) or temperature < 0:
         raise InvalidInputError(f"temperature must be a finite number >= 0, got {temperature!r}")
-    if not isinstance(top_p, (int, float)) or not 0 < top_p <= 1:
+    if not _finite(top_p) or not 0 < top_p <= 1:
         raise InvalidInputError(f"top_p must be in (0, 1], got {top_p!r}")
+
+
+def check_seed(seed: object) -> None:
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= MAX_SEED):
+        raise InvalidInputError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,

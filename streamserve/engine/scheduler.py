@@ -180,7 +180,8 @@ class Scheduler:
             if res.fatal:
                 err = res.error or StepError("the step failed")
                 events += self.drop_session(item.session_id, err)
-                events.append(SessionFailed(item.session_id, err))
+                if not isinstance(err, SessionClosedError):  # a session closed meanwhile did not fail
+                    events.append(SessionFailed(item.session_id, err))
             elif isinstance(item.work, Chunk):
                 events += self._update_chunk(q, item.work, item.n_tokens, res, out)
             else:

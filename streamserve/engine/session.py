@@ -27,7 +27,7 @@ import torch
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
 from streamserve.config import SESSION_DEFAULTS
-from streamserve.engine.sampling import check_sampling
+from streamserve.engine.sampling import check_sampling, check_seed
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.streams import Outbox, ResponseStream
 from streamserve.engine.work import CHUNK_KINDS, Ack, Chunk, ChunkKind, Response
@@ -72,9 +72,45 @@ def _check_stop_strings(stop: Sequence[str] | None) -> list[str]:
     return list(stop)
 
 
-def _release_locked(lock: threading.RLock, kv: PagedSessionKV) -> None:
-    with lock:
-        kv.release()
+class TokenIterator:
+    """A reply's token ids one by one. Closing it (or dropping it, or an exception in the loop reading it)
+    before the end cancels the reply and waits for its end, whether or not iteration had started."""
+
+    def __init__(self, stream: ResponseStream) -> None:
+        self.stream = stream
+        self._buffer: list[int] = []
+
+    def __iter__(self) -> TokenIterator:
+        return self
+
+    def __next__(self) -> int:
+        while not self._buffer:
+            try:
+                self._buffer = list(next(self.stream).token_ids)
+            except BaseException:
+                self.close()
+                raise
+        return self._buffer.pop(0)
+
+    def close(self) -> None:
+        st = self.stream
+        if st.finish_reason is None:
+            st.session.cancel()
+            if not st.session.engine.loop.in_engine_thread():  # never block the engine on itself
+                with contextlib.suppress(StreamserveError):
+                    st.wait()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
+
+
+def _orphaned(engine_ref: weakref.ref, kv: PagedSessionKV) -> None:
+    """A session was garbage-collected without close(): hand its KV to the engine, which frees it between
+    steps. Takes no lock: the collector may run on any thread, in the middle of anything."""
+    engine = engine_ref()
+    if engine is not None:
+        engine._orphans.put(kv)
 
 
 class Session:
@@ -99,7 +135,7 @@ class Session:
             self._generator.manual_seed(seed)
         self.closed = False
         # a session dropped without close() still gives its pages back when it is collected
-        self._finalizer = weakref.finalize(self, _release_locked, engine._lock, kv)
+        self._finalizer = weakref.finalize(self, _orphaned, weakref.ref(engine), kv)
 
     def __enter__(self) -> Session:
         return self
@@ -187,7 +223,8 @@ class Session:
             if text is not None:
                 if not isinstance(text, str):
                     raise InvalidInputError(f"text must be a str, got {type(text).__name__}")
-                first = not self.token_ids and not loop.scheduler.queued_chunks(self.id)
+                with loop.cv:
+                    first = not self.token_ids and not loop.scheduler.queued_chunks(self.id)
                 ids = self.engine.tokenizer.encode(text, add_special_tokens=first if add_special_tokens is None
                                                    else add_special_tokens)
             else:
@@ -201,8 +238,10 @@ class Session:
             now = time.monotonic()
             capture = now if capture_time is None else float(capture_time)
             seq = self._next_seq if seq is None else seq
+            ticket: Future[Ack] = Future()
+            ticket.set_running_or_notify_cancel()  # a caller giving up on it can no longer cancel it under the engine
             chunk = Chunk(self.id, seq, ids, kind, now, capture,
-                          capture + self.chunk_budget if deadline is None else float(deadline), ticket=Future())
+                          capture + self.chunk_budget if deadline is None else float(deadline), ticket=ticket)
             loop.submit(chunk)
             self._next_seq = seq + 1
             self.last_active = now
@@ -244,9 +283,11 @@ class Session:
         stops = tuple(_check_stop_strings(stop))
         stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
                              else self._check_ids(list(stop_token_ids)))
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise InvalidInputError(f"seed must be an integer, got {seed!r}")
-        if not self.token_ids and not self.engine.loop.scheduler.queued_chunks(self.id):
+        check_seed(seed)
+        loop = self.engine.loop
+        with loop.cv:
+            queued = loop.scheduler.queued_chunks(self.id)
+        if not self.token_ids and not queued:
             raise InvalidInputError("a reply needs at least one appended token first")
         gen = self._generator if seed is None else torch.Generator(device=self.engine.device).manual_seed(seed)
         r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops, gen,
@@ -260,18 +301,7 @@ class Session:
                       stop_token_ids: Sequence[int] | None = None, top_k: int = SD.top_k) -> Iterator[int]:
         """Generate a reply, yielding its token ids as they come (the reply runs ahead of the iteration).
         Closing the iterator early cancels the reply. `stop_token_ids=None` means the model's EOS ids."""
-        stream = self.stream(max_tokens, temperature, top_p, top_k, seed, stop_token_ids=stop_token_ids)
-        return self._tokens_of(stream)
-
-    def _tokens_of(self, stream: ResponseStream) -> Iterator[int]:
-        try:
-            for d in stream:
-                yield from d.token_ids
-        finally:
-            if stream.finish_reason is None:  # closed early (break, Ctrl-C): stop the reply and wait for its end
-                self.cancel()
-                with contextlib.suppress(StreamserveError):
-                    stream.wait()
+        return TokenIterator(self.stream(max_tokens, temperature, top_p, top_k, seed, stop_token_ids=stop_token_ids))
 
     def generate(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                  top_p: float = SD.top_p, seed: int | None = SD.seed,
@@ -301,7 +331,6 @@ class Session:
         with loop.cv:
             if loop.scheduler.queued_chunks(self.id):
                 raise RewindError("this session has chunks still queued; wait for their acks, then rewind")
-            loop.scheduler.cancel(self.id)  # a reply in progress ends here (in the next step); its tokens are cut
         if to_seq is not None:
             rec = next((r for r in self.timeline if r.kind == "input" and r.seq == to_seq), None)
             if rec is None:
@@ -310,21 +339,31 @@ class Session:
         assert to is not None
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(self.token_ids):
             raise RewindError(f"cannot rewind to {to!r}: the session holds positions 0..{len(self.token_ids)}")
+        self._rewind_to(to, rewind=True)
+        return to
+
+    def _rewind_to(self, to: int, rewind: bool = False) -> None:
+        """Cut the session back to its first `to` tokens; RewindError, changing nothing, where the window
+        already dropped what a query there would see. `rewind`: a user's rewind, which also ends a running
+        reply and numbers the next chunk after the last one kept (undoing a failed chunk does neither)."""
+        keep = max(0, to - 1)  # the KV keeps all but the last kept token, which runs again to give the logits
+        if to < len(self.token_ids):
+            if self.kv.parked is not None:
+                self.engine.admit(self, self.kv.unpark, self.kv.pages_needed(0))
+            self.kv.check_rewind(min(keep, self.kv.length))
+        if rewind:
+            with self.engine.loop.cv:  # every check passed: a reply in progress ends here (in the next step)
+                self.engine.loop.scheduler.cancel(self.id)
         if to == len(self.token_ids):
-            return to
-        # the KV keeps all but the last kept token, which runs again to give the logits at `to`
-        keep = max(0, to - 1)
-        if self.kv.parked is not None:
-            self.engine.admit(self, self.kv.unpark, self.kv.pages_needed(0))
-        self.kv.check_rewind(keep)
-        self.kv.truncate(keep)
+            return
+        self.kv.truncate(min(keep, self.kv.length))
         del self.token_ids[to:]
         self._logits, self._logits_at = None, -1
         self.timeline = [r if r.end <= to else ChunkRecord(r.kind, r.seq, r.start, to, r.capture_time, r.deadline)
                          for r in self.timeline if r.start < to]
-        self._next_seq = max((r.seq for r in self.timeline if r.seq is not None), default=-1) + 1
+        if rewind:
+            self._next_seq = max((r.seq for r in self.timeline if r.seq is not None), default=-1) + 1
         self.last_active = time.monotonic()
-        return to
 
     def park(self) -> None:
         """Offload the KV to host memory and give its pages back; the next use brings it back."""
@@ -368,4 +407,5 @@ class Session:
                 self.engine.loop.drop_session(self.id)
             self.kv.release()
             self.kv.parked = None
+        self._finalizer.detach()
         self.engine._release(self)
