@@ -46,7 +46,7 @@ class Runner:
             try:
                 ids = self._prepare(s, item)
             except USER_ERRORS as e:
-                results[item.session_id] = ItemResult(error=e)
+                results[item.session_id] = self._refused(s, item, e)
                 continue
             if isinstance(ids, ItemResult):
                 results[item.session_id] = ids
@@ -66,11 +66,14 @@ class Runner:
             s.kv.truncate(len(s.token_ids))
         work = item.work
         if isinstance(work, Chunk):
-            part = work.token_ids[work.done:work.done + item.n_tokens]
-            if work.done == 0:  # the whole chunk must fit before any of it runs
-                s._check_context(work.remaining)
-                s.kv.check_fits(len(s._pending) + work.remaining)
-            return s._pending + part
+            ids = list(s._pending)
+            if any(c.done == 0 for c, _ in item.parts):  # chunks starting here must fit whole before any runs
+                rest = sum(c.remaining for c, _ in item.parts)
+                s._check_context(rest)
+                s.kv.check_fits(len(ids) + rest)
+            for c, n in item.parts:
+                ids += c.token_ids[c.done:c.done + n]
+            return ids
         if not s.token_ids:  # the chunks before this reply failed or were shed
             raise InvalidInputError("a reply needs at least one appended token; the chunks before it did not "
                                     "enter the session")
@@ -86,24 +89,30 @@ class Runner:
         if isinstance(logits, BaseException):
             if not isinstance(logits, USER_ERRORS):
                 return ItemResult(error=_fault(logits), fatal=True)
-            if isinstance(item.work, Chunk) and item.work.done > 0:
-                return ItemResult(error=self._undo_partial(s, item.work, logits))
-            return ItemResult(error=logits)
+            return self._refused(s, item, logits)
         if logits is not None:
             s._logits, s._logits_at = logits, s.kv.length
         work = item.work
         if isinstance(work, Chunk):
-            part = work.token_ids[work.done:work.done + item.n_tokens]
-            start = len(s.token_ids)
-            s.token_ids.extend(part)
-            if work.done == 0:
-                s.timeline.append(ChunkRecord("input", work.seq, start, len(s.token_ids), work.capture_time,
-                                              work.deadline))
-            else:  # a later part of a chunk split across steps: its record grows
-                r = s.timeline[-1]
-                s.timeline[-1] = ChunkRecord(r.kind, r.seq, r.start, len(s.token_ids), r.capture_time, r.deadline)
+            for c, n in item.parts:
+                start = len(s.token_ids)
+                s.token_ids.extend(c.token_ids[c.done:c.done + n])
+                if c.done == 0:
+                    s.timeline.append(ChunkRecord("input", c.seq, start, len(s.token_ids), c.capture_time,
+                                                  c.deadline))
+                else:  # a later part of a chunk split across steps: its record grows
+                    r = s.timeline[-1]
+                    s.timeline[-1] = ChunkRecord(r.kind, r.seq, r.start, len(s.token_ids), r.capture_time,
+                                                 r.deadline)
             return ItemResult()
         return self._decode(s, work)
+
+    def _refused(self, s: Session, item: WorkItem, error: StreamserveError) -> ItemResult:
+        """The item fails with a caller's error (the session goes on). A chunk split across steps whose
+        earlier parts are in the session is taken out again."""
+        if isinstance(item.work, Chunk) and item.work.done > 0:
+            error = self._undo_partial(s, item.work, error)
+        return ItemResult(error=error)
 
     @staticmethod
     def _undo_partial(s: Session, chunk: Chunk, error: StreamserveError) -> StreamserveError:

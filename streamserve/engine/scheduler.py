@@ -10,7 +10,8 @@ during a reply enters the KV after the reply ends. Each step (`schedule`):
 3. Answering sessions first: one decode token each, up to `max_batch`, least recently served first.
 4. The rest of the token budget (`step_tokens`, but never less than `min_append_tokens`, so appends
    always progress) goes to appends in deadline order; a long chunk is split across steps, so the
-   inter-token latency of answering sessions stays bounded by one step of at most `step_tokens`.
+   inter-token latency of answering sessions stays bounded by one step of at most `step_tokens`, and
+   chunks queued right behind each other in a session share its step.
    A chunk waiting longer than `max_wait` is ordered as if due now: nothing starves.
 
 `update` applies the runner's output and returns the events for callers (acks, deltas, done, errors).
@@ -136,11 +137,16 @@ class Scheduler:
         for sid in appenders:
             if budget <= 0 or len(plan.items) >= lim.max_batch:
                 break
-            chunk = heads[sid]
-            assert isinstance(chunk, Chunk)
-            n = min(chunk.remaining, budget)
-            plan.items.append(WorkItem(sid, "append", n, chunk))
-            budget -= n
+            parts: list[tuple[Chunk, int]] = []
+            for w in self._queues[sid]:  # the head chunk, then the chunks queued right behind it
+                if not isinstance(w, Chunk) or budget <= 0:
+                    break
+                n = min(w.remaining, budget)
+                parts.append((w, n))
+                budget -= n
+                if n < w.remaining:
+                    break
+            plan.items.append(WorkItem(sid, "append", sum(n for _, n in parts), parts[0][0], tuple(parts)))
         for item in plan.items:  # a running count, not the step number: ties would favour the same sessions
             self._served += 1
             self._last_served[item.session_id] = self._served
@@ -183,25 +189,27 @@ class Scheduler:
                 if not isinstance(err, SessionClosedError):  # a session closed meanwhile did not fail
                     events.append(SessionFailed(item.session_id, err))
             elif isinstance(item.work, Chunk):
-                events += self._update_chunk(q, item.work, item.n_tokens, res, out)
+                events += self._update_chunk(q, item, res, out)
             else:
                 events += self._update_response(q, item.work, res, out)
         return events
 
-    def _update_chunk(self, q: deque[Chunk | Response], c: Chunk, n: int, res: ItemResult,
+    def _update_chunk(self, q: deque[Chunk | Response], item: WorkItem, res: ItemResult,
                       out: StepOutput) -> list[Event]:
-        if res.error is not None:
-            q.popleft()
-            return [ChunkFailed(c, res.error)]
-        if c.started is None:
-            c.started = out.started
-        c.done += n
-        if c.remaining > 0:
-            return []
-        q.popleft()
-        ack = Ack(c.seq, len(c.token_ids), (c.started - c.arrival) * 1e3, (out.finished - c.started) * 1e3,
-                  out.finished > c.deadline)
-        return [ChunkAcked(c, ack)]
+        if res.error is not None:  # every chunk the step attempted fails with it
+            for _ in item.parts:
+                q.popleft()
+            return [ChunkFailed(c, res.error) for c, _ in item.parts]
+        events: list[Event] = []
+        for c, n in item.parts:
+            if c.started is None:
+                c.started = out.started
+            c.done += n
+            if c.remaining == 0:
+                q.popleft()
+                events.append(ChunkAcked(c, Ack(c.seq, len(c.token_ids), (c.started - c.arrival) * 1e3,
+                                                (out.finished - c.started) * 1e3, out.finished > c.deadline)))
+        return events
 
     def _update_response(self, q: deque[Chunk | Response], r: Response, res: ItemResult,
                          out: StepOutput) -> list[Event]:

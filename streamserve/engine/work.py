@@ -116,7 +116,9 @@ class WorkItem:
     session_id: str
     kind: WorkKind
     n_tokens: int  # tokens of input this step runs (decode: 1; the runner may also run a pending token)
-    work: Chunk | Response = field(compare=False)
+    work: Chunk | Response = field(compare=False)  # the head of the session's queue
+    # append: (chunk, tokens of it) in queue order, the head first: consecutive chunks of a session share a step
+    parts: tuple[tuple[Chunk, int], ...] = field(default=(), compare=False)
 
 
 @dataclass

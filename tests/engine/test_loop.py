@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import itertools
 import time
 
 import pytest
@@ -270,3 +271,26 @@ def test_an_engine_nobody_uses_is_collected_with_its_thread(checkpoints) -> None
         gc.collect()
         time.sleep(0.05)
     assert ref() is None and not thread.is_alive()
+
+
+def test_pipelined_chunks_share_steps_and_change_nothing(engines) -> None:
+    engine = engines["qwen3_moe"]
+    prompt = random_ids(45, seed=21)
+    expected = greedy(engine, prompt, 10)
+    parts = chunks_of(prompt, (4, 9, 1, 6))
+
+    async def main() -> tuple[list, list[int], int]:
+        s = engine.open_session()
+        steps = engine.loop.steps
+        acks = await asyncio.gather(*(s.append_chunk_async(token_ids=p) for p in parts))  # all in flight at once
+        used = engine.loop.steps - steps
+        got = [t async for d in s.stream(max_tokens=10, stop_token_ids=()) for t in d.token_ids]
+        timeline = [(r.seq, r.start, r.end) for r in s.timeline if r.kind == "input"]
+        s.close()
+        return [a.seq for a in acks], got, used, timeline  # type: ignore[return-value]
+
+    seqs, got, used, timeline = asyncio.run(main())
+    assert got == expected and seqs == list(range(len(parts)))
+    assert used < len(parts)  # several chunks per step
+    ends = list(itertools.accumulate(len(p) for p in parts))
+    assert timeline == [(i, e - len(p), e) for i, (p, e) in enumerate(zip(parts, ends, strict=True))]

@@ -152,7 +152,7 @@ def test_a_reply_ends_at_max_tokens_at_a_stop_token_or_when_cancelled_within_one
 
 def test_under_overload_stale_video_is_shed_oldest_first_but_never_text_or_audio() -> None:
     clock = Clock()
-    sched = Scheduler(SchedulerConfig(step_tokens=4, min_append_tokens=4), clock)
+    sched = Scheduler(SchedulerConfig(step_tokens=2, min_append_tokens=2), clock)
     for j in range(4):
         sched.add(chunk("cam", 2, 100.0 + j * 0.01, kind="video", seq=j))
     sched.add(chunk("mic", 2, 100.0, kind="audio"))
@@ -206,3 +206,21 @@ def test_dropping_a_session_fails_its_chunks_and_closes_its_reply() -> None:
     events = sched.drop_session("s")
     assert [type(e) for e in events] == [ResponseDone, ChunkFailed]
     assert events[0].reason == "closed"  # type: ignore[union-attr]
+
+
+def test_chunks_queued_behind_each_other_share_a_step() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(step_tokens=10, min_append_tokens=10), clock)
+    for seq in range(4):
+        sched.add(chunk("s", 4, 100.0, seq=seq))
+    sched.add(response("s"))
+    sched.add(chunk("s", 4, 100.0, seq=4))
+    plan, events = run(sched, clock)
+    (item,) = plan.items
+    assert [(c.seq, n) for c, n in item.parts] == [(0, 4), (1, 4), (2, 2)] and item.n_tokens == 10
+    assert [e.ack.seq for e in events if isinstance(e, ChunkAcked)] == [0, 1]
+    plan, events = run(sched, clock)  # the rest of chunk 2, then chunk 3; never past the reply
+    assert [(c.seq, n) for c, n in plan.items[0].parts] == [(2, 2), (3, 4)]
+    assert [e.ack.seq for e in events if isinstance(e, ChunkAcked)] == [2, 3]
+    plan, _ = run(sched, clock)
+    assert plan.items[0].kind == "decode"
