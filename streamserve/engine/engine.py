@@ -10,22 +10,21 @@ session opens). One step runs at a time (a lock); every page is counted (`check_
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import logging
 import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
-from streamserve.engine.graphs import DecodeGraphs, graphable
+from streamserve.engine.batch import BatchForward
+from streamserve.engine.graphs import DecodeGraphs
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
     model_fingerprint,
@@ -46,10 +45,6 @@ log = logging.getLogger("streamserve")
 
 __all__ = ["DEFAULT_MODEL_DIR", "Engine"]
 
-# On a CPU, steps of fewer tokens than this run on one intra-op thread: waking a thread pool costs more than
-# these small matmuls gain from it (default model, 2 cores: a 3-token step 5.5 ms on 2 threads, 1.9 ms on 1;
-# from about 64 tokens on, more threads win; docs/benchmarks.md)
-CPU_SMALL_STEP_TOKENS = 64
 
 
 class Engine:
@@ -84,6 +79,7 @@ class Engine:
                           "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
         self.metrics = EngineMetrics(self)
+        self.batch = BatchForward(self)
         self.loop = EngineLoop(self, scheduler)
 
     def __enter__(self) -> Engine:
@@ -272,16 +268,9 @@ class Engine:
         -> logits [V] of the last token (fp32), or [T, V] with `all_logits`.
         """
         with self._lock:
-            self._begin(session, kv, len(ids), [kv])
-            t0 = time.perf_counter()
+            self.begin_step(session, kv, len(ids), [kv])
             try:
-                with self._threads_for(len(ids)):
-                    if self.graphs is not None and graphable([len(ids)]):
-                        logits = self.graphs.run([kv], [ids], all_logits)
-                    else:
-                        logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.device), kv, all_logits)
-                        logits = logits if all_logits else logits[None]
-                self._count([len(ids)], time.perf_counter() - t0)
+                logits = self.batch.forward_planned([kv], [ids], all_logits)
             except BaseException:
                 kv.abort()
                 raise
@@ -289,82 +278,15 @@ class Engine:
         return logits if all_logits else logits[0]
 
     def run_step(self, jobs: list[tuple[Session, list[int]]]) -> list[torch.Tensor | BaseException]:
-        """One step of several sessions: each job's ids run after its session's committed tokens, all in one
-        forward. -> per job the logits [V] of its last token, or the exception that failed it (that job's
-        step is undone; the others are unaffected: after a failed batched forward each job runs alone)."""
-        with self._lock:
-            busy = [s.kv for s, _ in jobs]
-            out: list[torch.Tensor | BaseException | None] = [None] * len(jobs)
-            ready = [i for i in range(len(jobs)) if self._try_begin(jobs[i], busy, out, i)]
-            try:
-                logits = self._forward_planned([jobs[i] for i in ready]) if ready else None
-            except Exception as e:
-                for i in ready:
-                    jobs[i][0].kv.abort()
-                if len(ready) == 1:
-                    out[ready[0]] = e
-                else:
-                    for i in ready:  # find the job that fails: each runs alone
-                        if self._try_begin(jobs[i], busy, out, i):
-                            try:
-                                out[i] = self._forward_planned([jobs[i]])[0].clone()
-                                jobs[i][0].kv.commit()
-                            except Exception as e1:
-                                jobs[i][0].kv.abort()
-                                out[i] = e1
-            else:
-                for j, i in enumerate(ready):
-                    jobs[i][0].kv.commit()
-                    out[i] = logits[j].clone()  # type: ignore[index]  # a view would pin the whole batch's logits
-        return out  # type: ignore[return-value]
+        """One step of several sessions in one forward (`BatchForward.run`)."""
+        return self.batch.run(jobs)
 
-    def _begin(self, session: Session | None, kv: PagedSessionKV, n: int, busy: list[PagedSessionKV]) -> None:
+    def begin_step(self, session: Session | None, kv: PagedSessionKV, n: int, busy: list[PagedSessionKV]) -> None:
+        """Plan a step of n tokens of `kv` (bringing it back first if parked), parking idle sessions not in
+        `busy` when pages run out (CapacityError, having taken nothing, when that cannot help)."""
         if kv.parked is not None:
             self.admit(session, kv.unpark, kv.pages_needed(0), busy)
         self.admit(session, lambda: kv.begin(n), kv.pages_needed(n), busy)
-
-    def _try_begin(self, job: tuple[Session, list[int]], busy: list[PagedSessionKV],
-                   out: list[torch.Tensor | BaseException | None], i: int) -> bool:
-        try:
-            self._begin(job[0], job[0].kv, len(job[1]), busy)
-            return True
-        except Exception as e:
-            out[i] = e
-            return False
-
-    def _forward_planned(self, jobs: list[tuple[Session, list[int]]]) -> torch.Tensor:
-        """The planned (`begin`) steps of `jobs` in one forward -> logits [n, V] of each job's last token."""
-        t0 = time.perf_counter()
-        kvs, ids = [s.kv for s, _ in jobs], [i for _, i in jobs]
-        with self._threads_for(sum(len(i) for i in ids)):
-            if self.graphs is not None and graphable([len(i) for i in ids]):
-                logits = self.graphs.run(kvs, ids)
-            else:
-                flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=self.device)
-                rows = list(itertools.accumulate(len(i) for i in ids))
-                logits = self.model.forward_batch(flat, kvs, [r - 1 for r in rows])
-        self._count([len(i) for i in ids], time.perf_counter() - t0)
-        return logits
-
-    @contextlib.contextmanager
-    def _threads_for(self, tokens: int) -> Iterator[None]:
-        """A small CPU step runs on one intra-op thread; the process's setting is restored after it."""
-        prev = torch.get_num_threads()
-        if self.device.type != "cpu" or tokens >= CPU_SMALL_STEP_TOKENS or prev == 1:
-            yield
-            return
-        torch.set_num_threads(1)
-        try:
-            yield
-        finally:
-            torch.set_num_threads(prev)
-
-    def _count(self, widths: list[int], seconds: float) -> None:
-        c = self._counters
-        c["decode_tokens"] += sum(1 for w in widths if w == 1)
-        c["prefill_tokens"] += sum(w for w in widths if w > 1)
-        c["decode_seconds" if all(w == 1 for w in widths) else "prefill_seconds"] += seconds
-        c["forward_calls"] += 1
 
     # ---- accounting -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import torch
 
@@ -49,3 +50,22 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     tok = sample_tokens(logits[None], torch.tensor([float(temperature)], device=dev),
                         torch.tensor([int(top_k)], device=dev), torch.tensor([float(top_p)], device=dev), generator)
     return int(tok[0])
+
+
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 256
+
+
+def check_stop(stop: Sequence[str] | None) -> list[str]:
+    """Stop strings: None, one string, or a list of at most MAX_STOP_STRINGS non-empty strings."""
+    if stop is None:
+        return []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, Sequence) or len(stop) > MAX_STOP_STRINGS:
+        raise InvalidInputError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
+    for s in stop:
+        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
+            raise InvalidInputError(f"each stop string must be a non-empty str of at most {MAX_STOP_CHARS} "
+                                    f"characters, got {s!r}")
+    return list(stop)

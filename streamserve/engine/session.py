@@ -11,7 +11,6 @@ lazily, with the next append or reply step, so a reply costs exactly one forward
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import enum
 import math
 import secrets
@@ -27,9 +26,9 @@ import torch
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
 from streamserve.config import SESSION_DEFAULTS
-from streamserve.engine.sampling import check_sampling, check_seed
+from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
-from streamserve.engine.streams import Outbox, ResponseStream
+from streamserve.engine.streams import Outbox, ResponseStream, TokenIterator
 from streamserve.engine.work import CHUNK_KINDS, Ack, Chunk, ChunkKind, Response
 from streamserve.errors import (
     ChunkTooLargeError,
@@ -38,7 +37,6 @@ from streamserve.errors import (
     InvalidInputError,
     RewindError,
     SessionClosedError,
-    StreamserveError,
     TokenOutOfRangeError,
 )
 from streamserve.sessions import PagedSessionKV
@@ -52,57 +50,6 @@ class SessionState(enum.Enum):
     RESPONDING = "responding"  # a reply is being generated
     PARKED = "parked"  # KV offloaded to host memory; restored on the next use
     CLOSED = "closed"
-
-
-MAX_STOP_STRINGS = 16
-MAX_STOP_CHARS = 256
-
-
-def _check_stop_strings(stop: Sequence[str] | None) -> list[str]:
-    if stop is None:
-        return []
-    if isinstance(stop, str):
-        stop = [stop]
-    if not isinstance(stop, Sequence) or len(stop) > MAX_STOP_STRINGS:
-        raise InvalidInputError(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
-    for s in stop:
-        if not isinstance(s, str) or not 0 < len(s) <= MAX_STOP_CHARS:
-            raise InvalidInputError(f"each stop string must be a non-empty str of at most {MAX_STOP_CHARS} "
-                                    f"characters, got {s!r}")
-    return list(stop)
-
-
-class TokenIterator:
-    """A reply's token ids one by one. Closing it (or dropping it, or an exception in the loop reading it)
-    before the end cancels the reply and waits for its end, whether or not iteration had started."""
-
-    def __init__(self, stream: ResponseStream) -> None:
-        self.stream = stream
-        self._buffer: list[int] = []
-
-    def __iter__(self) -> TokenIterator:
-        return self
-
-    def __next__(self) -> int:
-        while not self._buffer:
-            try:
-                self._buffer = list(next(self.stream).token_ids)
-            except BaseException:
-                self.close()
-                raise
-        return self._buffer.pop(0)
-
-    def close(self) -> None:
-        st = self.stream
-        if st.finish_reason is None:
-            st.session.cancel()
-            if not st.session.engine.loop.in_engine_thread():  # never block the engine on itself
-                with contextlib.suppress(StreamserveError):
-                    st.wait()
-
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            self.close()
 
 
 def _orphaned(engine_ref: weakref.ref, kv: PagedSessionKV) -> None:
@@ -280,7 +227,7 @@ class Session:
         at `cancel()`. Bad parameters, a closed session or a reply already running raise here."""
         self._check_open()
         check_sampling(max_tokens, temperature, top_p, top_k)
-        stops = tuple(_check_stop_strings(stop))
+        stops = tuple(check_stop(stop))
         stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
                              else self._check_ids(list(stop_token_ids)))
         check_seed(seed)

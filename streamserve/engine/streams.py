@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streamserve.engine.work import Response
+from streamserve.errors import StreamserveError
 
 if TYPE_CHECKING:
     from streamserve.engine.session import Session
@@ -146,3 +147,36 @@ class ResponseStream:
             pass
         assert self.finish_reason is not None
         return self.finish_reason
+
+
+class TokenIterator:
+    """A reply's token ids one by one. Closing it (or dropping it, or an exception in the loop reading it)
+    before the end cancels the reply and waits for its end, whether or not iteration had started."""
+
+    def __init__(self, stream: ResponseStream) -> None:
+        self.stream = stream
+        self._buffer: list[int] = []
+
+    def __iter__(self) -> TokenIterator:
+        return self
+
+    def __next__(self) -> int:
+        while not self._buffer:
+            try:
+                self._buffer = list(next(self.stream).token_ids)
+            except BaseException:
+                self.close()
+                raise
+        return self._buffer.pop(0)
+
+    def close(self) -> None:
+        st = self.stream
+        if st.finish_reason is None:
+            st.session.cancel()
+            if not st.session.engine.loop.in_engine_thread():  # never block the engine on itself
+                with contextlib.suppress(StreamserveError):
+                    st.wait()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()

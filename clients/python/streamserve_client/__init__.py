@@ -7,7 +7,7 @@
             print(delta.text, end="")
 """
 
-from streamserve_client.client import Ack, Client, Delta, Response, Session, connect
+from streamserve_client.client import Client, connect
 from streamserve_client.errors import (
     CapacityError,
     ConnectionLostError,
@@ -19,6 +19,7 @@ from streamserve_client.errors import (
     UnknownSessionError,
     UnsupportedModalityError,
 )
+from streamserve_client.session import Ack, Delta, Response, Session
 from streamserve_client.sync import SyncClient, SyncSession
 
 __version__ = "0.1.0"

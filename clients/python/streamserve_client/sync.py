@@ -14,7 +14,8 @@ import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
-from streamserve_client.client import Ack, Client, Delta, Response, Session
+from streamserve_client.client import Client
+from streamserve_client.session import Ack, Delta, Response, Session
 
 T = TypeVar("T")
 
