@@ -57,3 +57,30 @@ def test_info_prints_json(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["architecture"] == "OlmoeForCausalLM" and info["experts"] == 8 and info["experts_per_token"] == 3
+
+
+def test_serve_starts_answers_and_stops_gracefully_on_sigterm() -> None:
+    import json
+    import re
+    import signal
+    import urllib.request
+
+    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--kv-memory", "64MiB"],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else port
+            if "ready:" in line:
+                break
+        assert port is not None
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
+            assert json.load(r)["status"] == "ok"
+        proc.send_signal(signal.SIGTERM)
+        rest = proc.stderr.read()
+        assert proc.wait(30) == 0 and "shutting down" in rest
+    finally:
+        if proc.poll() is None:
+            proc.kill()

@@ -220,8 +220,8 @@ def test_rate_limit_health_metrics_and_stats(served: RunningServer) -> None:
     asyncio.run(main())
 
 
-def test_api_key_is_required_when_set() -> None:
-    srv = RunningServer(ServerConfig(api_key="s3cret"), default_engine)
+def test_api_key_is_required_when_set_and_a_full_server_says_try_later() -> None:
+    srv = RunningServer(ServerConfig(api_key="s3cret", max_connections=1), default_engine)
     try:
         with pytest.raises(sc.UnauthorizedError):
             asyncio.run(sc.connect(srv.url).connect())
@@ -236,6 +236,8 @@ def test_api_key_is_required_when_set() -> None:
         async def ok() -> int:
             async with sc.connect(srv.url, api_key="s3cret") as c:
                 s = await c.open_session()
+                with pytest.raises(sc.ServerBusyError):  # one connection is the limit: 1013, try later
+                    await sc.connect(srv.url, api_key="s3cret").connect()
                 return (await s.append(text="In the beginning")).tokens
 
         assert asyncio.run(ok()) > 0
