@@ -118,17 +118,20 @@ class PagedSessionKV:
         vf.index_copy_(0, self._write, v.to(vf.dtype))
         return PagedKeys(kf, vf, self.read_slots, self.k_pos)
 
-    def commit(self) -> None:
+    def commit(self, drop: bool = True) -> None:
+        """The step's tokens join the session. `drop=False` keeps the pages that fell outside the window
+        (a draft verification truncates its rejected tokens first, then calls `drop_outside_window`)."""
         self.length += self._pending
         self._pending, self._step_pages = 0, []
-        self._drop_outside_window()
+        if drop:
+            self.drop_outside_window()
 
     def abort(self) -> None:
         """Undo a step that failed: its pages go back, the committed state is untouched."""
         self.pool.allocator.release([self.page_table.pop(j) for j in self._step_pages])
         self._pending, self._step_pages = 0, []
 
-    def _drop_outside_window(self) -> None:
+    def drop_outside_window(self) -> None:
         if self.policy.window is None:
             return
         P = self.pool.page_size

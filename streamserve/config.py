@@ -29,6 +29,10 @@ class EngineConfig:
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
     idle_ttl: float | None = field(default=None, metadata={
         "help": "close sessions idle for this many seconds (default: never)"})
+    drafter: str = field(default="none", metadata={
+        "help": "speculative decoding: none, ngram (prompt lookup over the session), draft:PATH (a small "
+                "model with the same tokenizer), auto (n-gram and the shipped or named draft model, chosen per "
+                "session by acceptance); greedy output is identical either way"})
 
 
 @dataclass(frozen=True)

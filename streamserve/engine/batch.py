@@ -8,14 +8,13 @@ found and only it fails. Logits are copied per session: a view would keep the wh
 from __future__ import annotations
 
 import contextlib
-import itertools
 import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 import torch
 
-from streamserve.engine.graphs import graphable
+from streamserve.engine.graphs import graphable, rows_of
 from streamserve.sessions import PagedSessionKV
 
 if TYPE_CHECKING:
@@ -31,17 +30,22 @@ CPU_SMALL_STEP_TOKENS = 64
 class BatchForward:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self.seconds = 0.0  # the last forward's wall time
 
-    def run(self, jobs: list[tuple[Session, list[int]]]) -> list[torch.Tensor | BaseException]:
+    def run(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool] | None = None
+            ) -> list[torch.Tensor | BaseException]:
         """Each job's ids run after its session's committed tokens, all in one forward. -> per job the logits
-        [V] of its last token, or the exception that failed it (that job's step is undone; the others are
-        unaffected)."""
+        [V] of its last token ([T, V] of all its tokens where `all_rows`: draft verification), or the
+        exception that failed it (that job's step is undone; the others are unaffected). Verification jobs
+        are committed without dropping pages outside the window: the caller truncates the rejected drafts
+        first, then drops them (`kv.drop_outside_window()`)."""
+        flags = all_rows or [False] * len(jobs)
         with self.engine._lock:
             busy = [s.kv for s, _ in jobs]
             out: list[torch.Tensor | BaseException | None] = [None] * len(jobs)
             ready = [i for i in range(len(jobs)) if self._try_begin(jobs[i], busy, out, i)]
             try:
-                logits = self._forward_jobs([jobs[i] for i in ready]) if ready else None
+                logits = self._forward_jobs([jobs[i] for i in ready], [flags[i] for i in ready]) if ready else None
             except Exception as e:
                 for i in ready:
                     jobs[i][0].kv.abort()
@@ -51,15 +55,16 @@ class BatchForward:
                     for i in ready:  # find the job that fails: each runs alone
                         if self._try_begin(jobs[i], busy, out, i):
                             try:
-                                out[i] = self._forward_jobs([jobs[i]])[0].clone()
-                                jobs[i][0].kv.commit()
+                                out[i] = self._forward_jobs([jobs[i]], [flags[i]])[0].clone()
+                                jobs[i][0].kv.commit(drop=not flags[i])
                             except Exception as e1:
                                 jobs[i][0].kv.abort()
                                 out[i] = e1
             else:
-                for j, i in enumerate(ready):
-                    jobs[i][0].kv.commit()
-                    out[i] = logits[j].clone()  # type: ignore[index]
+                assert logits is not None
+                for rows, i in zip(logits, ready, strict=True):
+                    jobs[i][0].kv.commit(drop=not flags[i])
+                    out[i] = rows.clone()  # a view would keep the whole batch's logits alive
         return out  # type: ignore[return-value]
 
     def _try_begin(self, job: tuple[Session, list[int]], busy: list[PagedSessionKV],
@@ -71,25 +76,31 @@ class BatchForward:
             out[i] = e
             return False
 
-    def _forward_jobs(self, jobs: list[tuple[Session, list[int]]]) -> torch.Tensor:
-        return self.forward_planned([s.kv for s, _ in jobs], [i for _, i in jobs])
+    def _forward_jobs(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool]) -> list[torch.Tensor]:
+        return self.forward_planned([s.kv for s, _ in jobs], [i for _, i in jobs], all_rows)
 
-    def forward_planned(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_logits: bool = False
-                        ) -> torch.Tensor:
-        """The planned (`begin`) steps of `kvs` over `ids` in one forward -> logits [n, V] of each session's
-        last token, or [T, V] with `all_logits` (one session). The caller commits or aborts."""
+    def forward_planned(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool] | None = None
+                        ) -> list[torch.Tensor]:
+        """The planned (`begin`) steps of `kvs` over `ids` in one forward -> per session the logits of its last
+        token [V], or of all its tokens [T, V] where `all_rows`. The caller commits or aborts."""
         e = self.engine
         widths = [len(i) for i in ids]
+        flags = all_rows or [False] * len(ids)
         t0 = time.perf_counter()
         with threads_for(e.device, sum(widths)):
             if e.graphs is not None and graphable(widths):
-                logits = e.graphs.run(kvs, ids, all_logits)
+                logits = e.graphs.run(kvs, ids, flags)
             else:
                 flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=e.device)
-                rows = None if all_logits else [r - 1 for r in itertools.accumulate(widths)]
-                logits = e.model.forward_batch(flat, kvs, rows)
-        self._count(widths, time.perf_counter() - t0)
-        return logits
+                logits = e.model.forward_batch(flat, kvs, None if all(flags) else rows_of(widths, flags))
+        self.seconds = time.perf_counter() - t0
+        self._count(widths, self.seconds)
+        out, start = [], 0
+        for w, f in zip(widths, flags, strict=True):  # split the rows per session
+            n = w if f else 1
+            out.append(logits[start:start + n] if f else logits[start])
+            start += n
+        return out
 
     def _count(self, widths: list[int], seconds: float) -> None:
         c = self.engine._counters

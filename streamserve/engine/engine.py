@@ -24,6 +24,8 @@ import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
 from streamserve.engine.batch import BatchForward
+from streamserve.engine.drafters import Drafter, make_drafters
+from streamserve.engine.drafters.adaptive import SpecController, VerifyCosts
 from streamserve.engine.graphs import DecodeGraphs
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
@@ -80,6 +82,9 @@ class Engine:
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
         self.metrics = EngineMetrics(self)
         self.batch = BatchForward(self)
+        self.drafter = "none"
+        self.spec_costs = VerifyCosts()  # what a verification of each width costs here (measured)
+        self._drafter_objects: dict[str, Drafter] = {}
         self.loop = EngineLoop(self, scheduler)
 
     def __enter__(self) -> Engine:
@@ -99,6 +104,7 @@ class Engine:
                         dtype: str | torch.dtype | None = ENGINE_DEFAULTS.dtype,
                         kernels: str = ENGINE_DEFAULTS.kernels,
                         cuda_graphs: str = ENGINE_DEFAULTS.cuda_graphs,
+                        drafter: str = ENGINE_DEFAULTS.drafter,
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
@@ -134,19 +140,49 @@ class Engine:
             raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
         if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
             engine.graphs = DecodeGraphs(net, capture=dev.type == "cuda")
+        engine.set_drafter(drafter)
         return engine
+
+    # ---- speculative decoding -------------------------------------------------------------------------
+    def set_drafter(self, spec: str) -> None:
+        """The drafter sessions use unless they choose ("none", "ngram", "draft:PATH", "auto"; see
+        `streamserve.engine.drafters`). Checked now: an unknown or unusable drafter fails here."""
+        make_drafters(spec, self)
+        self.drafter = spec
+
+    def shared_drafter(self, name: str, factory: Callable[[], Drafter]) -> Drafter:
+        """One drafter object per kind, shared by the sessions (their state lives on each session)."""
+        if name not in self._drafter_objects:
+            self._drafter_objects[name] = factory()
+        return self._drafter_objects[name]
+
+    def draft_model(self, path: str) -> Drafter:
+        from streamserve.engine.drafters.model import DraftModelDrafter
+
+        resolved = str(resolve_model_path(path))
+        return self.shared_drafter(f"draft:{resolved}", lambda: DraftModelDrafter.load(self, resolved))
+
+    def default_draft_path(self) -> Path | None:
+        """The draft model "auto" adds: the one named by the engine's drafter, else the one shipped beside
+        the embedded default model."""
+        spec = getattr(self, "drafter", "none")
+        if spec.startswith("draft:"):
+            return Path(spec.removeprefix("draft:"))
+        shipped = DEFAULT_MODEL_DIR.parent / "default-draft"
+        return shipped if self.path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists() else None
 
     # ---- sessions -------------------------------------------------------------------------------------
     def open_session(self, window: int | None = SESSION_DEFAULTS.window, sinks: int = SESSION_DEFAULTS.sinks,
                      positions: str | None = SESSION_DEFAULTS.positions, seed: int | None = None,
                      page_cap: int | None = SESSION_DEFAULTS.page_cap,
-                     chunk_budget: float = SESSION_DEFAULTS.chunk_budget) -> Session:
+                     chunk_budget: float = SESSION_DEFAULTS.chunk_budget, drafter: str | None = None) -> Session:
         """A new persistent session.
 
         window/sinks: keep the first `sinks` and the last `window` tokens (None: everything, up to the
         model's context). positions: "absolute" or "rolling" (default: rolling with a window, else
         absolute). seed: seeds the session's sampling. page_cap: the most KV pages it may hold.
-        chunk_budget: seconds from a chunk's capture to its default deadline.
+        chunk_budget: seconds from a chunk's capture to its default deadline. drafter: this session's
+        drafter for speculative decoding (default: the engine's; "none", "ngram", "draft:PATH", "auto").
         """
         self.expire_idle()
         if page_cap is not None and (isinstance(page_cap, bool) or not isinstance(page_cap, int) or page_cap < 1):
@@ -155,7 +191,10 @@ class Engine:
         kv = PagedSessionKV(self.pool, policy, self.config.max_position_embeddings, page_cap)
         if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, (int, float)) or not chunk_budget > 0:
             raise InvalidInputError(f"chunk_budget must be a number of seconds > 0, got {chunk_budget!r}")
+        drafters = make_drafters(self.drafter if drafter is None else drafter, self)
         s = Session(self, kv, seed, float(chunk_budget))
+        if drafters:
+            s.spec = SpecController(drafters, self.spec_costs)
         with self._sessions_lock:
             self._sessions[s.id] = s
         return s
@@ -270,16 +309,17 @@ class Engine:
         with self._lock:
             self.begin_step(session, kv, len(ids), [kv])
             try:
-                logits = self.batch.forward_planned([kv], [ids], all_logits)
+                (logits,) = self.batch.forward_planned([kv], [ids], [all_logits])
             except BaseException:
                 kv.abort()
                 raise
             kv.commit()  # last: nothing after it can fail between the cache and the caller's bookkeeping
-        return logits if all_logits else logits[0]
+        return logits
 
-    def run_step(self, jobs: list[tuple[Session, list[int]]]) -> list[torch.Tensor | BaseException]:
+    def run_step(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool] | None = None
+                 ) -> list[torch.Tensor | BaseException]:
         """One step of several sessions in one forward (`BatchForward.run`)."""
-        return self.batch.run(jobs)
+        return self.batch.run(jobs, all_rows)
 
     def begin_step(self, session: Session | None, kv: PagedSessionKV, n: int, busy: list[PagedSessionKV]) -> None:
         """Plan a step of n tokens of `kv` (bringing it back first if parked), parking idle sessions not in

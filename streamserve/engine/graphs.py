@@ -71,13 +71,23 @@ MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first): cli
 class _Entry:
     kvs: list[StaticStepKV]
     ids: torch.Tensor  # [N] the sessions' tokens, concatenated
-    rows: torch.Tensor | None  # [n] the last token of each session (None: all-logits)
+    rows: torch.Tensor | None  # [R] the rows whose logits are wanted (None: all)
     logits: torch.Tensor | None = None  # [n, V] or [N, V], written by each replay
     graph: torch.cuda.CUDAGraph | None = None
     failed: bool = False  # capture failed once: this step shape runs eagerly from now on
 
     def forward(self, model: CausalLM) -> torch.Tensor:
         return model.forward_batch(self.ids, self.kvs, self.rows)  # type: ignore[arg-type]
+
+
+def rows_of(widths: list[int], all_rows: list[bool]) -> list[int]:
+    """The rows of a batched step whose logits are wanted: every token of a session with `all_rows`, else
+    its last."""
+    rows, start = [], 0
+    for w, f in zip(widths, all_rows, strict=True):
+        rows += list(range(start, start + w)) if f else [start + w - 1]
+        start += w
+    return rows
 
 
 def graphable(widths: list[int]) -> bool:
@@ -94,23 +104,22 @@ class DecodeGraphs:
     def captured(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
 
-    def run(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_logits: bool = False) -> torch.Tensor:
+    def run(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool]) -> torch.Tensor:
         """The logits of a planned step (after `kv.begin`) of the sessions `kvs` over `ids` (`graphable`
-        widths): [n, V] for each session's last token, or [T, V] with `all_logits` (one session only).
-        The caller commits or aborts each session's step."""
+        widths): [R, V], for each session its last token, or all its tokens where `all_rows` (draft
+        verification). The caller commits or aborts each session's step."""
         widths = tuple(len(i) for i in ids)
-        assert graphable(list(widths)) and (not all_logits or len(kvs) == 1)
+        assert graphable(list(widths))
         bucket = bucket_for(max(kv.k_pos.shape[0] for kv in kvs))
-        key = (bucket, widths, all_logits, tuple(kv.policy for kv in kvs))
+        key = (bucket, widths, tuple(all_rows), tuple(kv.policy for kv in kvs))
         entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order
         if entry is None:
             if len(self._entries) >= MAX_GRAPHS:
                 self._entries.pop(next(iter(self._entries)))
             dev = kvs[0].pool.device
-            last = torch.tensor(widths, dtype=torch.long).cumsum(0) - 1
             entry = _Entry([StaticStepKV(kv, bucket, w) for kv, w in zip(kvs, widths, strict=True)],
                            torch.zeros(sum(widths), dtype=torch.long, device=dev),
-                           None if all_logits else last.to(dev))
+                           None if all(all_rows) else torch.tensor(rows_of(list(widths), all_rows), device=dev))
         self._entries[key] = entry
         for static, kv in zip(entry.kvs, kvs, strict=True):
             static.load(kv)

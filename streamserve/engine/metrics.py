@@ -59,6 +59,7 @@ class EngineMetrics:
                 self.tokens.labels(kind).inc(n)
         for name, value in depths.items():
             self.queue_depth.labels(name).set(value)
+        per_step: dict = {}  # response -> tokens it produced in this step
         for e in events:
             if isinstance(e, ChunkAcked):
                 if e.ack.shed:
@@ -68,13 +69,15 @@ class EngineMetrics:
                 if e.ack.deadline_missed:
                     self.deadline_missed.inc()
             elif isinstance(e, TokenProduced):
-                r = e.response
-                if r.produced == 1:
-                    self.ttft.observe(out.finished - r.arrival)
-                elif r.prev_token_at is not None:
-                    self.itl.observe(out.finished - r.prev_token_at)
+                per_step[e.response] = per_step.get(e.response, 0) + 1
             elif isinstance(e, SessionFailed):
                 self.failed.inc()
+        for r, n in per_step.items():  # a verification step emits several tokens: they share its latency
+            if r.prev_token_at is None:
+                self.ttft.observe(out.finished - r.arrival)
+            else:
+                for _ in range(n):
+                    self.itl.observe((out.finished - r.prev_token_at) / n)
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""

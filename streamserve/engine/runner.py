@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from streamserve.engine import speculate
+from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.sampling import sample
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.work import Chunk, ItemResult, Plan, Response, StepOutput, WorkItem
@@ -32,6 +34,7 @@ USER_ERRORS = (StreamserveError,)
 class Runner:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
+        self._proposals: dict[str, DraftProposal] = {}  # this step's drafts, by session id
 
     def execute(self, plan: Plan) -> StepOutput:
         started = time.monotonic()
@@ -53,10 +56,14 @@ class Runner:
             else:
                 jobs.append((s, item, ids))
         forward = [(s, ids) for s, _, ids in jobs if ids]
-        outs = iter(self.engine.run_step(forward)) if forward else iter(())
+        verifying = [s.id in self._proposals for s, _ in forward]
+        outs = iter(self.engine.run_step(forward, verifying)) if forward else iter(())
+        if len(forward) == 1:  # a one-session step measures what a step of its width costs (drafting's cost)
+            self.engine.spec_costs.observe(len(forward[0][1]), self.engine.batch.seconds)
         for s, item, ids in jobs:
             logits = next(outs) if ids else None
             results[item.session_id] = self._finish(s, item, ids, logits)
+        self._proposals.clear()
         return StepOutput(results, started, time.monotonic())
 
     def _prepare(self, s: Session, item: WorkItem) -> list[int] | ItemResult:
@@ -82,6 +89,12 @@ class Runner:
         if not s._pending and s._logits_at != len(s.token_ids):
             # no logits for the session as it stands (after a rewind or a restore): run its last token again
             s.kv.truncate(s.kv.length - 1)
+        if item.kind == "verify" and len(s._pending) == 1:
+            limit = None if s.kv.rolling else self.engine.config.max_position_embeddings
+            proposal = speculate.draft(s, work, item.n_tokens - 1, limit)  # type: ignore[arg-type]
+            if proposal.tokens:
+                self._proposals[s.id] = proposal
+                return s._pending + proposal.tokens
         return s._pending
 
     def _finish(self, s: Session, item: WorkItem, ids: list[int], logits: torch.Tensor | BaseException | None
@@ -90,9 +103,18 @@ class Runner:
             if not isinstance(logits, USER_ERRORS):
                 return ItemResult(error=_fault(logits), fatal=True)
             return self._refused(s, item, logits)
+        work = item.work
+        proposal = self._proposals.get(s.id)
+        if proposal is not None:
+            assert logits is not None and isinstance(work, Response)
+            try:
+                tokens = speculate.accept(s, work, proposal, logits)
+            except Exception as e:
+                return ItemResult(error=_fault(e), fatal=True)
+            work.draft_len = s.spec.next_k() if s.spec is not None else 0
+            return ItemResult(tokens=tokens)
         if logits is not None:
             s._logits, s._logits_at = logits, s.kv.length
-        work = item.work
         if isinstance(work, Chunk):
             for c, n in item.parts:
                 start = len(s.token_ids)
@@ -133,13 +155,9 @@ class Runner:
             tok = sample(s._logits, r.temperature, r.top_p, r.generator, r.top_k)
         except Exception as e:
             return ItemResult(error=_fault(e), fatal=True)
-        if r.produced == 0:  # the reply's first token: its text follows the session so far
-            r.detok = self.engine.tokenizer.detokenizer(context=s.token_ids[-8:])
-            s.timeline.append(ChunkRecord("reply", None, len(s.token_ids), len(s.token_ids) + 1))
-        else:
-            rec = s.timeline[-1]
-            s.timeline[-1] = ChunkRecord("reply", None, rec.start, len(s.token_ids) + 1)
-        s.token_ids.append(tok)  # pending from here on: it enters the KV with the session's next forward
+        speculate.extend_reply(s, r, [tok])  # pending from here on: it enters the KV with the next forward
+        if s.spec is not None:
+            r.draft_len = s.spec.next_k()
         return ItemResult(token=tok)
 
 

@@ -132,8 +132,9 @@ class Scheduler:
                            key=lambda sid: self._priority(heads[sid]))  # type: ignore[arg-type]
         n_dec = min(len(decoders), lim.max_batch - (1 if appenders else 0))
         for sid in decoders[:n_dec]:
-            plan.items.append(WorkItem(sid, "decode", 1, heads[sid]))
-        budget = max(lim.step_tokens - n_dec, lim.min_append_tokens)
+            k = heads[sid].draft_len  # type: ignore[union-attr]
+            plan.items.append(WorkItem(sid, "verify" if k else "decode", 1 + k, heads[sid]))
+        budget = max(lim.step_tokens - sum(i.n_tokens for i in plan.items), lim.min_append_tokens)
         for sid in appenders:
             if budget <= 0 or len(plan.items) >= lim.max_batch:
                 break
@@ -220,16 +221,24 @@ class Scheduler:
         if res.context_full:
             q.popleft()
             return [self._done(r, "context")]
-        assert res.token is not None
-        text, stopped = r.add_token(res.token)
+        tokens = res.tokens if res.tokens is not None else [res.token]
+        events: list[Event] = []
+        reason = None
+        for tok in tokens:
+            assert tok is not None
+            text, stopped = r.add_token(tok)
+            events.append(TokenProduced(r, tok, text))
+            reason = ("stop" if stopped or tok in r.stop_token_ids else "length" if r.produced >= r.max_tokens
+                      else None)
+            if reason is not None:
+                break  # (the runner never emits past a stop token or max_tokens; a stop string ends it here)
         r.first_token_at = r.first_token_at or out.finished
         r.prev_token_at, r.last_token_at = r.last_token_at, out.finished
-        events: list[Event] = [TokenProduced(r, res.token, text)]
-        reason = ("cancelled" if r.cancelled else "stop" if stopped or res.token in r.stop_token_ids
-                  else "length" if r.produced >= r.max_tokens else None)
+        if r.cancelled:
+            reason = "cancelled"
         if reason is not None:
             q.popleft()
-            events.append(self._done(r, reason))  # type: ignore[arg-type]
+            events.append(self._done(r, reason))
         return events
 
     @staticmethod

@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Iterator, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -42,6 +42,7 @@ from streamserve.errors import (
 from streamserve.sessions import PagedSessionKV
 
 if TYPE_CHECKING:
+    from streamserve.engine.drafters.adaptive import SpecController
     from streamserve.engine.engine import Engine
 
 
@@ -73,6 +74,9 @@ class Session:
         self.max_chunk_tokens: int | None = None  # set by servers: a longer chunk is refused at the call
         self._next_seq = 0
         self._submit_lock = threading.Lock()
+        self.spec: SpecController | None = None  # speculative decoding: drafters and draft length (engine sets)
+        self._drafts: dict[str, Any] = {}  # the drafters' per-session state (n-gram index, draft-model KV)
+        self.revisions = 0  # counts cuts of the history (rewinds): drafters' indexes rebuild after one
         self._logits: torch.Tensor | None = None  # [V] after the first `_logits_at` tokens
         self._logits_at = -1
         self._generator = torch.Generator(device=engine.device)
@@ -305,6 +309,7 @@ class Session:
             return
         self.kv.truncate(min(keep, self.kv.length))
         del self.token_ids[to:]
+        self.revisions += 1
         self._logits, self._logits_at = None, -1
         self.timeline = [r if r.end <= to else ChunkRecord(r.kind, r.seq, r.start, to, r.capture_time, r.deadline)
                          for r in self.timeline if r.start < to]
@@ -354,5 +359,7 @@ class Session:
                 self.engine.loop.drop_session(self.id)
             self.kv.release()
             self.kv.parked = None
+            for d in self.spec.drafters if self.spec is not None else ():
+                d.release(self)
         self._finalizer.detach()
         self.engine._release(self)

@@ -15,7 +15,7 @@ from typing import Any, Literal, Protocol
 
 ChunkKind = Literal["text", "audio", "video"]
 CHUNK_KINDS: tuple[str, ...] = ("text", "audio", "video")
-WorkKind = Literal["append", "decode"]
+WorkKind = Literal["append", "decode", "verify"]
 FinishReason = Literal["length", "stop", "context", "cancelled", "closed"]
 
 _response_ids = itertools.count(1)
@@ -78,6 +78,7 @@ class Response:
     detok: Detokenizer | None = None  # set by the runner at the first token (it knows the session's context)
     held_text: str = ""  # text held back because it may be the start of a stop string
     outbox: Any = None  # where the loop delivers deltas and the end (an Outbox)
+    draft_len: int = 0  # tokens to draft for the next step (set by the runner from the session's controller)
 
     def add_token(self, token: int) -> tuple[str, bool]:
         """Count a generated token; -> (text that may be shown now, whether a stop string was reached)."""
@@ -142,6 +143,7 @@ class Plan:
 @dataclass
 class ItemResult:
     token: int | None = None  # decode: the sampled token
+    tokens: list[int] | None = None  # verify: the tokens emitted (accepted drafts, then the target's next)
     context_full: bool = False  # decode: the session reached the model's context; nothing was sampled
     error: BaseException | None = None  # this item failed (the others in the step are unaffected)
     fatal: bool = False  # the error fails the whole session (it is closed), not only this item

@@ -1,0 +1,72 @@
+"""Prompt lookup over the session's own history: if the last n tokens occurred before, propose what
+followed them then. Everything the session holds counts — earlier turns, appended input, replies.
+
+`NgramIndex` keeps, for every n-gram (n = 1..max_n) of the history, where its latest earlier occurrence
+was followed; each appended token adds max_n entries (amortised O(1) per token for a fixed max_n), and a
+lookup tries the longest suffix first. A rewind (the session's `revisions` counter moves) rebuilds it.
+Memory is bounded: past `max_entries` the index is rebuilt over the newer half of the history.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from streamserve.engine.drafters.base import DraftProposal
+
+if TYPE_CHECKING:
+    from streamserve.engine.session import Session
+
+
+class NgramIndex:
+    def __init__(self, max_n: int = 4, max_entries: int = 1 << 20) -> None:
+        self.max_n, self.max_entries = max_n, max_entries
+        self.tokens: list[int] = []
+        self.offset = 0  # history position of tokens[0] (after a rebuild over the newer half)
+        self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> index in `tokens` of what followed it last
+        self.revision = -1
+
+    def sync(self, history: list[int], revision: int) -> None:
+        """Catch up with the session's history (appends since last time; a rebuild after a rewind)."""
+        if revision != self.revision or len(history) < self.offset + len(self.tokens):
+            self.tokens, self.offset, self.follows, self.revision = [], 0, {}, revision
+        for t in history[self.offset + len(self.tokens):]:
+            self._push(t)
+        if len(self.follows) > self.max_entries:
+            keep = history[-(len(self.tokens) // 2):]
+            self.tokens, self.follows = [], {}
+            self.offset = len(history) - len(keep)
+            for t in keep:
+                self._push(t)
+
+    def _push(self, token: int) -> None:
+        toks = self.tokens
+        i = len(toks)  # the position `token` takes: every n-gram ending just before it is now followed by it
+        for n in range(1, min(self.max_n, i) + 1):
+            self.follows[tuple(toks[i - n:i])] = i
+        toks.append(token)
+
+    def lookup(self, k: int) -> list[int]:
+        """Up to k tokens that followed the longest earlier occurrence of the history's suffix."""
+        toks = self.tokens
+        for n in range(min(self.max_n, len(toks)), 0, -1):
+            start = self.follows.get(tuple(toks[-n:]))
+            if start is not None:
+                return toks[start:start + k]
+        return []
+
+
+class NgramDrafter:
+    name = "ngram"
+
+    def __init__(self, max_n: int = 4) -> None:
+        self.max_n = max_n
+
+    def propose(self, session: Session, k: int) -> DraftProposal:
+        index = session._drafts.get(self.name)
+        if index is None:
+            index = session._drafts[self.name] = NgramIndex(self.max_n)
+        index.sync(session.token_ids, session.revisions)
+        return DraftProposal(index.lookup(k))
+
+    def release(self, session: Session) -> None:
+        session._drafts.pop(self.name, None)

@@ -1,0 +1,75 @@
+"""Lossless speculative verification: which drafted tokens a target forward accepts, and the token after.
+
+The target ran one forward over [pending token, d_1 .. d_k] and gave logits [k+1, V]: row i is the target's
+distribution for the token after d_i (row 0: after the pending token). The result is the tokens to
+emit: the accepted drafts, then one more from the target (a correction where a draft was rejected, the
+bonus token when all were accepted), so every verification emits at least one token.
+
+- Greedy (temperature 0): accept while the draft equals the target's argmax; emit the argmax after.
+  The output is exactly what plain greedy decoding gives.
+- Sampled, drafter without probabilities (n-gram): draw x_i from each row's target distribution and emit
+  them while each equals the draft; stop after the first that differs. Each emitted token is a draw from
+  the target given the accepted prefix, so the output follows the target distribution.
+- Sampled, drafter with probabilities q (a draft model): accept d_i with probability min(1, p(d_i)/q(d_i));
+  on rejection draw from the normalised residual max(0, p - q); when all are accepted, draw the bonus
+  from row k. This is the standard rejection scheme: the output follows the target distribution.
+
+p is the target's distribution after temperature, top-k and top-p, the same filtering `sample` applies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from streamserve.kernels.reference import MIN_TEMPERATURE, keep_mask, sample_tokens
+
+
+def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """logits [R, V] fp32 -> the distributions `sample` draws from, [R, V] (rows sum to 1)."""
+    probs = torch.softmax(logits / max(temperature, MIN_TEMPERATURE), dim=-1)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+    r = logits.shape[0]
+    keep = keep_mask(sorted_p, torch.full((r,), top_k, device=logits.device),
+                     torch.full((r,), float(top_p), device=logits.device))
+    kept = torch.zeros_like(probs).scatter_(1, order, torch.where(keep, sorted_p, torch.zeros_like(sorted_p)))
+    return kept / kept.sum(dim=-1, keepdim=True)
+
+
+def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, temperature: float,
+           top_p: float, top_k: int, generator: torch.Generator | None) -> list[int]:
+    """logits [k+1, V] of the target over the drafts' positions; drafts [k]; draft_probs [k, V] or None
+    -> the tokens to emit (1 to k+1): the accepted drafts, then the target's own next token."""
+    k = len(drafts)
+    assert logits.shape[0] == k + 1
+    if temperature < MIN_TEMPERATURE:
+        target = torch.argmax(logits, dim=-1).tolist()
+        out = []
+        for i, d in enumerate(drafts):
+            if target[i] != d:
+                return [*out, target[i]]
+            out.append(d)
+        return [*out, target[k]]
+    dev = logits.device
+    if draft_probs is None:  # deterministic drafts: sample from the target, keep going while it matches
+        x = sample_tokens(logits, torch.full((k + 1,), float(temperature), device=dev),
+                          torch.full((k + 1,), top_k, device=dev), torch.full((k + 1,), float(top_p), device=dev),
+                          generator).tolist()
+        out = []
+        for i, d in enumerate(drafts):
+            out.append(x[i])
+            if x[i] != d:
+                return out
+        return [*out, x[k]]
+    p = target_probs(logits, temperature, top_k, top_p)  # [k+1, V]
+    q = draft_probs.to(p.dtype)
+    idx = torch.tensor(drafts, device=dev)
+    ratio = (p[:k].gather(1, idx[:, None])[:, 0] / q.gather(1, idx[:, None])[:, 0].clamp_min(1e-30)).tolist()
+    u = torch.rand(k, generator=generator, device=dev).tolist()
+    for i in range(k):
+        if u[i] < min(1.0, ratio[i]):
+            continue
+        residual = (p[i] - q[i]).clamp_min(0)
+        total = residual.sum()
+        dist = residual / total if total > 0 else p[i]  # q == p on every token: any draw from p is right
+        return [*drafts[:i], int(torch.multinomial(dist, 1, generator=generator))]
+    return [*drafts, int(torch.multinomial(p[k], 1, generator=generator))]

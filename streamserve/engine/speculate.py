@@ -1,0 +1,67 @@
+"""Speculative steps of a reply, for the runner: draft, then verify in one target forward, then keep what
+was accepted.
+
+A verification step runs [pending token, d_1 .. d_k] through the target like an append (all k+1 logits
+kept), `drafters.verify` picks the tokens to emit, and the rejected drafts leave the KV cache by moving
+its length back (`kv.truncate`: whole pages past it return to the pool; nothing is copied). Only then do
+pages outside the window go back, so a rejection never needs a page the window already dropped. Emitted
+tokens stop at the reply's max_tokens and after a stop token, exactly as plain decoding would.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from streamserve.engine.drafters.base import DraftProposal
+from streamserve.engine.drafters.verify import verify
+from streamserve.engine.snapshot import ChunkRecord
+from streamserve.engine.work import Response
+
+if TYPE_CHECKING:
+    from streamserve.engine.session import Session
+
+
+def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftProposal:
+    """Up to k drafted tokens for the reply's next step (fewer near max_tokens or the context's end)."""
+    assert s.spec is not None
+    room = r.max_tokens - r.produced - 1  # the verification emits one more token than it accepts
+    if context_limit is not None:
+        room = min(room, context_limit - len(s.token_ids) - 1)
+    k = min(k, room)
+    if k <= 0:
+        return DraftProposal([])
+    proposal = s.spec.current.propose(s, k)
+    proposal.tokens = proposal.tokens[:k]
+    if proposal.probs is not None:
+        proposal.probs = proposal.probs[:k]
+    return proposal
+
+
+def accept(s: Session, r: Response, proposal: DraftProposal, logits: torch.Tensor) -> list[int]:
+    """The target's logits [k+1, V] over [pending, drafts] are in; -> the tokens emitted. The session keeps
+    the pending token and the accepted drafts in its KV, the last emitted token becomes pending."""
+    assert s.spec is not None
+    emitted = verify(logits, proposal.tokens, proposal.probs, r.temperature, r.top_p, r.top_k, r.generator)
+    accepted = len(emitted) - 1
+    s.spec.observe(s.spec.current.name, len(proposal.tokens), accepted)
+    emitted = emitted[:r.max_tokens - r.produced]
+    stop = next((i for i, t in enumerate(emitted) if t in r.stop_token_ids), None)
+    if stop is not None:
+        emitted = emitted[:stop + 1]
+    extend_reply(s, r, emitted)
+    s.kv.truncate(len(s.token_ids) - 1)  # the rejected drafts leave the cache
+    s.kv.drop_outside_window()
+    s._logits, s._logits_at = None, -1  # the next step runs the new pending token
+    return emitted
+
+
+def extend_reply(s: Session, r: Response, tokens: list[int]) -> None:
+    """Generated tokens join the session and the reply's timeline record."""
+    if r.produced == 0 and r.detok is None:  # the reply's first token: its text follows the session so far
+        r.detok = s.engine.tokenizer.detokenizer(context=s.token_ids[-8:])
+        s.timeline.append(ChunkRecord("reply", None, len(s.token_ids), len(s.token_ids)))
+    s.token_ids.extend(tokens)
+    rec = s.timeline[-1]
+    s.timeline[-1] = ChunkRecord("reply", None, rec.start, len(s.token_ids))
