@@ -61,8 +61,7 @@ class BatchForward:
                                 jobs[i][0].kv.abort()
                                 out[i] = e1
             else:
-                assert logits is not None
-                for rows, i in zip(logits, ready, strict=True):
+                for rows, i in zip(logits or [], ready, strict=True):
                     jobs[i][0].kv.commit(drop=not flags[i])
                     out[i] = rows.clone()  # a view would keep the whole batch's logits alive
         return out  # type: ignore[return-value]
