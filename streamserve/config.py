@@ -49,6 +49,9 @@ class ServerConfig:
     max_frame_bytes: int = field(default=1 << 20, metadata={"help": "largest WebSocket frame accepted, bytes"})
     max_chunk_tokens: int = field(default=1024, metadata={"help": "most tokens one appended chunk may have"})
     max_sessions_per_connection: int = field(default=8, metadata={"help": "sessions one connection may hold"})
+    max_sessions: int = field(default=1024, metadata={
+        "help": "sessions the server holds, open and detached together; when full the oldest detached one "
+                "is closed to make room, and with none detached a new one is refused"})
     max_connections: int = field(default=256, metadata={
         "help": "connections served at once; more are closed with 1013 (try again later)"})
     messages_per_second: float = field(default=200.0, metadata={

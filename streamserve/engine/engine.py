@@ -240,9 +240,12 @@ class Engine:
         with self._sessions_lock:
             return list(self._sessions.values())
 
-    def free_orphans(self) -> None:
-        """Give back the pages of sessions that were garbage-collected without close()."""
-        with self._lock:
+    def free_orphans(self, wait: bool = True) -> None:
+        """Give back the pages of sessions that were garbage-collected without close(). `wait=False`: only
+        if no step is running (callers that must not block, like health checks)."""
+        if not self._lock.acquire(blocking=wait):
+            return
+        try:
             while True:
                 try:
                     kv = self._orphans.get_nowait()
@@ -250,6 +253,8 @@ class Engine:
                     return
                 kv.release()
                 kv.parked = None
+        finally:
+            self._lock.release()
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close the sessions idle for longer than `idle_ttl`; returns how many."""
@@ -336,7 +341,7 @@ class Engine:
             self.pool.allocator.check([s.kv.held_pages for s in self.sessions()])
 
     def stats(self) -> dict[str, Any]:
-        self.free_orphans()
+        self.free_orphans(wait=False)  # stats never wait for a step
         c = self._counters
         sessions = self.sessions()
         with self.loop.cv:

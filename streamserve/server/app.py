@@ -13,7 +13,6 @@ connection is told which of its sessions close and is closed with 1001, replies 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import logging
 import os
@@ -36,7 +35,7 @@ from streamserve.config import (
     SessionConfig,
 )
 from streamserve.engine import Engine
-from streamserve.engine.sampling import check_sampling
+from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import InvalidInputError
 from streamserve.server import protocol as P
 from streamserve.server.native import NativeConnection
@@ -72,6 +71,7 @@ class Server:
         self.app.on_shutdown.append(self._on_shutdown)
         self.app.on_cleanup.append(self._on_cleanup)
         self._background: list[asyncio.Task] = []
+        self._tasks: set[asyncio.Task] = set()
         self.ready = asyncio.Event()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -88,7 +88,8 @@ class Server:
             self.ready.set()
             return
         c = self.config
-        self.registry = SessionRegistry(engine, c.resume_ttl, c.max_sessions_per_connection, c.max_chunk_tokens)
+        self.registry = SessionRegistry(engine, c.resume_ttl, c.max_sessions_per_connection, c.max_chunk_tokens,
+                                        c.max_sessions)
         reg = engine.metrics.registry
         self.server_metrics = ServerMetrics(
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),
@@ -104,21 +105,44 @@ class Server:
             await asyncio.sleep(REAP_SECONDS)
             if self.registry is None:
                 continue
-            for entry in self.registry.expired():
-                await asyncio.to_thread(entry.session.close)
+            try:
+                for entry in self.registry.expired():
+                    await asyncio.to_thread(entry.session.close)
+            except Exception:  # never let one bad close end the reaping
+                log.exception("streamserve: reaping sessions failed")
 
     async def _on_shutdown(self, app: web.Application) -> None:
-        for conn in list(self.connections):
-            if self.registry is not None:
-                for entry in self.registry.owned(conn):
-                    await conn.send({"type": "closed", "session": entry.session.id, "reason": "shutdown"})
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(conn.out.join(), 2.0)
-            with contextlib.suppress(Exception):
-                await conn.close(P.CLOSE_GOING_AWAY, "server shutting down")
+        await asyncio.gather(*(self._say_goodbye(conn) for conn in list(self.connections)))
+
+    async def _say_goodbye(self, conn: NativeConnection) -> None:
+        """Tell a connection which sessions close, give it 2 s to read that, close it; cut it if it will not."""
+        if self.registry is not None:
+            for entry in self.registry.owned(conn):
+                conn.send_nowait({"type": "closed", "session": entry.session.id, "reason": "shutdown"})
+        try:
+            await asyncio.wait_for(conn.out.join(), 2.0)
+            await asyncio.wait_for(conn.close(P.CLOSE_GOING_AWAY, "server shutting down"), 2.0)
+        except Exception:  # a client that does not read: cut it
+            conn.abort()
+
+    def spawn(self, coro: Any) -> None:
+        """A task of the server's (not of one connection): it outlives the connection that started it."""
+        task = asyncio.create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def deliver(self, session_id: str, message: dict[str, Any]) -> None:
+        """Send a chunk's result to whichever connection holds its session now (none while detached)."""
+        entry = self.registry.find(session_id) if self.registry is not None else None
+        if entry is None:
+            return
+        entry.recent.append(message)  # sent again to a connection that resumes the session
+        owner = entry.owner
+        if owner is not None:
+            await owner.send(message)
 
     async def _on_cleanup(self, app: web.Application) -> None:
-        for t in self._background:
+        for t in [*self._background, *self._tasks]:
             t.cancel()
         if self.engine is not None:
             for entry in self.registry.all():
@@ -146,14 +170,17 @@ class Server:
                            "max_reply_tokens": c.max_reply_tokens}}
 
     def check_sampling(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Reply parameters within the engine's ranges and the server's max_reply_tokens."""
-        d = SAMPLING_DEFAULTS
-        check_sampling(params.get("max_tokens", d.max_tokens), params.get("temperature", d.temperature),
-                       params.get("top_p", d.top_p), params.get("top_k", d.top_k))
-        if params.get("max_tokens", d.max_tokens) > self.config.max_reply_tokens:
-            raise InvalidInputError(f"max_tokens {params['max_tokens']} is over this server's limit of "
-                                    f"{self.config.max_reply_tokens}")
-        return dict(params)
+        """Reply parameters within the engine's ranges and the server's max_reply_tokens (checked where they
+        are given: `open` and `configure` too, so a session's defaults are always usable)."""
+        d, limit = SAMPLING_DEFAULTS, self.config.max_reply_tokens
+        max_tokens = params.get("max_tokens", min(d.max_tokens, limit))
+        check_sampling(max_tokens, params.get("temperature", d.temperature), params.get("top_p", d.top_p),
+                       params.get("top_k", d.top_k))
+        check_seed(params.get("seed"))
+        check_stop(params.get("stop"))
+        if max_tokens > limit:
+            raise InvalidInputError(f"max_tokens {max_tokens} is over this server's limit of {limit}")
+        return {**params, "max_tokens": max_tokens}
 
     # ---- routes ---------------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
@@ -185,7 +212,7 @@ class Server:
         if len(self.connections) >= self.config.max_connections:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"too many connections; retry later")
             return ws
-        conn = NativeConnection(self, ws)
+        conn = NativeConnection(self, ws, request.transport)
         self.connections.add(conn)
         try:
             await conn.run()

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from aiohttp import WSMsgType, web
 
-from streamserve.errors import StreamserveError
+from streamserve.errors import ChunkTooLargeError, StreamserveError
 from streamserve.server import protocol as P
 from streamserve.server.registry import Entry
 
@@ -30,32 +30,38 @@ log = logging.getLogger("streamserve.server")
 
 OUTGOING_QUEUE = 256  # frames waiting for the writer; a full queue makes this connection's tasks wait
 MAX_BAD_MESSAGES = 16  # malformed frames tolerated per connection before it is closed (4400)
+MAX_PENDING_ACKS = 256  # appends in flight per connection; past it the read loop waits (backpressure)
+SEND_TIMEOUT = 30.0  # seconds a frame may wait for a client that does not read; then the connection is cut
+CHARS_PER_TOKEN = 32  # text longer than max_chunk_tokens times this is refused before tokenizing
+INLINE_TOKENIZE_CHARS = 512  # longer text is tokenized in a worker thread, not on the event loop
 
 
 class RateLimiter:
-    """A token bucket: `rate` messages a second on average, bursts of twice that."""
+    """A token bucket: `rate` messages a second on average, bursts of twice that. Over the rate the read loop
+    waits (backpressure: TCP slows the client down); nothing is dropped."""
 
     def __init__(self, rate: float) -> None:
         self.rate, self.capacity = rate, 2 * rate
         self.tokens, self.stamp = self.capacity, time.monotonic()
 
-    def allow(self) -> bool:
+    async def wait(self) -> None:
         now = time.monotonic()
         self.tokens = min(self.capacity, self.tokens + (now - self.stamp) * self.rate)
         self.stamp = now
-        if self.tokens >= 1:
-            self.tokens -= 1
-            return True
-        return False
+        if self.tokens < 1:
+            await asyncio.sleep((1 - self.tokens) / self.rate)
+            self.tokens, self.stamp = 1.0, time.monotonic()
+        self.tokens -= 1
 
 
 class NativeConnection:
-    def __init__(self, server: Server, ws: web.WebSocketResponse) -> None:
-        self.server, self.ws = server, ws
+    def __init__(self, server: Server, ws: web.WebSocketResponse, transport: Any = None) -> None:
+        self.server, self.ws, self.transport = server, ws, transport
         self.cfg = server.config
         self.out: asyncio.Queue[bytes | None] = asyncio.Queue(OUTGOING_QUEUE)
         self.tasks: set[asyncio.Task] = set()
         self.limiter = RateLimiter(self.cfg.messages_per_second)
+        self.pending_acks = asyncio.Semaphore(MAX_PENDING_ACKS)
         self.bad = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------------
@@ -85,13 +91,31 @@ class NativeConnection:
                 if frame is None:
                     return
                 if not self.ws.closed:  # else drain: nobody can receive it any more
-                    with contextlib.suppress(ConnectionError, RuntimeError):  # going away: the read loop ends it
-                        await self.ws.send_bytes(frame)
+                    try:
+                        await asyncio.wait_for(self.ws.send_bytes(frame), SEND_TIMEOUT)
+                    except asyncio.TimeoutError:
+                        log.warning("streamserve: a client stopped reading for %.0fs; cutting it off", SEND_TIMEOUT)
+                        self.abort()
+                    except (ConnectionError, RuntimeError):
+                        pass  # going away: the read loop ends it
             finally:
                 self.out.task_done()
 
+    def abort(self) -> None:
+        """Cut the connection at once (a client that does not read; a shutdown that cannot wait)."""
+        if self.transport is not None:
+            self.transport.abort()
+
     async def send(self, message: dict[str, Any]) -> None:
         await self.out.put(P.encode(message))
+
+    def send_nowait(self, message: dict[str, Any]) -> bool:
+        """Best effort, never waits: False when the client is so far behind that the queue is full."""
+        try:
+            self.out.put_nowait(P.encode(message))
+            return True
+        except asyncio.QueueFull:
+            return False
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -103,10 +127,7 @@ class NativeConnection:
 
     # ---- dispatch -------------------------------------------------------------------------------------
     async def handle(self, data: bytes | str) -> None:
-        if not self.limiter.allow():
-            await self.send(P.error_message("rate_limited", f"over {self.cfg.messages_per_second:g} messages a "
-                                            "second on this connection; the message was dropped"))
-            return
+        await self.limiter.wait()
         try:
             m = P.decode_client(data, self.cfg.max_frame_bytes)
         except P.ProtocolError as e:
@@ -141,9 +162,11 @@ class NativeConnection:
         assert m.session is not None
         entry, previous = self.server.registry.resume(self, m.session, m.fields["resume_token"])
         if previous is not None:  # taken over from a connection that has not noticed it is gone
-            await previous.send(P.error_message("session_moved", "another connection resumed this session",
-                                                session=m.session))
+            previous.send_nowait(P.error_message("session_moved", "another connection resumed this session",
+                                                 session=m.session))
         await self.send(self._opened(entry, m.id, resumed=True))
+        for message in list(entry.recent):  # the latest chunks' results: the client takes those it waits for
+            await self.send(message)
 
     def _opened(self, e: Entry, request_id: Any, resumed: bool) -> dict[str, Any]:
         s, pol = e.session, e.session.kv.policy
@@ -158,21 +181,39 @@ class NativeConnection:
         if f["audio"] is not None or f["image"] is not None:
             raise UnsupportedModalityError(f"this server accepts text and token_ids; {self.server.engine.name} "
                                            "has no audio or vision input yet")
+        limit = self.cfg.max_chunk_tokens
+        too_many = f["token_ids"] is not None and len(f["token_ids"]) > limit
+        too_long = f["text"] is not None and len(f["text"]) > limit * CHARS_PER_TOKEN
+        if too_many or too_long:
+            raise ChunkTooLargeError(f"this chunk is over the limit of {limit} tokens per chunk; split it")
         now = time.monotonic()
         deadline = None if f["deadline_ms"] is None else now + f["deadline_ms"] / 1e3
-        fut = s._submit_chunk(f["text"], f["token_ids"], None, f["seq"], now, deadline, f["kind"] or "text")
-        self.spawn(self._ack(m, s.id, fut))
+        args = (f["text"], f["token_ids"], None, f["seq"], now, deadline, f["kind"] or "text")
+        await self.pending_acks.acquire()  # too many in flight: stop reading until acks go out
+        try:
+            if f["text"] is not None and len(f["text"]) > INLINE_TOKENIZE_CHARS:
+                fut = await asyncio.to_thread(s._submit_chunk, *args)  # tokenizing it would stall the loop
+            else:
+                fut = s._submit_chunk(*args)
+        except BaseException:
+            self.pending_acks.release()
+            raise
+        self.server.spawn(self._ack(m, s.id, fut))  # the server's: the ack follows the session if it moves
 
     async def _ack(self, m: P.ClientMessage, session_id: str, fut: Any) -> None:
         try:
-            ack = await asyncio.wrap_future(fut)
-        except StreamserveError as e:
-            await self.send(P.error_message(e.code, str(e), session=session_id, seq=m.fields["seq"]))
-            return
-        await self.send({"type": "ack", "session": session_id, "seq": ack.seq, "tokens": ack.tokens,
-                         "queue_ms": round(ack.queue_ms, 3), "compute_ms": round(ack.compute_ms, 3),
-                         "deadline_missed": ack.deadline_missed, "shed": ack.shed,
-                         "capture_time": m.fields["capture_time"]})
+            try:
+                ack = await asyncio.wrap_future(fut)
+            except StreamserveError as e:
+                await self.server.deliver(session_id, P.error_message(e.code, str(e), session=session_id,
+                                                                      seq=m.fields["seq"]))
+                return
+            await self.server.deliver(session_id, {
+                "type": "ack", "session": session_id, "seq": ack.seq, "tokens": ack.tokens,
+                "queue_ms": round(ack.queue_ms, 3), "compute_ms": round(ack.compute_ms, 3),
+                "deadline_missed": ack.deadline_missed, "shed": ack.shed, "capture_time": m.fields["capture_time"]})
+        finally:
+            self.pending_acks.release()
 
     async def on_respond(self, m: P.ClientMessage) -> None:
         assert m.session is not None

@@ -16,6 +16,8 @@ import msgpack
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 128  # session ids, resume tokens and request ids
 MAX_STOP_STRINGS = 16
+MAX_INT = (1 << 63) - 1  # seq, seeds, ids: what every peer can hold
+MAX_TOKEN_LIST = 1 << 16  # token_ids per message (servers set a lower max_chunk_tokens)
 
 # WebSocket close codes the server uses
 CLOSE_NORMAL = 1000
@@ -166,8 +168,9 @@ class _Fields:
 
     def integer(self, key: str, minimum: int | None = None) -> int | None:
         v = self._get(key, False)
-        if v is not None and (not _is_int(v) or (minimum is not None and v < minimum)):
-            raise self.error(f"{key} must be an integer" + (f" >= {minimum}" if minimum is not None else ""))
+        if v is not None and (not _is_int(v) or (minimum is not None and v < minimum) or abs(v) > MAX_INT):
+            raise self.error(f"{key} must be an integer" + (f" >= {minimum}" if minimum is not None else "")
+                             + " below 2**63")
         return v
 
     def number(self, key: str, positive: bool = False) -> float | None:
@@ -186,8 +189,8 @@ class _Fields:
 
     def int_list(self, key: str) -> list[int] | None:
         v = self._get(key, False)
-        if v is not None and (not isinstance(v, list) or not all(_is_int(i) for i in v)):
-            raise self.error(f"{key} must be a list of integers")
+        if v is not None and (not isinstance(v, list) or len(v) > MAX_TOKEN_LIST or not all(_is_int(i) for i in v)):
+            raise self.error(f"{key} must be a list of at most {MAX_TOKEN_LIST} integers")
         return v
 
     def raw(self, key: str) -> Any:

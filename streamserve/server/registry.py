@@ -5,20 +5,28 @@ bits). A connection reaches only the sessions it holds; any other id, existing o
 unknown, so ids leak nothing. When a connection drops, its sessions are detached (their replies
 cancelled) and kept for `resume_ttl` seconds: `resume` with the id and the token (compared in constant
 time) re-attaches a session, KV cache and timeline included, to the new connection — taking it over
-if the old connection has not noticed it is dead. After the TTL, a detached session is closed and its
-pages come back.
+if the old connection has not noticed it is dead. The results (ack or error) of a session's latest 64
+chunks stay in its entry and are sent again to whoever resumes it, so a client learns the fate of every
+chunk it was waiting for, whether its ack was lost with the old connection or came while none held it. After the
+TTL, a detached session is closed and its pages come back. The server holds at most `max_total`
+sessions, open and detached together: when full, the oldest detached session makes room, and when
+none is detached, `open` is refused. Thread-safe: `open` runs in a worker thread.
 """
 
 from __future__ import annotations
 
 import hmac
 import secrets
+import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
 from streamserve.engine import Engine, Session
 from streamserve.errors import SessionNotFoundError, StreamserveError
+
+RECENT_RESULTS = 64  # chunk results kept per session for a resume (>= the engine's queue bound per session)
 
 
 class ResumeTokenError(StreamserveError):
@@ -36,72 +44,101 @@ class Entry:
     owner: Any  # the connection holding it; None while detached
     detached_at: float | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # reply defaults from open / configure
+    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_RESULTS))  # latest acks
 
 
 class SessionRegistry:
-    def __init__(self, engine: Engine, resume_ttl: float, max_per_owner: int, max_chunk_tokens: int) -> None:
+    def __init__(self, engine: Engine, resume_ttl: float, max_per_owner: int, max_chunk_tokens: int,
+                 max_total: int) -> None:
         self.engine, self.resume_ttl = engine, resume_ttl
-        self.max_per_owner, self.max_chunk_tokens = max_per_owner, max_chunk_tokens
+        self.max_per_owner, self.max_chunk_tokens, self.max_total = max_per_owner, max_chunk_tokens, max_total
         self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def owned(self, owner: Any) -> list[Entry]:
-        return [e for e in self._entries.values() if e.owner is owner]
+        with self._lock:
+            return [e for e in self._entries.values() if e.owner is owner]
+
+    def all(self) -> list[Entry]:
+        with self._lock:
+            return list(self._entries.values())
 
     def open(self, owner: Any, sampling: dict[str, Any] | None, **session_kw: Any) -> Entry:
         """A new session held by `owner` (blocking: run it off the event loop)."""
-        if len(self.owned(owner)) >= self.max_per_owner:
-            raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit); close one "
-                                       "or open another connection")
+        with self._lock:
+            if sum(1 for e in self._entries.values() if e.owner is owner) >= self.max_per_owner:
+                raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit); close "
+                                           "one or open another connection")
+            evict = None
+            if len(self._entries) >= self.max_total:
+                detached = [e for e in self._entries.values() if e.owner is None]
+                if not detached:
+                    raise TooManySessionsError(f"the server holds {self.max_total} sessions (its limit); retry later")
+                evict = min(detached, key=lambda e: e.detached_at or 0.0)
+                del self._entries[evict.session.id]
+        if evict is not None:
+            evict.session.close()  # the oldest detached session makes room
         s = self.engine.open_session(**session_kw)
         s.max_chunk_tokens = self.max_chunk_tokens
         entry = Entry(s, secrets.token_urlsafe(32), owner, sampling=dict(sampling or {}))
-        self._entries[s.id] = entry
+        with self._lock:
+            self._entries[s.id] = entry
         return entry
 
     def get(self, owner: Any, session_id: str) -> Entry:
         """The session `owner` holds under this id; SessionNotFoundError for anything else."""
-        e = self._entries.get(session_id)
+        with self._lock:
+            e = self._entries.get(session_id)
         if e is None or e.owner is not owner or e.session.closed:
             raise SessionNotFoundError(f"this connection holds no session {session_id!r}; open one, or resume a "
                                        "dropped one with its resume token")
         return e
 
+    def find(self, session_id: str) -> Entry | None:
+        with self._lock:
+            return self._entries.get(session_id)
+
     def resume(self, owner: Any, session_id: str, token: str) -> tuple[Entry, Any]:
         """Re-attach a session to `owner`; -> (entry, the connection it was taken from, if any)."""
-        e = self._entries.get(session_id)
-        if e is None or e.session.closed:
-            raise SessionNotFoundError(f"no session {session_id!r} to resume: it was closed, expired after "
-                                       f"{self.resume_ttl:g}s detached, or never existed; open a new one")
-        if not hmac.compare_digest(e.resume_token.encode(), token.encode()):
-            raise ResumeTokenError("the resume token does not match this session")
-        if e.owner is not owner and len(self.owned(owner)) >= self.max_per_owner:
-            raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit)")
-        previous = e.owner if e.owner is not owner else None
-        e.owner, e.detached_at = owner, None
+        with self._lock:
+            e = self._entries.get(session_id)
+            if e is None or e.session.closed:
+                raise SessionNotFoundError(f"no session {session_id!r} to resume: it was closed, expired after "
+                                           f"{self.resume_ttl:g}s detached, or never existed; open a new one")
+            if not hmac.compare_digest(e.resume_token.encode(), token.encode()):
+                raise ResumeTokenError("the resume token does not match this session")
+            mine = sum(1 for x in self._entries.values() if x.owner is owner)
+            if e.owner is not owner and mine >= self.max_per_owner:
+                raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit)")
+            previous = e.owner if e.owner is not owner else None
+            e.owner, e.detached_at = owner, None
+        if previous is not None:
+            e.session.cancel()  # its reply was streaming to the old connection
         return e, previous
 
     def detach_all(self, owner: Any) -> list[Entry]:
         """The owner's connection dropped: cancel its sessions' replies and keep them for a resume."""
         now = time.monotonic()
-        entries = self.owned(owner)
+        with self._lock:
+            entries = [e for e in self._entries.values() if e.owner is owner]
+            for e in entries:
+                e.owner, e.detached_at = None, now
         for e in entries:
-            e.owner, e.detached_at = None, now
             e.session.cancel()
         return entries
 
     def remove(self, session_id: str) -> Entry | None:
-        return self._entries.pop(session_id, None)
+        with self._lock:
+            return self._entries.pop(session_id, None)
 
     def expired(self, now: float | None = None) -> list[Entry]:
         """Take out the detached sessions past their TTL and the sessions the engine closed (faults,
         idle TTL); the caller closes them (blocking)."""
         now = time.monotonic() if now is None else now
-        gone = [sid for sid, e in self._entries.items() if e.session.closed or
-                (e.detached_at is not None and now - e.detached_at > self.resume_ttl)]
-        return [self._entries.pop(sid) for sid in gone]
-
-    def all(self) -> list[Entry]:
-        return list(self._entries.values())
+        with self._lock:
+            gone = [sid for sid, e in self._entries.items() if e.session.closed or
+                    (e.detached_at is not None and now - e.detached_at > self.resume_ttl)]
+            return [self._entries.pop(sid) for sid in gone]

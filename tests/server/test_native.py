@@ -131,6 +131,10 @@ def test_every_error_code_reaches_the_client_typed(served: RunningServer) -> Non
                 (client.open_session(window=0), sc.InvalidInputError, "bad_message"),
                 (client.open_session(max_tokens=10**6), sc.InvalidInputError, "invalid_input"),
                 (client.open_session(temperature=-1.0), sc.InvalidInputError, "invalid_input"),
+                (client.open_session(stop=[""]), sc.InvalidInputError, "invalid_input"),
+                (client.open_session(seed=2**63 + 5), sc.InvalidInputError, "bad_message"),
+                (s.configure(top_p=2.0), sc.InvalidInputError, "invalid_input"),
+                (s.append(text="x" * 10_000), sc.InvalidInputError, "chunk_too_large"),
             ]
             for coro, cls, code in cases:
                 with pytest.raises(cls) as info:
@@ -206,18 +210,17 @@ def test_rate_limit_health_metrics_and_stats(served: RunningServer) -> None:
         text = r.read().decode()
     assert "streamserve_step_seconds_bucket" in text and "streamserve_connections" in text
 
-    async def main() -> None:
+    async def main() -> float:
         ws = await raw_connect(served)
-        for i in range(1200):  # far over 500 a second (bursts of 1000)
+        t0 = time.monotonic()
+        for i in range(1250):  # over 500 a second, past the burst of 1000: the server reads more slowly
             await ws.send(raw({"type": "stats", "id": i}))
-        codes = set()
-        for _ in range(1200):
-            m = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30))
-            codes.add(m.get("code", m["type"]))
-        assert codes == {"stats", "rate_limited"}
+        ids = [msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30))["id"] for _ in range(1250)]
+        assert ids == list(range(1250))  # nothing dropped, in order
         await ws.close()
+        return time.monotonic() - t0
 
-    asyncio.run(main())
+    assert asyncio.run(main()) >= 0.4  # (1250 - 1000) / 500 a second
 
 
 def test_api_key_is_required_when_set_and_a_full_server_says_try_later() -> None:
@@ -290,3 +293,76 @@ def test_shutdown_tells_sessions_and_frees_pages() -> None:
     got = asyncio.run(main())
     assert any(m["type"] == "closed" and m["reason"] == "shutdown" for m in got)
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["sessions_open"] == 0
+
+
+def test_results_of_chunks_finished_while_detached_reach_the_resuming_client(served: RunningServer) -> None:
+    async def main() -> None:
+        ws = await raw_connect(served)
+        await ws.send(raw({"type": "open", "id": 1}))
+        opened = await recv_type(ws, "opened")
+        sid, token = opened["session"], opened["resume_token"]
+        with served.engine._lock:  # the chunks cannot run before the connection is gone
+            for seq in range(3):
+                await ws.send(raw({"type": "append", "session": sid, "seq": seq, "token_ids": [5, 6, 7]}))
+            await ws.send(raw({"type": "append", "session": sid, "seq": 3, "token_ids": [10**6]}))
+            await ws.send(raw({"type": "stats", "id": 2}))
+            await recv_type(ws, "stats")  # the server has read them all
+            ws.transport.abort()
+        ws2 = await raw_connect(served)
+        await ws2.send(raw({"type": "resume", "session": sid, "resume_token": token, "id": 3}))
+        resumed = await recv_type(ws2, "opened")
+        assert resumed["next_seq"] == 3  # seq 3 was refused at the call: it never entered the queue
+        acks = [await recv_type(ws2, "ack") for _ in range(3)]
+        assert [a["seq"] for a in acks] == [0, 1, 2] and all(a["tokens"] == 3 for a in acks)
+        await ws2.close()
+
+    asyncio.run(main())
+
+
+def test_the_server_sheds_its_oldest_detached_session_when_full() -> None:
+    srv = RunningServer(ServerConfig(max_sessions=2, max_sessions_per_connection=2), default_engine)
+    try:
+        async def main() -> None:
+            c1 = sc.connect(srv.url, reconnect=False)
+            await c1.connect()
+            old = await c1.open_session()
+            await c1.open_session()
+            c1._ws.transport.abort()  # both detached now
+            await asyncio.sleep(0.3)
+            async with sc.connect(srv.url) as c2:
+                await c2.open_session()  # the oldest detached session made room
+                with pytest.raises(sc.UnknownSessionError):
+                    await c2.resume_session(old.id, old.resume_token)
+                await c2.open_session()
+                with pytest.raises(sc.CapacityError) as info:  # two held by this connection: the limit
+                    await c2.open_session()
+                assert info.value.code == "too_many_sessions"
+
+        asyncio.run(main())
+    finally:
+        srv.stop()
+
+
+def test_a_client_whose_server_is_gone_fails_fast_and_a_shutdown_does_not_wait_for_a_silent_client() -> None:
+    srv = RunningServer(ServerConfig(), default_engine)
+
+    async def main() -> None:
+        ws = await raw_connect(srv)
+        await ws.send(raw({"type": "open", "id": 1}))
+        await recv_type(ws, "opened")
+        ws.transport.pause_reading()  # a client that never reads again
+        client = sc.connect(srv.url)
+        await client.connect()
+        client.retries = 2
+        s = await client.open_session()
+        t0 = time.monotonic()
+        await asyncio.get_running_loop().run_in_executor(None, srv.stop)
+        assert time.monotonic() - t0 < 15
+        with pytest.raises(sc.StreamserveClientError):  # told the session closed, or the connection is gone
+            await asyncio.wait_for(s.append(text="In the beginning"), 30)
+        with pytest.raises(sc.ConnectionLostError):
+            await asyncio.wait_for(client.stats(), 30)
+        await asyncio.wait_for(client.close(), 5)
+        ws.transport.abort()
+
+    asyncio.run(main())

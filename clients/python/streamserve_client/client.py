@@ -8,9 +8,11 @@
 
 One reader task routes the server's messages: replies to requests (by `id`), acks (by session and
 seq), deltas and the end of a reply (by session). When the connection drops, the client reconnects
-and resumes every session with its resume token; chunks whose acks were lost are sent again when the
-server had not received them (by seq) and acknowledged as `replayed` when it had. A reply running
-when the connection dropped ends with `ConnectionLostError` (the server cancels it).
+and resumes every session with its resume token. The server says which chunks it had (`next_seq`) and sends
+the results of the latest ones again; the client sends again the chunks it lacks and waits for the
+others' results, so every append ends with its ack or its error. A reply running when the connection
+dropped ends with `ConnectionLostError` (the server cancels it), and so does a request whose answer was
+lost. Connections the server closed for good (1008, 1009, 4400) are not reopened.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from streamserve_client.errors import (
     UnauthorizedError,
     from_message,
 )
-from streamserve_client.session import Ack, Response, Session, _pack, _PendingAck
+from streamserve_client.session import Response, Session, _pack, _PendingAck, fail
 
 PATH = "/v1/stream"
 
@@ -52,6 +54,7 @@ class Client:
         self._closing = False
         self._connected = asyncio.Event()
         self._generation = 0  # counts connections: a chunk is sent at most once on each
+        self._dead: ConnectionLostError | None = None  # set when the connection is gone for good
         self.errors: list[StreamserveClientError] = []  # connection-level errors (rate limits, bad messages)
 
     async def __aenter__(self) -> Client:
@@ -86,8 +89,9 @@ class Client:
 
     async def close(self) -> None:
         self._closing = True
-        for s in list(self._sessions.values()):
-            await s.close()
+        if self._dead is None:
+            for s in list(self._sessions.values()):
+                await s.close()
         if self._ws is not None:
             await self._ws.close()
         if self._reader is not None:
@@ -120,6 +124,8 @@ class Client:
         """Send when connected (`now`: during a reconnect's resume, before others may send)."""
         if not now:
             await self._connected.wait()
+        if self._dead is not None:
+            raise self._dead
         assert self._ws is not None
         try:
             await self._ws.send(_pack(message))
@@ -133,6 +139,8 @@ class Client:
         """Send a chunk once per connection: after a reconnect the resume sends again what the server lacks."""
         if not now:
             await self._connected.wait()
+        if self._dead is not None:
+            raise self._dead
         if p.future.done() or p.generation == self._generation:
             return
         p.generation = self._generation
@@ -156,8 +164,9 @@ class Client:
                 self._route(msgpack.unpackb(frame, raw=False))
         except websockets.ConnectionClosed:
             pass
-        if self._closing or not self.reconnect:
-            self._fail_all(ConnectionLostError("the connection closed"))
+        code = ws.close_code
+        if self._closing or not self.reconnect or code in (1008, 1009, 4400):  # closed for good: no resume
+            self._fail_all(ConnectionLostError(f"the connection closed ({code}: {ws.close_reason or 'no reason'})"))
             return
         self._connected.clear()
         await self._reconnect()
@@ -194,6 +203,10 @@ class Client:
         for s in self._sessions.values():
             if s._response is not None and s._response.finish_reason is None:
                 s._response._queue.put_nowait(lost)
+        for fut in self._requests.values():  # their answers went with the connection
+            if not fut.done():
+                fail(fut, ConnectionLostError("the connection dropped before the answer came; the request "
+                                              "may or may not have been carried out"))
         for attempt in range(self.retries):
             await asyncio.sleep(min(2.0, 0.1 * 2 ** attempt))
             try:
@@ -210,19 +223,18 @@ class Client:
                                             now=True)
                 server_next = reply.get("next_seq", s.next_seq)
                 for seq, p in sorted(s._acks.items()):
-                    if seq < server_next:  # the server has it: only the ack was lost
-                        if not p.future.done():
-                            p.future.set_result(Ack(seq, 0, 0.0, 0.0, 0.0, replayed=True))
-                    else:
+                    if seq >= server_next:  # the server never got it (below: it resends the result, or acks later)
                         await self._send_append(p, now=True)
             except StreamserveClientError as e:
                 s._lost(e)
         self._connected.set()
 
-    def _fail_all(self, error: StreamserveClientError) -> None:
+    def _fail_all(self, error: ConnectionLostError) -> None:
+        self._dead = error
+        self._connected.set()  # wake whoever waits to send: they get the error
         for fut in self._requests.values():
             if not fut.done():
-                fut.set_exception(error)
+                fail(fut, error)
         for s in list(self._sessions.values()):
             s._lost(error)
 

@@ -67,7 +67,7 @@ _FAMILIES: dict[str, type[StreamserveClientError]] = {
                      "frame_too_large", "chat_template_error"), InvalidInputError),
     **dict.fromkeys(("unknown_session", "session_closed", "invalid_resume_token", "session_moved"),
                     UnknownSessionError),
-    **dict.fromkeys(("capacity_exceeded", "too_many_sessions", "rate_limited"), CapacityError),
+    **dict.fromkeys(("capacity_exceeded", "too_many_sessions"), CapacityError),
     "unsupported_modality": UnsupportedModalityError,
     "step_failed": StepFailedError,
     "unauthorized": UnauthorizedError,

@@ -29,13 +29,19 @@ class Ack:
     round_trip_ms: float  # send to ack, measured here
     deadline_missed: bool = False
     shed: bool = False
-    replayed: bool = False  # acknowledged after a reconnect: the server had it, its timings were lost
 
 
 @dataclass(frozen=True)
 class Delta:
     text: str
     token_ids: list[int] = field(default_factory=list)
+
+
+def fail(fut: asyncio.Future, error: BaseException) -> None:
+    """Fail a caller's future; if the caller has gone (cancelled its wait), the error is dropped quietly."""
+    if not fut.done():
+        fut.set_exception(error)
+        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
 
 
 def _pack(message: dict[str, Any]) -> bytes:
@@ -137,6 +143,9 @@ class Session:
             msg["image"] = _ndarray(np.asarray(image))
         seq = self.next_seq if seq is None else seq
         msg["seq"] = seq
+        limit = self.client.hello.get("limits", {}).get("max_frame_bytes")
+        if limit is not None and len(_pack(msg)) > limit:
+            raise InvalidInputError(f"this chunk is over the server's frame limit of {limit} bytes; split it")
         self.next_seq = seq + 1
         pending = _PendingAck(asyncio.get_running_loop().create_future(), msg, time.perf_counter())
         self._acks[seq] = pending
@@ -196,7 +205,7 @@ class Session:
         self.client._sessions.pop(self.id, None)
         for p in self._acks.values():
             if not p.future.done():
-                p.future.set_exception(error or StreamserveClientError("session closed", code="session_closed"))
+                fail(p.future, error or StreamserveClientError("session closed", code="session_closed"))
         if self._response is not None and self._response.finish_reason is None and error is not None:
             self._response._queue.put_nowait(error)
 
@@ -213,7 +222,7 @@ class Session:
         p = self._acks.get(m["seq"]) if m.get("seq") is not None else None
         if p is not None:
             if not p.future.done():
-                p.future.set_exception(err)
+                fail(p.future, err)
         elif m.get("code") == "session_moved":
             self._lost(err)
         elif self._response is not None and self._response.finish_reason is None:
