@@ -90,6 +90,7 @@ def _load(args: argparse.Namespace) -> Any:
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
                                     cuda_graphs=cfg.cuda_graphs, drafter=cfg.drafter,
+                                    max_draft=cfg.max_draft,
                                     kv_memory=cfg.kv_memory,
                                     page_size=cfg.page_size, idle_ttl=cfg.idle_ttl)
     st = engine.stats()

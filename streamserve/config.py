@@ -33,6 +33,8 @@ class EngineConfig:
         "help": "speculative decoding: none, ngram (prompt lookup over the session), draft:PATH (a small "
                 "model with the same tokenizer), auto (n-gram and the shipped or named draft model, chosen per "
                 "session by acceptance); greedy output is identical either way"})
+    max_draft: int = field(default=7, metadata={
+        "help": "the most tokens drafted per verification (1 to 7); each session drafts fewer when that pays"})
 
 
 @dataclass(frozen=True)

@@ -24,8 +24,7 @@ import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
 from streamserve.engine.batch import BatchForward
-from streamserve.engine.drafters import Drafter, make_drafters
-from streamserve.engine.drafters.adaptive import SpecController, VerifyCosts
+from streamserve.engine.drafters import MAX_DRAFT, DrafterCatalog
 from streamserve.engine.graphs import DecodeGraphs
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
@@ -82,9 +81,7 @@ class Engine:
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
         self.metrics = EngineMetrics(self)
         self.batch = BatchForward(self)
-        self.drafter = "none"
-        self.spec_costs = VerifyCosts()  # what a verification of each width costs here (measured)
-        self._drafter_objects: dict[str, Drafter] = {}
+        self.drafters = DrafterCatalog(self)
         self.loop = EngineLoop(self, scheduler)
 
     def __enter__(self) -> Engine:
@@ -105,6 +102,7 @@ class Engine:
                         kernels: str = ENGINE_DEFAULTS.kernels,
                         cuda_graphs: str = ENGINE_DEFAULTS.cuda_graphs,
                         drafter: str = ENGINE_DEFAULTS.drafter,
+                        max_draft: int = ENGINE_DEFAULTS.max_draft,
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
@@ -140,36 +138,14 @@ class Engine:
             raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
         if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
             engine.graphs = DecodeGraphs(net, capture=dev.type == "cuda")
-        engine.set_drafter(drafter)
+        engine.set_drafter(drafter, max_draft)
         return engine
 
-    # ---- speculative decoding -------------------------------------------------------------------------
-    def set_drafter(self, spec: str) -> None:
-        """The drafter sessions use unless they choose ("none", "ngram", "draft:PATH", "auto"; see
-        `streamserve.engine.drafters`). Checked now: an unknown or unusable drafter fails here."""
-        make_drafters(spec, self)
-        self.drafter = spec
-
-    def shared_drafter(self, name: str, factory: Callable[[], Drafter]) -> Drafter:
-        """One drafter object per kind, shared by the sessions (their state lives on each session)."""
-        if name not in self._drafter_objects:
-            self._drafter_objects[name] = factory()
-        return self._drafter_objects[name]
-
-    def draft_model(self, path: str) -> Drafter:
-        from streamserve.engine.drafters.model import DraftModelDrafter
-
-        resolved = str(resolve_model_path(path))
-        return self.shared_drafter(f"draft:{resolved}", lambda: DraftModelDrafter.load(self, resolved))
-
-    def default_draft_path(self) -> Path | None:
-        """The draft model "auto" adds: the one named by the engine's drafter, else the one shipped beside
-        the embedded default model."""
-        spec = getattr(self, "drafter", "none")
-        if spec.startswith("draft:"):
-            return Path(spec.removeprefix("draft:"))
-        shipped = DEFAULT_MODEL_DIR.parent / "default-draft"
-        return shipped if self.path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists() else None
+    # ---- speculative decoding ----------------------------------------------------------------------
+    def set_drafter(self, spec: str, max_draft: int = MAX_DRAFT) -> None:
+        """The drafter sessions use unless they choose, and the most tokens drafted per verification
+        (`DrafterCatalog.configure`)."""
+        self.drafters.configure(spec, max_draft)
 
     # ---- sessions -------------------------------------------------------------------------------------
     def open_session(self, window: int | None = SESSION_DEFAULTS.window, sinks: int = SESSION_DEFAULTS.sinks,
@@ -191,10 +167,9 @@ class Engine:
         kv = PagedSessionKV(self.pool, policy, self.config.max_position_embeddings, page_cap)
         if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, (int, float)) or not chunk_budget > 0:
             raise InvalidInputError(f"chunk_budget must be a number of seconds > 0, got {chunk_budget!r}")
-        drafters = make_drafters(self.drafter if drafter is None else drafter, self)
+        spec = self.drafters.controller(drafter)
         s = Session(self, kv, seed, float(chunk_budget))
-        if drafters:
-            s.spec = SpecController(drafters, self.spec_costs)
+        s.spec = spec
         with self._sessions_lock:
             self._sessions[s.id] = s
         return s
@@ -366,6 +341,7 @@ class Engine:
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_seconds"] if c["prefill_seconds"] else 0.0,
             "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             "steps": self.loop.steps,
+            "speculative": self.drafters.stats(),
             "chunks_shed": self.loop.scheduler.shed_total,
             **depths,
         }

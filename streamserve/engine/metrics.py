@@ -40,6 +40,8 @@ class EngineMetrics:
         self.shed = Counter("streamserve_chunks_shed", "Chunks dropped under overload (video only)", registry=r)
         self.failed = Counter("streamserve_sessions_failed", "Sessions closed by a fault in their step",
                               registry=r)
+        self.drafts = Counter("streamserve_draft_tokens", "Drafted tokens by drafter, proposed and accepted",
+                              ["drafter", "outcome"], registry=r)
         self.queue_depth = Gauge("streamserve_queue_depth", "Work waiting in the scheduler, by kind", ["kind"],
                                  registry=r)
         pool = engine.pool.allocator

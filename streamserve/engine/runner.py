@@ -59,7 +59,7 @@ class Runner:
         verifying = [s.id in self._proposals for s, _ in forward]
         outs = iter(self.engine.run_step(forward, verifying)) if forward else iter(())
         if len(forward) == 1:  # a one-session step measures what a step of its width costs (drafting's cost)
-            self.engine.spec_costs.observe(len(forward[0][1]), self.engine.batch.seconds)
+            self.engine.drafters.costs.observe(len(forward[0][1]), self.engine.batch.seconds)
         for s, item, ids in jobs:
             logits = next(outs) if ids else None
             results[item.session_id] = self._finish(s, item, ids, logits)

@@ -32,7 +32,7 @@ def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftPr
     k = min(k, room)
     if k <= 0:
         return DraftProposal([])
-    proposal = s.spec.current.propose(s, k)
+    proposal = s.spec.current.propose(s, k, r)
     proposal.tokens = proposal.tokens[:k]
     if proposal.probs is not None:
         proposal.probs = proposal.probs[:k]

@@ -59,6 +59,10 @@ class Tokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
         return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
 
+    def vocab(self) -> dict[str, int]:
+        """Every token (special ones included) and its id: two tokenizers are interchangeable iff equal."""
+        return self._tok.get_vocab(with_added_tokens=True)
+
     def token_to_id(self, token: str) -> int | None:
         return self._tok.token_to_id(token)
 

@@ -231,7 +231,7 @@ def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None
     def load() -> Engine:
         return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, kernels=engine.kernels,
                                       cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
-                                      drafter=engine.drafter,
+                                      drafter=engine.drafter, max_draft=engine.max_draft,
                                       page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler)
     return load
 

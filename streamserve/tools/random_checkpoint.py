@@ -21,11 +21,25 @@ CONFIG_CLASSES = {"qwen3_moe": "Qwen3MoeConfig", "qwen3": "Qwen3Config", "mixtra
 EOS_ID = 256
 
 
+def byte_level_chars() -> list[str]:
+    """The byte-level BPE character of each byte value 0..255 (GPT-2's printable remapping)."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return [chars[b] for b in range(256)]
+
+
 def write_byte_tokenizer(folder: Path) -> None:
-    """tokenizer.json with the 256 byte tokens and one special EOS token (id 256)."""
+    """tokenizer.json with the 256 byte tokens (token id = byte value, the same in every checkpoint, so
+    test checkpoints can draft for each other) and one special EOS token (id 256)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
-    byte_vocab = {ch: i for i, ch in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    byte_vocab = {ch: i for i, ch in enumerate(byte_level_chars())}
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()

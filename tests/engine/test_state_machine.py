@@ -53,7 +53,8 @@ def test_random_operations_keep_the_pool_exact(checkpoints, seed: int) -> None:
                     w = rng.choice([None, 1, 8, 12])
                     sessions.append(engine.open_session(window=w, sinks=rng.choice([0, 2]) if w else 4,
                                                         positions=rng.choice([None, "absolute"]) if w else None,
-                                                        page_cap=rng.choice([None, None, 6])))
+                                                        page_cap=rng.choice([None, None, 6]),
+                                                        drafter=rng.choice(["none", "ngram"])))
                 elif op in ("append", "fault"):
                     fail_next["on"] = op == "fault"
                     before = (list(s.token_ids), s.kv.length)
@@ -63,8 +64,8 @@ def test_random_operations_keep_the_pool_exact(checkpoints, seed: int) -> None:
                         assert isinstance(e.__cause__, InjectedFault) and s.closed and not s.kv.page_table
                         assert (s.token_ids, s.kv.length) == before
                         sessions.remove(s)
-                elif op == "generate" and s.token_ids:
-                    s.generate(max_tokens=rng.randint(1, 4), temperature=rng.choice([0.0, 1.0]), stop_token_ids=())
+                elif op == "generate" and s.token_ids:  # long enough for drafting to start
+                    s.generate(max_tokens=rng.randint(1, 12), temperature=rng.choice([0.0, 1.0]), stop_token_ids=())
                 elif op == "rewind":
                     s.rewind(to=rng.randint(0, len(s.token_ids)))
                 elif op == "snapshot":

@@ -11,8 +11,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
+from streamserve.engine.drafters.adaptive import SpecController, VerifyCosts
 from streamserve.engine.drafters.base import MAX_DRAFT, Drafter, DraftProposal
 from streamserve.engine.drafters.ngram import NgramDrafter
 from streamserve.errors import InvalidInputError
@@ -22,31 +25,92 @@ if TYPE_CHECKING:
 
 DRAFTER_CHOICES = ("none", "ngram", "auto", "mtp", "draft:PATH")
 
-__all__ = ["DRAFTER_CHOICES", "MAX_DRAFT", "DraftProposal", "Drafter", "NgramDrafter", "UnknownDrafterError",
-           "make_drafters"]
+__all__ = ["DRAFTER_CHOICES", "MAX_DRAFT", "DraftProposal", "Drafter", "DrafterCatalog", "NgramDrafter",
+           "UnknownDrafterError"]
 
 
 class UnknownDrafterError(InvalidInputError):
     code = "unknown_drafter"
 
 
-def make_drafters(spec: str | None, engine: Engine) -> list[Drafter]:
-    """The drafters a spec names ([] for "none"); typed errors for unknown or unavailable ones."""
-    if spec is None or spec == "none":
-        return []
-    if not isinstance(spec, str):
-        raise UnknownDrafterError(f"drafter must be a string, one of {list(DRAFTER_CHOICES)}; got {spec!r}")
-    if spec == "ngram":
-        return [engine.shared_drafter("ngram", NgramDrafter)]
-    if spec == "auto":
-        drafters: list[Drafter] = [engine.shared_drafter("ngram", NgramDrafter)]
-        default_draft = engine.default_draft_path()
-        if default_draft is not None:
-            drafters.append(engine.draft_model(str(default_draft)))
-        return drafters
-    if spec.startswith("draft:"):
-        return [engine.draft_model(spec.removeprefix("draft:"))]
-    if spec == "mtp":
-        raise UnknownDrafterError(f"drafter 'mtp': {engine.config.architecture} has no multi-token-prediction heads "
-                                  "(none of the supported architectures does); use 'ngram', 'draft:PATH' or 'auto'")
-    raise UnknownDrafterError(f"unknown drafter {spec!r}; choose one of {list(DRAFTER_CHOICES)}")
+class DrafterCatalog:
+    """The engine's drafters: the default spec, the drafter objects (one per kind, shared by sessions; their
+    per-session state lives with each session), the measured verification costs, and the totals that
+    `engine.stats()["speculative"]` and the metrics report."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.spec, self.max_draft = "none", MAX_DRAFT
+        self.costs = VerifyCosts()  # what a verification of each width costs on this engine (measured)
+        self.totals: dict[str, dict[str, int]] = {}  # per drafter: verifications, proposed, accepted
+        self._objects: dict[str, Drafter] = {}
+
+    def configure(self, spec: str, max_draft: int = MAX_DRAFT) -> None:
+        """The default drafter ("none", "ngram", "draft:PATH", "auto") and the most tokens drafted per
+        verification (1..7). Checked now: an unknown or unusable drafter, or max_draft out of range, fails."""
+        if isinstance(max_draft, bool) or not isinstance(max_draft, int) or not 1 <= max_draft <= MAX_DRAFT:
+            raise InvalidInputError(f"max_draft must be an integer in [1, {MAX_DRAFT}] (a verification step of at "
+                                    f"most {MAX_DRAFT + 1} tokens), got {max_draft!r}")
+        self.make(spec)
+        self.spec, self.max_draft = spec, max_draft
+
+    def controller(self, spec: str | None = None) -> SpecController | None:
+        """A new session's controller for `spec` (None: the default); None when it drafts nothing."""
+        drafters = self.make(self.spec if spec is None else spec)
+        return SpecController(drafters, self.costs, self.max_draft, self.observe) if drafters else None
+
+    def make(self, spec: str | None) -> list[Drafter]:
+        """The drafters a spec names ([] for "none"); typed errors for unknown or unavailable ones."""
+        if spec is None or spec == "none":
+            return []
+        if not isinstance(spec, str):
+            raise UnknownDrafterError(f"drafter must be a string, one of {list(DRAFTER_CHOICES)}; got {spec!r}")
+        if spec == "ngram":
+            return [self.shared("ngram", NgramDrafter)]
+        if spec == "auto":
+            drafters: list[Drafter] = [self.shared("ngram", NgramDrafter)]
+            draft = self.default_draft_path()
+            return [*drafters, self.draft_model(str(draft))] if draft is not None else drafters
+        if spec.startswith("draft:"):
+            return [self.draft_model(spec.removeprefix("draft:"))]
+        if spec == "mtp":
+            raise UnknownDrafterError(f"drafter 'mtp': {self.engine.config.architecture} has no "
+                                      "multi-token-prediction heads (none of the supported architectures does); "
+                                      "use 'ngram', 'draft:PATH' or 'auto'")
+        raise UnknownDrafterError(f"unknown drafter {spec!r}; choose one of {list(DRAFTER_CHOICES)}")
+
+    def shared(self, name: str, factory: Callable[[], Drafter]) -> Drafter:
+        if name not in self._objects:
+            self._objects[name] = factory()
+        return self._objects[name]
+
+    def draft_model(self, path: str) -> Drafter:
+        from streamserve.engine.drafters.model import DraftModelDrafter
+        from streamserve.engine.loading import resolve_model_path
+
+        resolved = str(resolve_model_path(path))
+        return self.shared(f"draft:{resolved}", lambda: DraftModelDrafter.load(self.engine, resolved))
+
+    def default_draft_path(self) -> Path | None:
+        """The draft model "auto" adds: the one the default spec names, else the one shipped beside the
+        embedded default model."""
+        from streamserve.engine.loading import DEFAULT_MODEL_DIR
+
+        if self.spec.startswith("draft:"):
+            return Path(self.spec.removeprefix("draft:"))
+        shipped = DEFAULT_MODEL_DIR.parent / "default-draft"
+        return shipped if self.engine.path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists() else None
+
+    def observe(self, drafter: str, proposed: int, accepted: int) -> None:
+        t = self.totals.setdefault(drafter, {"verifications": 0, "proposed": 0, "accepted": 0})
+        t["verifications"] += 1
+        t["proposed"] += proposed
+        t["accepted"] += accepted
+        self.engine.metrics.drafts.labels(drafter, "proposed").inc(proposed)
+        self.engine.metrics.drafts.labels(drafter, "accepted").inc(accepted)
+
+    def stats(self) -> dict[str, dict[str, float]]:
+        """Per drafter: verifications, proposed, accepted, acceptance rate, mean accepted length."""
+        return {name: {**t, "acceptance_rate": round(t["accepted"] / max(1, t["proposed"]), 4),
+                       "mean_accepted_length": round(t["accepted"] / max(1, t["verifications"]), 3)}
+                for name, t in self.totals.items()}

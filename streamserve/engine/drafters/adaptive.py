@@ -10,6 +10,7 @@ uses the one with the best acceptance so far (untried ones start at the prior, s
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from streamserve.engine.drafters.base import MAX_DRAFT, Drafter
@@ -52,6 +53,8 @@ class DrafterStats:
 class SpecController:
     drafters: list[Drafter]
     costs: VerifyCosts
+    max_draft: int = MAX_DRAFT
+    on_observe: Callable[[str, int, int], None] | None = None  # the engine's totals and metrics
     stats: dict[str, DrafterStats] = field(default_factory=dict)
     probe_in: int = 0
 
@@ -64,10 +67,10 @@ class SpecController:
         self.current = max(self.drafters, key=lambda d: self.stats[d.name].acceptance)
         if self.probe_in > 0:
             self.probe_in -= 1
-            return PROBE_K if self.probe_in == 0 else 0
+            return min(PROBE_K, self.max_draft) if self.probe_in == 0 else 0
         a = min(self.stats[self.current.name].acceptance, 0.999)
         best_k, best = 0, 1.0
-        for k in range(1, MAX_DRAFT + 1):
+        for k in range(1, self.max_draft + 1):
             value = (1 - a ** (k + 1)) / (1 - a) / self.costs.ratio(k + 1)
             if value > best * 1.02:  # a margin: drafting must clearly pay
                 best_k, best = k, value
@@ -87,3 +90,5 @@ class SpecController:
         # rejected, and 1 when all were accepted
         rate = 1.0 if accepted == proposed else accepted / (accepted + 1)
         st.acceptance = (1 - EMA) * st.acceptance + EMA * rate
+        if self.on_observe is not None:
+            self.on_observe(drafter, proposed, accepted)

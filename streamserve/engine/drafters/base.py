@@ -1,4 +1,4 @@
-"""What every drafter is: `propose(session, k)` -> up to k tokens that may follow the session (and their
+"""What every drafter is: `propose(session, k, reply)` -> up to k tokens that may follow the session (and their
 draft probabilities when the drafter has them), `release(session)` when the session closes."""
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ import torch
 
 if TYPE_CHECKING:
     from streamserve.engine.session import Session
+    from streamserve.engine.work import Response
 
 MAX_DRAFT = 7  # drafted tokens per verification at most: with the pending token, a step of 8 (a graph width)
 
@@ -23,6 +24,9 @@ class DraftProposal:
 class Drafter(Protocol):
     name: str
 
-    def propose(self, session: Session, k: int) -> DraftProposal: ...
+    def propose(self, session: Session, k: int, reply: Response | None = None) -> DraftProposal:
+        """Up to k tokens that may follow the session; `reply` gives the sampling parameters (a drafter with
+        probabilities draws from its own distribution filtered the same way)."""
+        ...
 
     def release(self, session: Session) -> None: ...

@@ -15,6 +15,7 @@ from streamserve.engine.drafters.base import DraftProposal
 
 if TYPE_CHECKING:
     from streamserve.engine.session import Session
+    from streamserve.engine.work import Response
 
 
 class NgramIndex:
@@ -61,7 +62,7 @@ class NgramDrafter:
     def __init__(self, max_n: int = 4) -> None:
         self.max_n = max_n
 
-    def propose(self, session: Session, k: int) -> DraftProposal:
+    def propose(self, session: Session, k: int, reply: Response | None = None) -> DraftProposal:
         index = session._drafts.get(self.name)
         if index is None:
             index = session._drafts[self.name] = NgramIndex(self.max_n)

@@ -1,0 +1,189 @@
+"""Speculative decoding: lossless against plain decoding, the sampled path's distribution, and the
+session staying exact through rewind, cancel and snapshot in the middle of speculation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from helpers import greedy, random_ids
+
+from streamserve.engine.drafters import UnknownDrafterError
+from streamserve.engine.drafters.ngram import NgramIndex
+from streamserve.engine.drafters.verify import target_probs, verify
+from streamserve.errors import InvalidInputError
+
+
+def repetitive(n: int, seed: int) -> list[int]:
+    base = random_ids(9, seed=seed)
+    return (base * (n // 9 + 1))[:n]
+
+
+PROMPTS = [random_ids(30, seed=100), repetitive(40, 101), random_ids(7, seed=102) + repetitive(27, 103)]
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "llama"])
+def test_greedy_output_with_the_ngram_drafter_is_identical(engines, arch: str) -> None:
+    engine = engines[arch]
+    for p in PROMPTS:
+        plain = greedy(engine, p, 40)
+        with engine.open_session(drafter="ngram") as s:
+            s.append(token_ids=p)
+            assert s.generate(max_tokens=40, stop_token_ids=()) == plain
+    st = engine.stats()["speculative"]["ngram"]
+    assert st["verifications"] > 0 and st["accepted"] > 0  # it did draft, and drafts were accepted
+
+
+def test_windowed_and_stopping_replies_are_identical_too(engines) -> None:
+    engine = engines["qwen3_moe"]
+    p = repetitive(50, 104)
+    for kw in ({"window": 24, "sinks": 4}, {"window": 24, "sinks": 4, "positions": "absolute"}):
+        plain = greedy(engine, p, 60, **kw)
+        with engine.open_session(drafter="ngram", **kw) as s:
+            s.append(token_ids=p)
+            assert s.generate(max_tokens=60, stop_token_ids=()) == plain
+    stop = plain[17]
+    with engine.open_session() as s:
+        s.append(token_ids=p)
+        expected = s.generate(max_tokens=60, stop_token_ids=[stop])
+    with engine.open_session(drafter="ngram") as s:
+        s.append(token_ids=p)
+        assert s.generate(max_tokens=60, stop_token_ids=[stop]) == expected  # never past a stop token
+        assert len(s.token_ids) == len(p) + len(expected) and s.kv.length == len(s.token_ids) - 1
+    engine.check_integrity()
+
+
+def test_seeded_sampling_with_drafting_is_reproducible(engines) -> None:
+    engine = engines["qwen3"]
+
+    def run() -> list[int]:
+        with engine.open_session(drafter="ngram", seed=5) as s:
+            s.append(token_ids=repetitive(30, 105))
+            return s.generate(max_tokens=30, temperature=0.8, top_k=20, stop_token_ids=())
+
+    assert run() == run()
+
+
+def tv(counts: torch.Tensor, p: torch.Tensor) -> float:
+    return 0.5 * float((counts / counts.sum() - p).abs().sum())
+
+
+@pytest.mark.parametrize("with_probs", [False, True])
+def test_sampled_verification_follows_the_target_distribution(with_probs: bool) -> None:
+    """On a 6-token vocabulary: the first emitted token is distributed as the target's row 0, and given that
+    it is the first draft, the second as row 1; the distance to the target shrinks with more samples. Drafts
+    are fixed (a deterministic drafter) or drawn from the drafter's own distributions q."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(3, 6, generator=g) * 1.5  # target rows for k = 2 drafts
+    q = torch.softmax(torch.randn(2, 6, generator=g), dim=-1) if with_probs else None
+    p = target_probs(logits, 0.9, 0, 1.0)
+    distances = []
+    for n in (400, 6400):
+        first, second = torch.zeros(6), torch.zeros(6)
+        for _ in range(n):
+            drafts = [2, 4] if q is None else [int(torch.multinomial(row, 1, generator=g)) for row in q]
+            out = verify(logits, drafts, q, 0.9, 1.0, 0, g)
+            first[out[0]] += 1
+            if out[0] == drafts[0]:
+                second[out[1]] += 1
+        distances.append((tv(first, p[0]), tv(second, p[1])))
+    (a0, _), (b0, b1) = distances
+    assert b0 < 0.03 and b1 < 0.05 and b0 < a0 + 0.01
+
+
+def test_greedy_verification_is_the_argmax_chain() -> None:
+    logits = torch.full((4, 5), -10.0)
+    for row, best in enumerate([1, 3, 0, 4]):
+        logits[row, best] = 10.0
+    assert verify(logits, [1, 3, 0], None, 0.0, 1.0, 0, None) == [1, 3, 0, 4]  # all accepted, then the bonus
+    assert verify(logits, [1, 2, 0], None, 0.0, 1.0, 0, None) == [1, 3]  # the correction at the first miss
+    assert verify(logits, [4, 3, 0], None, 0.0, 1.0, 0, None) == [1]
+
+
+def test_the_ngram_index_finds_the_longest_earlier_match_incrementally() -> None:
+    idx = NgramIndex(max_n=3)
+    history = [1, 2, 3, 4, 9, 2, 3, 4, 7, 1, 2, 3]
+    idx.sync(history[:5], 0)
+    idx.sync(history, 0)  # only the new tokens are indexed
+    assert idx.lookup(3) == [4, 9, 2]  # the suffix "1 2 3" occurred at the start, followed by "4 9 2"
+    idx.sync([*history, 4], 0)
+    assert idx.lookup(2) == [7, 1]  # "3 4": its latest earlier occurrence (positions 6-7) wins
+    idx.sync([5, 6, 5], 1)  # a rewind (new revision): rebuilt
+    assert idx.lookup(2) == [6, 5]
+
+
+def test_rewind_cancel_and_snapshot_mid_speculation_leave_the_session_exact(engines) -> None:
+    engine = engines["qwen3_moe"]
+    p = repetitive(36, 106)
+    plain = greedy(engine, p, 50)
+    with engine.open_session(drafter="ngram") as s:
+        s.append(token_ids=p)
+        st = s.stream(max_tokens=50, stop_token_ids=())
+        next(st)
+        with engine._lock:  # between two (speculative) steps
+            snap = s.snapshot()
+            n = len(s.token_ids) - len(p)
+            assert s.token_ids[len(p):] == plain[:n]
+            s.rewind(to=len(p) + n // 2)
+        st.wait()
+        cut = len(s.token_ids) - len(p)
+        rest = s.generate(max_tokens=50 - cut, stop_token_ids=())
+        assert s.token_ids[len(p):] == plain[:cut] + rest == plain
+        engine.check_integrity()
+    restored = engine.restore(snap)  # a plain session restored from a speculative one continues exactly
+    with restored:
+        done = len(restored.token_ids) - len(p)
+        assert restored.generate(max_tokens=50 - done, stop_token_ids=()) == plain[done:]
+    with engine.open_session(drafter="ngram") as s:
+        s.append(token_ids=p)
+        st = s.stream(max_tokens=1000, stop_token_ids=())
+        next(st)
+        s.cancel()
+        st.wait()
+        got = s.token_ids[len(p):]
+        assert got == plain[:len(got)] and s.kv.length == len(s.token_ids) - 1
+    assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_bad_drafter_settings_are_typed_errors(engines, checkpoints, tmp_path) -> None:
+    engine = engines["qwen3"]
+    for bad in ("ngramm", "draft", 7):
+        with pytest.raises(UnknownDrafterError):
+            engine.open_session(drafter=bad)  # type: ignore[arg-type]
+    with pytest.raises(UnknownDrafterError, match="multi-token-prediction"):
+        engine.open_session(drafter="mtp")
+    for k in (0, 8, True):
+        with pytest.raises(InvalidInputError, match="max_draft"):
+            engine.set_drafter("ngram", k)  # type: ignore[arg-type]
+    from streamserve import Engine
+    from streamserve.engine.drafters.model import DraftTokenizerError
+
+    with pytest.raises(DraftTokenizerError):  # the test checkpoints' byte tokenizer is not the default model's
+        Engine.from_pretrained("default", kv_memory="64MiB", drafter=f"draft:{checkpoints['llama'][0]}")
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.7])
+def test_a_draft_model_drafter_is_lossless_and_stays_in_step(engines, checkpoints, temperature: float) -> None:
+    """The test checkpoints share one tokenizer, so a tiny llama drafts for the tiny qwen3-moe: greedy output is
+    identical, and through rewinds and a second reply the draft's own cache follows the session."""
+    engine = engines["qwen3_moe"]
+    draft = f"draft:{checkpoints['llama'][0]}"
+    p = repetitive(30, 107)
+    for kw in ({}, {"window": 20, "sinks": 2}):
+        plain = greedy(engine, p, 40, **kw)
+        with engine.open_session(drafter=draft, seed=3, **kw) as s:
+            s.append(token_ids=p)
+            out = s.generate(max_tokens=30, temperature=temperature, stop_token_ids=())
+            if temperature == 0.0:
+                assert out == plain[:30]
+            s.rewind(to=len(p) + 22)  # within the window
+            more = s.generate(max_tokens=10, temperature=temperature, stop_token_ids=())
+            if temperature == 0.0:
+                assert more == plain[22:32]
+            drafter = engine.drafters.make(draft)[0]
+            with engine._lock:  # catches up lazily, before each proposal: then it holds the real history
+                proposal = drafter.propose(s, 3)
+            assert drafter.states[s.id].tokens == s.token_ids and len(proposal.tokens) == 3
+            assert drafter.states[s.id].kv.length == len(s.token_ids)  # the drafts left its cache
+        assert s.id not in drafter.states  # closed: its draft cache is freed
+    assert drafter.pool.allocator.used_count == 0
+    assert engine.stats()["speculative"][drafter.name]["verifications"] > 0
