@@ -151,7 +151,7 @@ class NativeConnection:
         f, d = m.fields, self.server.session_defaults
         kw: dict[str, Any] = {"window": d.window, "sinks": d.sinks, "positions": d.positions, "page_cap": d.page_cap,
                               "chunk_budget": d.chunk_budget}
-        kw.update({k: f[k] for k in ("window", "sinks", "positions") if f[k] is not None})
+        kw.update({k: f[k] for k in ("window", "sinks", "positions", "drafter") if f[k] is not None})
         if f["chunk_budget_ms"] is not None:
             kw["chunk_budget"] = f["chunk_budget_ms"] / 1e3
         sampling = self.server.check_sampling(f["sampling"] or {})

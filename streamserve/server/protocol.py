@@ -97,6 +97,7 @@ def decode_client(frame: bytes | str, max_frame_bytes: int) -> ClientMessage:
 def _open(f: _Fields) -> dict[str, Any]:
     return {"window": f.integer("window", minimum=1), "sinks": f.integer("sinks", minimum=0),
             "positions": f.choice("positions", ("absolute", "rolling")),
+            "drafter": f.choice("drafter", ("none", "ngram", "auto")),
             "chunk_budget_ms": f.number("chunk_budget_ms", positive=True), "sampling": f.sampling("sampling")}
 
 

@@ -366,3 +366,20 @@ def test_a_client_whose_server_is_gone_fails_fast_and_a_shutdown_does_not_wait_f
         ws.transport.abort()
 
     asyncio.run(main())
+
+
+def test_a_session_with_a_drafter_gives_the_same_tokens_over_the_wire(served: RunningServer) -> None:
+    text = "And God said, Let there be light: and there was light. And God said, Let there be"
+    expected = engine_tokens(served, text, 24)
+
+    async def main() -> list[int]:
+        async with sc.connect(served.url) as client:
+            s = await client.open_session(drafter="ngram")
+            await s.append(text=text)
+            r = s.respond(max_tokens=24)
+            await r.wait()
+            with pytest.raises(sc.InvalidInputError):
+                await client.open_session(drafter="draft:/etc")  # paths are the server operator's choice
+            return r.token_ids
+
+    assert asyncio.run(main()) == expected

@@ -100,11 +100,12 @@ class Client:
 
     async def open_session(self, window: int | None = None, sinks: int | None = None,
                            positions: str | None = None, chunk_budget_ms: float | None = None,
-                           **sampling: Any) -> Session:
-        """A new persistent session; `sampling` (max_tokens, temperature, top_p, top_k, seed, stop) sets its
-        reply defaults."""
+                           drafter: str | None = None, **sampling: Any) -> Session:
+        """A new persistent session; `drafter` ("none", "ngram", "auto") its speculative decoding (default:
+        the server's); `sampling` (max_tokens, temperature, top_p, top_k, seed, stop) its reply defaults."""
         reply = await self._request({"type": "open", "window": window, "sinks": sinks, "positions": positions,
-                                     "chunk_budget_ms": chunk_budget_ms, "sampling": sampling or None})
+                                     "chunk_budget_ms": chunk_budget_ms, "drafter": drafter,
+                                     "sampling": sampling or None})
         s = Session(self, reply)
         self._sessions[s.id] = s
         return s

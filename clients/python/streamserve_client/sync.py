@@ -47,9 +47,10 @@ class SyncClient:
         return self._client.hello
 
     def open_session(self, window: int | None = None, sinks: int | None = None, positions: str | None = None,
-                     chunk_budget_ms: float | None = None, **sampling: Any) -> SyncSession:
+                     chunk_budget_ms: float | None = None, drafter: str | None = None,
+                     **sampling: Any) -> SyncSession:
         return SyncSession(self, self._run(self._client.open_session(window, sinks, positions, chunk_budget_ms,
-                                                                     **sampling)))
+                                                                     drafter, **sampling)))
 
     def resume_session(self, session_id: str, resume_token: str) -> SyncSession:
         return SyncSession(self, self._run(self._client.resume_session(session_id, resume_token)))
