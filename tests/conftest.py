@@ -24,7 +24,8 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 def engines(checkpoints: dict[str, tuple[Path, torch.nn.Module]]) -> dict[str, Any]:
     from streamserve import Engine
 
-    return {arch: Engine.from_pretrained(path, device="cpu") for arch, (path, _) in checkpoints.items()}
+    return {arch: Engine.from_pretrained(path, device="cpu", kv_memory="64MiB")
+            for arch, (path, _) in checkpoints.items()}
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
