@@ -62,7 +62,7 @@ def main() -> None:
     if (shipped / "config.json").exists():
         drafters += [f"draft:{shipped}", "auto"]
     text = passage()
-    workloads = {"low_entropy": [text, "\n\n" + " ".join(text.split()[:12])], "free": ["In the beginning"]}
+    workloads = {"low_entropy": [text, "\n\n" + " ".join(text.split()[:40])], "free": ["In the beginning"]}
     run(engine, "ngram", workloads["free"], 8)  # warm up
     res: dict = {"benchmark": "speculative", "model": "default", "device": "cpu", "tokens": tokens, "reps": reps}
     for name, prompt in workloads.items():

@@ -111,7 +111,7 @@ class Runner:
                 tokens = speculate.accept(s, work, proposal, logits)
             except Exception as e:
                 return ItemResult(error=_fault(e), fatal=True)
-            work.draft_len = s.spec.next_k() if s.spec is not None else 0
+            work.draft_len = s.spec.next_k(fixed_costs=work.seeded) if s.spec is not None else 0
             return ItemResult(tokens=tokens)
         if logits is not None:
             s._logits, s._logits_at = logits, s.kv.length
@@ -152,12 +152,12 @@ class Runner:
     def _decode(self, s: Session, r: Response) -> ItemResult:
         assert s._logits is not None
         try:
-            tok = sample(s._logits, r.temperature, r.top_p, r.generator, r.top_k)
+            tok = sample(s._logits, r.temperature, r.top_p, r.draws.at(len(s.token_ids)), r.top_k)
         except Exception as e:
             return ItemResult(error=_fault(e), fatal=True)
         speculate.extend_reply(s, r, [tok])  # pending from here on: it enters the KV with the next forward
         if s.spec is not None:
-            r.draft_len = s.spec.next_k()
+            r.draft_len = s.spec.next_k(fixed_costs=r.seeded)
         return ItemResult(token=tok)
 
 

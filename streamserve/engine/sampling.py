@@ -40,6 +40,22 @@ def check_seed(seed: object) -> None:
         raise InvalidInputError(f"seed must be an integer in [0, 2**63 - 1], got {seed!r}")
 
 
+class Draws:
+    """A reply's randomness, keyed by token position: the draw for position n is the same whatever else
+    happened — how many tokens were drafted, how steps were batched — so a seeded reply repeats exactly,
+    and speculation with deterministic drafts samples the very tokens plain decoding would."""
+
+    STREAMS = 4  # per position: 0 the target's draw, 1 acceptance, 2 residual resampling, 3 a draft model's draw
+
+    def __init__(self, seed: int, device: torch.device) -> None:
+        self.seed, self.device = seed, device
+
+    def at(self, position: int, stream: int = 0) -> torch.Generator:
+        g = torch.Generator(device=self.device)
+        g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + position * self.STREAMS + stream) % MAX_SEED)
+        return g
+
+
 def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
            top_k: int = 0) -> int:
     """logits [V] fp32 -> a token id, drawn on the device (`kernels.reference.sample_tokens`); greedy at

@@ -26,7 +26,7 @@ import torch
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
 from streamserve.config import SESSION_DEFAULTS
-from streamserve.engine.sampling import check_sampling, check_seed, check_stop
+from streamserve.engine.sampling import MAX_SEED, Draws, check_sampling, check_seed, check_stop
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.streams import Outbox, ResponseStream, TokenIterator
 from streamserve.engine.work import CHUNK_KINDS, Ack, Chunk, ChunkKind, Response
@@ -79,6 +79,7 @@ class Session:
         self.revisions = 0  # counts cuts of the history (rewinds): drafters' indexes rebuild after one
         self._logits: torch.Tensor | None = None  # [V] after the first `_logits_at` tokens
         self._logits_at = -1
+        self.seeded = seed is not None
         self._generator = torch.Generator(device=engine.device)
         if seed is None:
             self._generator.seed()
@@ -240,9 +241,11 @@ class Session:
             queued = loop.scheduler.queued_chunks(self.id)
         if not self.token_ids and not queued:
             raise InvalidInputError("a reply needs at least one appended token first")
-        gen = self._generator if seed is None else torch.Generator(device=self.engine.device).manual_seed(seed)
-        r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops, gen,
-                     time.monotonic(), outbox=Outbox())
+        if seed is None:  # one draw of the session's generator seeds the reply (a seeded session repeats too)
+            seed = int(torch.randint(0, MAX_SEED, (1,), generator=self._generator, device=self.engine.device))
+        r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
+                     Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(),
+                     seeded=self.seeded or seed is not None)
         self.engine.loop.submit(r)
         self.last_active = r.arrival
         return ResponseStream(self, r)

@@ -10,6 +10,7 @@ tokens stop at the reply's max_tokens and after a stop token, exactly as plain d
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import torch
@@ -32,7 +33,9 @@ def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftPr
     k = min(k, room)
     if k <= 0:
         return DraftProposal([])
+    t0 = time.perf_counter()
     proposal = s.spec.current.propose(s, k, r)
+    s.spec.observe_drafting(s.spec.current.name, len(proposal.tokens), time.perf_counter() - t0)
     proposal.tokens = proposal.tokens[:k]
     if proposal.probs is not None:
         proposal.probs = proposal.probs[:k]
@@ -43,7 +46,8 @@ def accept(s: Session, r: Response, proposal: DraftProposal, logits: torch.Tenso
     """The target's logits [k+1, V] over [pending, drafts] are in; -> the tokens emitted. The session keeps
     the pending token and the accepted drafts in its KV, the last emitted token becomes pending."""
     assert s.spec is not None
-    emitted = verify(logits, proposal.tokens, proposal.probs, r.temperature, r.top_p, r.top_k, r.generator)
+    emitted = verify(logits, proposal.tokens, proposal.probs, r.temperature, r.top_p, r.top_k, r.draws,
+                     len(s.token_ids))
     accepted = len(emitted) - 1
     s.spec.observe(s.spec.current.name, len(proposal.tokens), accepted)
     emitted = emitted[:r.max_tokens - r.produced]

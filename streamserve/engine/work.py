@@ -66,7 +66,7 @@ class Response:
     top_k: int
     stop_token_ids: frozenset[int]
     stop: tuple[str, ...]  # stop strings: the reply ends before the first of them (not included in the text)
-    generator: Any  # the torch.Generator sampling draws from (opaque here)
+    draws: Any  # the reply's randomness by token position (`sampling.Draws`; opaque here)
     arrival: float
     id: str = field(default_factory=lambda: f"r{next(_response_ids)}")
     produced: int = 0
@@ -79,6 +79,7 @@ class Response:
     held_text: str = ""  # text held back because it may be the start of a stop string
     outbox: Any = None  # where the loop delivers deltas and the end (an Outbox)
     draft_len: int = 0  # tokens to draft for the next step (set by the runner from the session's controller)
+    seeded: bool = False  # a seed fixes its draws: draft lengths then follow acceptance only, not timings
 
     def add_token(self, token: int) -> tuple[str, bool]:
         """Count a generated token; -> (text that may be shown now, whether a stop string was reached)."""

@@ -5,7 +5,8 @@ verification on average, and a verification of k+1 tokens costs r(k+1) times a o
 (`VerifyCosts`, measured on this engine). The controller drafts the k that maximises tokens per unit of
 cost, and none when no k beats plain decoding; then it probes again every `PROBE_EVERY` tokens, so a
 session whose text turns repetitive starts drafting again. With several drafters ("auto"), each session
-uses the one with the best acceptance so far (untried ones start at the prior, so each gets tried).
+uses the one whose best draft length gives the most tokens per unit of cost so far (untried ones start at the
+prior, so each gets tried).
 """
 
 from __future__ import annotations
@@ -32,6 +33,9 @@ class VerifyCosts:
         old = self.seconds.get(width)
         self.seconds[width] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
+    def one_step(self) -> float | None:
+        return self.seconds.get(1)
+
     def ratio(self, width: int) -> float:
         one, w = self.seconds.get(1), self.seconds.get(width)
         if width == 1:
@@ -44,6 +48,7 @@ class VerifyCosts:
 @dataclass
 class DrafterStats:
     acceptance: float = PRIOR_ACCEPTANCE
+    seconds_per_draft: float = 0.0  # EMA: time to draft one token
     verifications: int = 0
     proposed: int = 0
     accepted: int = 0
@@ -62,21 +67,38 @@ class SpecController:
         self.stats = {d.name: DrafterStats() for d in self.drafters}
         self.current = self.drafters[0]
 
-    def next_k(self) -> int:
-        """How many tokens to draft for the next step (0: decode plainly)."""
-        self.current = max(self.drafters, key=lambda d: self.stats[d.name].acceptance)
+    def next_k(self, fixed_costs: bool = False) -> int:
+        """How many tokens to draft for the next step (0: decode plainly), and with which drafter (the one
+        whose best draft length gives the most tokens per unit of cost). `fixed_costs` (seeded replies): the
+        prior cost model instead of measured timings, so the choice depends on what was accepted only."""
+        choices = [(self._best(d, fixed_costs), d) for d in self.drafters]
+        (best_k, _), self.current = max(choices, key=lambda c: c[0][1])
         if self.probe_in > 0:
             self.probe_in -= 1
             return min(PROBE_K, self.max_draft) if self.probe_in == 0 else 0
-        a = min(self.stats[self.current.name].acceptance, 0.999)
-        best_k, best = 0, 1.0
-        for k in range(1, self.max_draft + 1):
-            value = (1 - a ** (k + 1)) / (1 - a) / self.costs.ratio(k + 1)
-            if value > best * 1.02:  # a margin: drafting must clearly pay
-                best_k, best = k, value
         if best_k == 0:
             self.probe_in = PROBE_EVERY
         return best_k
+
+    def _best(self, drafter: Drafter, fixed_costs: bool) -> tuple[int, float]:
+        """-> (k, tokens per unit of cost) of the best draft length for this drafter (k = 0: value 1)."""
+        st = self.stats[drafter.name]
+        a = min(st.acceptance, 0.999)
+        one = None if fixed_costs else self.costs.one_step()
+        draft_cost = st.seconds_per_draft / one if one else 0.0  # drafting one token, in one-step units
+        best_k, best = 0, 1.0
+        for k in range(1, self.max_draft + 1):
+            ratio = 1 + PRIOR_COST_PER_TOKEN * k if fixed_costs else self.costs.ratio(k + 1)
+            value = (1 - a ** (k + 1)) / (1 - a) / (ratio + k * draft_cost)
+            if value > best * 1.02:  # a margin: drafting must clearly pay
+                best_k, best = k, value
+        return best_k, best
+
+    def observe_drafting(self, drafter: str, tokens: int, seconds: float) -> None:
+        if tokens:
+            st = self.stats[drafter]
+            per = seconds / tokens
+            st.seconds_per_draft = per if st.seconds_per_draft == 0.0 else (1 - EMA) * st.seconds_per_draft + EMA * per
 
     def observe(self, drafter: str, proposed: int, accepted: int) -> None:
         """A verification of `proposed` drafted tokens accepted the first `accepted`."""

@@ -147,7 +147,7 @@ class DraftModelDrafter:
             if sampled:
                 assert reply is not None
                 q = target_probs(logits[None].float(), reply.temperature, reply.top_k, reply.top_p)[0]
-                tok = int(torch.multinomial(q, 1, generator=reply.generator))
+                tok = int(torch.multinomial(q, 1, generator=reply.draws.at(len(h) + i, 3)))
                 probs.append(q)
             else:
                 tok = int(torch.argmax(logits))

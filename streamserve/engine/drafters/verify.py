@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import torch
 
-from streamserve.kernels.reference import MIN_TEMPERATURE, keep_mask, sample_tokens
+from streamserve.engine.sampling import Draws, sample
+from streamserve.kernels.reference import MIN_TEMPERATURE, keep_mask
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -36,9 +37,10 @@ def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: fl
 
 
 def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | None, temperature: float,
-           top_p: float, top_k: int, generator: torch.Generator | None) -> list[int]:
-    """logits [k+1, V] of the target over the drafts' positions; drafts [k]; draft_probs [k, V] or None
-    -> the tokens to emit (1 to k+1): the accepted drafts, then the target's own next token."""
+           top_p: float, top_k: int, draws: Draws, position: int) -> list[int]:
+    """logits [k+1, V] of the target over the drafts' positions; drafts [k]; draft_probs [k, V] or None;
+    `draws` the reply's randomness, `position` the session position of the first token to emit -> the tokens
+    to emit (1 to k+1): the accepted drafts, then the target's own next token."""
     k = len(drafts)
     assert logits.shape[0] == k + 1
     if temperature < MIN_TEMPERATURE:
@@ -51,25 +53,22 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
         return [*out, target[k]]
     dev = logits.device
     if draft_probs is None:  # deterministic drafts: sample from the target, keep going while it matches
-        x = sample_tokens(logits, torch.full((k + 1,), float(temperature), device=dev),
-                          torch.full((k + 1,), top_k, device=dev), torch.full((k + 1,), float(top_p), device=dev),
-                          generator).tolist()
         out = []
-        for i, d in enumerate(drafts):
-            out.append(x[i])
-            if x[i] != d:
+        for i in range(k + 1):  # each position's own draw: the very token plain decoding would sample there
+            x = int(sample(logits[i], temperature, top_p, draws.at(position + i), top_k))
+            out.append(x)
+            if i == k or x != drafts[i]:
                 return out
-        return [*out, x[k]]
     p = target_probs(logits, temperature, top_k, top_p)  # [k+1, V]
     q = draft_probs.to(p.dtype)
     idx = torch.tensor(drafts, device=dev)
     ratio = (p[:k].gather(1, idx[:, None])[:, 0] / q.gather(1, idx[:, None])[:, 0].clamp_min(1e-30)).tolist()
-    u = torch.rand(k, generator=generator, device=dev).tolist()
     for i in range(k):
-        if u[i] < min(1.0, ratio[i]):
+        u = float(torch.rand(1, generator=draws.at(position + i, 1), device=dev))
+        if u < min(1.0, ratio[i]):
             continue
         residual = (p[i] - q[i]).clamp_min(0)
         total = residual.sum()
         dist = residual / total if total > 0 else p[i]  # q == p on every token: any draw from p is right
-        return [*drafts[:i], int(torch.multinomial(dist, 1, generator=generator))]
-    return [*drafts, int(torch.multinomial(p[k], 1, generator=generator))]
+        return [*drafts[:i], int(torch.multinomial(dist, 1, generator=draws.at(position + i, 2)))]
+    return [*drafts, int(torch.multinomial(p[k], 1, generator=draws.at(position + k)))]
