@@ -30,7 +30,7 @@ CPU_SMALL_STEP_TOKENS = 64
 class BatchForward:
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
-        self.seconds = 0.0  # the last forward's wall time
+        self.seconds: float | None = None  # the last step's forward time (None: no forward, or a graph captured)
 
     def run(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool] | None = None
             ) -> list[torch.Tensor | BaseException]:
@@ -40,6 +40,7 @@ class BatchForward:
         are committed without dropping pages outside the window: the caller truncates the rejected drafts
         first, then drops them (`kv.drop_outside_window()`)."""
         flags = all_rows or [False] * len(jobs)
+        self.seconds = None
         with self.engine._lock:
             busy = [s.kv for s, _ in jobs]
             out: list[torch.Tensor | BaseException | None] = [None] * len(jobs)
@@ -86,14 +87,17 @@ class BatchForward:
         widths = [len(i) for i in ids]
         flags = all_rows or [False] * len(ids)
         t0 = time.perf_counter()
+        captured = e.graphs.captured if e.graphs is not None else 0
         with threads_for(e.device, sum(widths)):
             if e.graphs is not None and graphable(widths):
                 logits = e.graphs.run(kvs, ids, flags)
             else:
                 flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=e.device)
                 logits = e.model.forward_batch(flat, kvs, None if all(flags) else rows_of(widths, flags))
-        self.seconds = time.perf_counter() - t0
-        self._count(widths, self.seconds)
+        seconds = time.perf_counter() - t0
+        self._count(widths, seconds)
+        # a step that captured a graph took capture time too: it measures nothing about the step's cost
+        self.seconds = None if e.graphs is not None and e.graphs.captured != captured else seconds
         out, start = [], 0
         for w, f in zip(widths, flags, strict=True):  # split the rows per session
             n = w if f else 1

@@ -75,7 +75,7 @@ class Engine:
         # weak: a session dropped without close() is garbage-collected, and its finalizer returns its pages
         self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
         self._sessions_lock = threading.Lock()  # guards _sessions: callers open and close while the engine admits
-        self._orphans: queue.SimpleQueue[PagedSessionKV] = queue.SimpleQueue()  # KV of collected sessions
+        self._orphans: queue.SimpleQueue[tuple[PagedSessionKV, str]] = queue.SimpleQueue()  # collected sessions
         self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
                           "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
                           "sessions_expired_total": 0, "sessions_failed_total": 0}
@@ -223,11 +223,12 @@ class Engine:
         try:
             while True:
                 try:
-                    kv = self._orphans.get_nowait()
+                    kv, session_id = self._orphans.get_nowait()
                 except queue.Empty:
                     return
                 kv.release()
                 kv.parked = None
+                self.drafters.forget(session_id)
         finally:
             self._lock.release()
 

@@ -55,15 +55,18 @@ class Runner:
                 results[item.session_id] = ids
             else:
                 jobs.append((s, item, ids))
-        forward = [(s, ids) for s, _, ids in jobs if ids]
-        verifying = [s.id in self._proposals for s, _ in forward]
-        outs = iter(self.engine.run_step(forward, verifying)) if forward else iter(())
-        if len(forward) == 1:  # a one-session step measures what a step of its width costs (drafting's cost)
-            self.engine.drafters.costs.observe(len(forward[0][1]), self.engine.batch.seconds)
-        for s, item, ids in jobs:
-            logits = next(outs) if ids else None
-            results[item.session_id] = self._finish(s, item, ids, logits)
-        self._proposals.clear()
+        try:
+            forward = [(s, ids) for s, _, ids in jobs if ids]
+            verifying = [s.id in self._proposals for s, _ in forward]
+            outs = iter(self.engine.run_step(forward, verifying)) if forward else iter(())
+            seconds = self.engine.batch.seconds
+            if len(forward) == 1 and seconds is not None:  # what a step of this width costs (drafting's cost)
+                self.engine.drafters.costs.observe(len(forward[0][1]), seconds)
+            for s, item, ids in jobs:
+                logits = next(outs) if ids else None
+                results[item.session_id] = self._finish(s, item, ids, logits)
+        finally:
+            self._proposals.clear()
         return StepOutput(results, started, time.monotonic())
 
     def _prepare(self, s: Session, item: WorkItem) -> list[int] | ItemResult:
@@ -111,7 +114,7 @@ class Runner:
                 tokens = speculate.accept(s, work, proposal, logits)
             except Exception as e:
                 return ItemResult(error=_fault(e), fatal=True)
-            work.draft_len = s.spec.next_k(fixed_costs=work.seeded) if s.spec is not None else 0
+            work.draft_len = self._draft_len(s, work)
             return ItemResult(tokens=tokens)
         if logits is not None:
             s._logits, s._logits_at = logits, s.kv.length
@@ -128,6 +131,14 @@ class Runner:
                                                  r.deadline)
             return ItemResult()
         return self._decode(s, work)
+
+    @staticmethod
+    def _draft_len(s: Session, r: Response) -> int:
+        """Tokens to draft for the reply's next step. None for replies with stop strings: a string can end
+        inside a verified run, and the session must hold exactly what plain decoding leaves in it."""
+        if s.spec is None or r.stop:
+            return 0
+        return s.spec.next_k(fixed_costs=r.seeded)
 
     def _refused(self, s: Session, item: WorkItem, error: StreamserveError) -> ItemResult:
         """The item fails with a caller's error (the session goes on). A chunk split across steps whose
@@ -156,8 +167,7 @@ class Runner:
         except Exception as e:
             return ItemResult(error=_fault(e), fatal=True)
         speculate.extend_reply(s, r, [tok])  # pending from here on: it enters the KV with the next forward
-        if s.spec is not None:
-            r.draft_len = s.spec.next_k(fixed_costs=r.seeded)
+        r.draft_len = self._draft_len(s, r)
         return ItemResult(token=tok)
 
 

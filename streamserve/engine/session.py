@@ -53,12 +53,12 @@ class SessionState(enum.Enum):
     CLOSED = "closed"
 
 
-def _orphaned(engine_ref: weakref.ref, kv: PagedSessionKV) -> None:
-    """A session was garbage-collected without close(): hand its KV to the engine, which frees it between
-    steps. Takes no lock: the collector may run on any thread, in the middle of anything."""
+def _orphaned(engine_ref: weakref.ref, kv: PagedSessionKV, session_id: str) -> None:
+    """A session was garbage-collected without close(): hand its KV (and its drafters' state) to the engine,
+    which frees them between steps. Takes no lock: the collector may run on any thread, mid-anything."""
     engine = engine_ref()
     if engine is not None:
-        engine._orphans.put(kv)
+        engine._orphans.put((kv, session_id))
 
 
 class Session:
@@ -87,7 +87,7 @@ class Session:
             self._generator.manual_seed(seed)
         self.closed = False
         # a session dropped without close() still gives its pages back when it is collected
-        self._finalizer = weakref.finalize(self, _orphaned, weakref.ref(engine), kv)
+        self._finalizer = weakref.finalize(self, _orphaned, weakref.ref(engine), kv, self.id)
 
     def __enter__(self) -> Session:
         return self

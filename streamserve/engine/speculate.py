@@ -10,6 +10,7 @@ tokens stop at the reply's max_tokens and after a stop token, exactly as plain d
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import TYPE_CHECKING
 
@@ -23,23 +24,51 @@ from streamserve.engine.work import Response
 if TYPE_CHECKING:
     from streamserve.engine.session import Session
 
+log = logging.getLogger("streamserve")
+
 
 def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftProposal:
-    """Up to k drafted tokens for the reply's next step (fewer near max_tokens or the context's end)."""
+    """Up to k drafted tokens for the reply's next step: fewer near max_tokens or the context's end, and no
+    more than fit in the pages a plain step could take (drafting never makes a reply fail for memory).
+    A drafter that fails proposes nothing (logged); it never fails the session."""
     assert s.spec is not None
     room = r.max_tokens - r.produced - 1  # the verification emits one more token than it accepts
     if context_limit is not None:
         room = min(room, context_limit - len(s.token_ids) - 1)
-    k = min(k, room)
+    k = min(k, room, _page_room(s, k))
     if k <= 0:
         return DraftProposal([])
+    drafter = s.spec.current
     t0 = time.perf_counter()
-    proposal = s.spec.current.propose(s, k, r)
-    s.spec.observe_drafting(s.spec.current.name, len(proposal.tokens), time.perf_counter() - t0)
+    try:
+        proposal = drafter.propose(s, k, r)
+    except Exception:
+        log.exception("streamserve: drafter %s failed; drafting nothing this step", drafter.name)
+        drafter.release(s)
+        proposal = DraftProposal([])
+    seconds = proposal.seconds if proposal.seconds is not None else time.perf_counter() - t0
+    s.spec.observe_drafting(drafter.name, len(proposal.tokens), seconds)
+    if not proposal.tokens:  # nothing to verify: a miss, as far as the draft length is concerned
+        s.spec.observe(drafter.name, 1, 0)
     proposal.tokens = proposal.tokens[:k]
     if proposal.probs is not None:
         proposal.probs = proposal.probs[:k]
     return proposal
+
+
+def _page_room(s: Session, k: int) -> int:
+    """The most drafts a verification can carry without more pages than the session's cap or the pool's free
+    pages allow beyond what a plain one-token step needs."""
+    kv = s.kv
+    plain = kv.pages_needed(1)
+    free = kv.pool.allocator.free_count
+    while k > 0:
+        extra = kv.pages_needed(1 + k)
+        capped = kv.page_cap is not None and len(kv.page_table) + extra > kv.page_cap
+        if not capped and extra - plain <= max(0, free - plain):
+            return k
+        k -= 1
+    return 0
 
 
 def accept(s: Session, r: Response, proposal: DraftProposal, logits: torch.Tensor) -> list[int]:

@@ -188,8 +188,79 @@ def test_a_draft_model_drafter_is_lossless_and_stays_in_step(engines, checkpoint
             drafter = engine.drafters.make(draft)[0]
             with engine._lock:  # catches up lazily, before each proposal: then it holds the real history
                 proposal = drafter.propose(s, 3)
-            assert drafter.states[s.id].tokens == s.token_ids and len(proposal.tokens) == 3
-            assert drafter.states[s.id].kv.length == len(s.token_ids)  # the drafts left its cache
+            st = drafter.states[s.id]  # (a windowed session's draft views its last window only)
+            assert st.tokens == s.token_ids[st.offset:] and len(proposal.tokens) == 3
+            assert st.kv.length == len(s.token_ids) - st.offset  # the drafts left its cache
         assert s.id not in drafter.states  # closed: its draft cache is freed
     assert drafter.pool.allocator.used_count == 0
     assert engine.stats()["speculative"][drafter.name]["verifications"] > 0
+
+
+def test_drafting_never_changes_what_a_reply_leaves_in_the_session(engines, checkpoints, monkeypatch) -> None:
+    """Review regressions: stop strings, page caps, a failing drafter, a session dropped without close()."""
+    import gc
+
+    engine = engines["qwen3_moe"]
+    p = repetitive(40, 108)
+    # a page cap that a plain reply fits in (a verification may not take more pages than a plain step)
+    plain = greedy(engine, p, 60, window=16, sinks=0, page_cap=3)
+    with engine.open_session(drafter="ngram", window=16, sinks=0, page_cap=3) as s:
+        s.append(token_ids=p)
+        assert s.generate(max_tokens=60, stop_token_ids=()) == plain
+    # a drafter that raises drafts nothing; the reply goes on
+    from streamserve.engine.drafters.ngram import NgramDrafter
+
+    def broken(self, session, k, reply=None):
+        raise RuntimeError("drafter bug")
+
+    monkeypatch.setattr(NgramDrafter, "propose", broken)
+    with engine.open_session(drafter="ngram") as s, engine.open_session() as other:
+        s.append(token_ids=p)
+        other.append(token_ids=p)
+        with engine._lock:
+            a, b = s.stream(max_tokens=20, stop_token_ids=()), other.stream(max_tokens=20, stop_token_ids=())
+        assert a.wait() == b.wait() == "length" and a.token_ids == b.token_ids == greedy(engine, p, 20)
+    monkeypatch.undo()
+    # a garbage-collected session gives its draft-model pages back too
+    draft = f"draft:{checkpoints['llama'][0]}"
+    s = engine.open_session(drafter=draft)
+    s.append(token_ids=p)
+    s.generate(max_tokens=12, stop_token_ids=())
+    drafter = engine.drafters.make(draft)[0]
+    assert drafter.pool.allocator.used_count > 0
+    del s
+    gc.collect()
+    engine.check_integrity()  # frees what collected sessions held
+    assert drafter.pool.allocator.used_count == 0 and not drafter.states
+
+
+def test_stop_strings_with_drafting_leave_the_session_as_plain_decoding_does() -> None:
+    from streamserve import Engine
+
+    with Engine.from_pretrained("default", kv_memory="64MiB") as engine:
+        prompt = "and the God of Israel, " * 6
+        ends = []
+        for drafter in ("none", "ngram"):
+            with engine.open_session(drafter=drafter) as s:
+                s.append(text=prompt)
+                st = s.stream(max_tokens=40, stop=["of Is"], stop_token_ids=())
+                text = "".join(d.text for d in st)
+                ends.append((text, st.finish_reason, list(s.token_ids), s.kv.length, s.timeline[-1]))
+        assert ends[0] == ends[1] and ends[0][1] == "stop"
+
+
+def test_one_draft_model_object_however_many_threads_open_sessions(engines, checkpoints) -> None:
+    import threading
+
+    engine = engines["qwen3"]
+    draft = f"draft:{checkpoints['olmoe'][0]}"
+    sessions: list = []
+    threads = [threading.Thread(target=lambda: sessions.append(engine.open_session(drafter=draft)))
+               for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len({id(s.spec.current) for s in sessions}) == 1
+    for s in sessions:
+        s.close()

@@ -11,6 +11,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -44,6 +45,7 @@ class DrafterCatalog:
         self.costs = VerifyCosts()  # what a verification of each width costs on this engine (measured)
         self.totals: dict[str, dict[str, int]] = {}  # per drafter: verifications, proposed, accepted
         self._objects: dict[str, Drafter] = {}
+        self._lock = threading.Lock()  # sessions open from worker threads: one object per kind, ever
 
     def configure(self, spec: str, max_draft: int = MAX_DRAFT) -> None:
         """The default drafter ("none", "ngram", "draft:PATH", "auto") and the most tokens drafted per
@@ -80,9 +82,17 @@ class DrafterCatalog:
         raise UnknownDrafterError(f"unknown drafter {spec!r}; choose one of {list(DRAFTER_CHOICES)}")
 
     def shared(self, name: str, factory: Callable[[], Drafter]) -> Drafter:
-        if name not in self._objects:
-            self._objects[name] = factory()
-        return self._objects[name]
+        with self._lock:
+            if name not in self._objects:
+                self._objects[name] = factory()
+            return self._objects[name]
+
+    def forget(self, session_id: str) -> None:
+        """A session was garbage-collected without close(): drafters holding state by its id free it."""
+        for d in list(self._objects.values()):
+            release = getattr(d, "release_id", None)
+            if release is not None:
+                release(session_id)
 
     def draft_model(self, path: str) -> Drafter:
         from streamserve.engine.drafters.model import DraftModelDrafter

@@ -19,6 +19,7 @@ MAX_DRAFT = 7  # drafted tokens per verification at most: with the pending token
 class DraftProposal:
     tokens: list[int]
     probs: torch.Tensor | None = None  # [len(tokens), V] the drafter's distributions (None: deterministic)
+    seconds: float | None = None  # time spent drafting them, catching up excluded (None: all of propose)
 
 
 class Drafter(Protocol):

@@ -2,16 +2,19 @@
 
 Its KV cache lives on a pool of its own (its layers and heads differ from the target's, so its pages
 cannot share the target's tensors), sized at an eighth of the target's. Per session the drafter keeps a
-paged KV under the session's window policy and the tokens it holds; before each proposal it catches up
-with the session's history (the tokens accepted since, in chunks), drafts k tokens one forward each, then
-moves its length back to the real history, so rejected drafts never linger. A rewind (the session's
-`revisions` counter) makes it find the common prefix and cut back to it; a restored session's draft state
-is rebuilt from the history on first use. It never fails a session: when its pool is full it frees the
-least recently used session's draft state, and if that is not enough it proposes nothing.
+paged KV under the session's window policy and the stretch of history it holds; before each proposal it
+catches up with the session's history (the tokens accepted since, in chunks), drafts k tokens one forward
+each, then moves its length back to the real history, so rejected drafts never linger. A rewind (the
+session's `revisions` counter) makes it find the common prefix and cut back to it; a new, restored or
+evicted session's draft state is rebuilt on first use — for a windowed session from its last window only
+(a draft need not be exact, and an endless stream must not be replayed from its start). It never fails a
+session: when its pool is full it frees the least recently used session's draft state; when it still
+cannot draft (pool, context), it proposes nothing and does not try again for RETRY_AFTER tokens.
 """
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -21,7 +24,7 @@ import torch
 
 from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.drafters.verify import target_probs
-from streamserve.errors import CapacityError, InvalidInputError, RewindError, StreamserveError
+from streamserve.errors import CapacityError, ContextLengthError, InvalidInputError, RewindError, StreamserveError
 from streamserve.kernels.reference import MIN_TEMPERATURE
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model
 from streamserve.sessions import KVPool, PagedSessionKV
@@ -32,6 +35,7 @@ if TYPE_CHECKING:
     from streamserve.engine.work import Response
 
 CATCH_UP_CHUNK = 256  # history tokens per draft forward when catching up
+RETRY_AFTER = 64  # tokens of history after a failed proposal before the drafter tries that session again
 POOL_SHARE = 8  # the draft pool gets 1/POOL_SHARE of the target pool's bytes (at least MIN_POOL_PAGES pages)
 MIN_POOL_PAGES = 256
 
@@ -43,7 +47,8 @@ class DraftTokenizerError(InvalidInputError):
 @dataclass
 class DraftState:
     kv: PagedSessionKV
-    tokens: list[int] = field(default_factory=list)  # the history the draft KV holds
+    offset: int = 0  # the history position its view starts at (a windowed session: its last window)
+    tokens: list[int] = field(default_factory=list)  # history[offset:offset + len(tokens)], what the KV holds
     revision: int = 0
 
 
@@ -51,6 +56,7 @@ class DraftModelDrafter:
     def __init__(self, name: str, model: CausalLM, pool: KVPool) -> None:
         self.name, self.model, self.pool = name, model, pool
         self.states: OrderedDict[str, DraftState] = OrderedDict()  # by session id, least recently used first
+        self.failed_at: dict[str, int] = {}  # session id -> history length when drafting last failed
 
     @classmethod
     def load(cls, engine: Engine, path: str) -> DraftModelDrafter:
@@ -74,14 +80,22 @@ class DraftModelDrafter:
 
     # ---- the Drafter interface ------------------------------------------------------------------------
     def propose(self, session: Session, k: int, reply: Response | None = None) -> DraftProposal:
+        failed = self.failed_at.get(session.id)
+        if failed is not None and len(session.token_ids) - failed < RETRY_AFTER:
+            return DraftProposal([])
         try:
             return self._propose(session, k, reply)
         except StreamserveError:  # its pool is full even after evicting, or past its context: draft nothing
             self.release(session)
+            self.failed_at[session.id] = len(session.token_ids)
             return DraftProposal([])
 
     def release(self, session: Session) -> None:
-        st = self.states.pop(session.id, None)
+        self.release_id(session.id)
+
+    def release_id(self, session_id: str) -> None:
+        self.failed_at.pop(session_id, None)
+        st = self.states.pop(session_id, None)
         if st is not None:
             st.kv.release()
 
@@ -91,24 +105,36 @@ class DraftModelDrafter:
         if st is None:
             st = DraftState(PagedSessionKV(self.pool, session.kv.policy, self.model.cfg.max_position_embeddings),
                             revision=session.revisions)
+            self._start_over(st, session)
             self.states[session.id] = st
         self.states.move_to_end(session.id)
         if st.revision != session.revisions:  # the history was cut: keep the common prefix only
             h, n = session.token_ids, 0
-            while n < min(len(h), len(st.tokens)) and h[n] == st.tokens[n]:
+            while n < min(len(h) - st.offset, len(st.tokens)) and h[st.offset + n] == st.tokens[n]:
                 n += 1
-            self._cut(st, n)
+            self._cut(st, st.offset + n, session)
             st.revision = session.revisions
         return st
 
-    def _cut(self, st: DraftState, n: int) -> None:
+    def _start_over(self, st: DraftState, session: Session) -> None:
+        """An empty draft cache viewing the history from its start, or for a windowed session from its last
+        window (plus the pending token)."""
+        st.kv.release()
+        st.kv.length, st.tokens = 0, []
+        pol = session.kv.policy
+        st.offset = 0 if pol.window is None else max(0, len(session.token_ids) - pol.window - pol.sinks - 1)
+
+    def _cut(self, st: DraftState, n: int, session: Session) -> None:
+        """Keep history[:n] in the draft cache (starting over where its window already dropped that)."""
+        local = n - st.offset
         try:
-            st.kv.check_rewind(n)
-            st.kv.truncate(n)
-            del st.tokens[n:]
-        except RewindError:  # the window already dropped what that needs: start over
-            st.kv.release()
-            st.kv.length, st.tokens = 0, []
+            if local < 0:
+                raise RewindError("before the draft's view")
+            st.kv.check_rewind(local)
+            st.kv.truncate(local)
+            del st.tokens[local:]
+        except RewindError:
+            self._start_over(st, session)
 
     def _forward(self, st: DraftState, ids: list[int], drop: bool = True) -> torch.Tensor:
         """Run ids after the draft KV; -> logits [V] of the last. Frees LRU states when the pool is full."""
@@ -131,15 +157,18 @@ class DraftModelDrafter:
         return logits
 
     def _propose(self, session: Session, k: int, reply: Response | None) -> DraftProposal:
-        st = self._state(session)
         h = session.token_ids
-        if len(st.tokens) >= len(h):  # it holds the whole history: run the last token again for its logits
-            self._cut(st, len(h) - 1)
+        if session.kv.policy.window is None and len(h) + k > self.model.cfg.max_position_embeddings:
+            raise ContextLengthError("past the draft model's context")
+        st = self._state(session)
+        if st.offset + len(st.tokens) >= len(h):  # it holds the whole history: run the last token again
+            self._cut(st, len(h) - 1, session)
         logits = None
-        while len(st.tokens) < len(h):
-            start = len(st.tokens)
+        while st.offset + len(st.tokens) < len(h):
+            start = st.offset + len(st.tokens)
             logits = self._forward(st, h[start:start + CATCH_UP_CHUNK])
         assert logits is not None
+        t0 = time.perf_counter()  # drafting proper: the catch-up above is not what k tokens cost
         sampled = reply is not None and reply.temperature >= MIN_TEMPERATURE
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
@@ -154,6 +183,6 @@ class DraftModelDrafter:
             tokens.append(tok)
             if i < k - 1:
                 logits = self._forward(st, [tok], drop=False)
-        self._cut(st, len(h))  # the drafts leave the draft cache: it holds the real history only
+        self._cut(st, len(h), session)  # the drafts leave the draft cache: it holds the real history only
         st.kv.drop_outside_window()
-        return DraftProposal(tokens, torch.stack(probs) if sampled else None)
+        return DraftProposal(tokens, torch.stack(probs) if sampled else None, time.perf_counter() - t0)

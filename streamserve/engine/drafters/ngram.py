@@ -3,8 +3,9 @@ followed them then. Everything the session holds counts — earlier turns, appen
 
 `NgramIndex` keeps, for every n-gram (n = 1..max_n) of the history, where its latest earlier occurrence
 was followed; each appended token adds max_n entries (amortised O(1) per token for a fixed max_n), and a
-lookup tries the longest suffix first. A rewind (the session's `revisions` counter moves) rebuilds it.
-Memory is bounded: past `max_entries` the index is rebuilt over the newer half of the history.
+lookup tries the longest suffix first. Memory is bounded: past `max_entries` (64k: a few MB) the index is
+rebuilt over the newer half of what it covers. Its first build and a rebuild after a rewind (the session's
+`revisions` counter moves) index the last `REBUILD_TAIL` tokens only, so no step spends long on it.
 """
 
 from __future__ import annotations
@@ -18,8 +19,11 @@ if TYPE_CHECKING:
     from streamserve.engine.work import Response
 
 
+REBUILD_TAIL = 8192  # tokens of history indexed again after a rewind
+
+
 class NgramIndex:
-    def __init__(self, max_n: int = 4, max_entries: int = 1 << 20) -> None:
+    def __init__(self, max_n: int = 4, max_entries: int = 1 << 16) -> None:
         self.max_n, self.max_entries = max_n, max_entries
         self.tokens: list[int] = []
         self.offset = 0  # history position of tokens[0] (after a rebuild over the newer half)
@@ -29,7 +33,8 @@ class NgramIndex:
     def sync(self, history: list[int], revision: int) -> None:
         """Catch up with the session's history (appends since last time; a rebuild after a rewind)."""
         if revision != self.revision or len(history) < self.offset + len(self.tokens):
-            self.tokens, self.offset, self.follows, self.revision = [], 0, {}, revision
+            self.tokens, self.follows, self.revision = [], {}, revision
+            self.offset = max(0, len(history) - REBUILD_TAIL)
         for t in history[self.offset + len(self.tokens):]:
             self._push(t)
         if len(self.follows) > self.max_entries:
