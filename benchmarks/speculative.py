@@ -6,7 +6,8 @@ Two workloads, each drafter side by side in one run (runs alternate, medians of 
 (a) a low-entropy continuation: the session is given a passage (Genesis 1:1-20), then its first words
     again, and asked to continue (greedy);
 (b) free generation: a short prompt, continued (greedy).
-Drafters: none, ngram, the shipped draft model (`streamserve/assets/default-draft`, when present) and auto.
+Drafters: none, ngram, the shipped draft model (`streamserve/assets/default-draft`, when present) and auto
+(on a CPU: n-gram only).
 Per drafter: tokens/s, the speed-up over none, the mean accepted length per verification, and whether the
 tokens equal plain decoding's (they must: greedy speculation is lossless).
 The last line printed is one JSON object with every figure.

@@ -2,8 +2,9 @@
 
 - "ngram": prompt lookup over the session's own history (`ngram.py`).
 - "draft:PATH": a small model with the target's tokenizer, its KV on a pool of its own (`model.py`).
-- "auto": n-gram, and the draft model when one is configured or shipped with the model; each session uses
-  the one whose drafts it accepts most (`adaptive.py`).
+- "auto": n-gram, plus a draft model when the engine's drafter names one, or on a GPU the one shipped with
+  the default model (on a CPU a draft forward costs too much of a target forward to pay: docs/benchmarks.md);
+  each session uses the one that gives the most tokens per unit of cost (`adaptive.py`).
 - "mtp": multi-token-prediction heads. None of the supported architectures (Qwen3-MoE, Qwen3, Mixtral,
   OLMoE, Llama) has them, so this is refused with the reason (docs/architecture.md).
 - "none": plain decoding.
@@ -102,14 +103,15 @@ class DrafterCatalog:
         return self.shared(f"draft:{resolved}", lambda: DraftModelDrafter.load(self.engine, resolved))
 
     def default_draft_path(self) -> Path | None:
-        """The draft model "auto" adds: the one the default spec names, else the one shipped beside the
-        embedded default model."""
+        """The draft model "auto" adds: the one the default spec names, else on a GPU the one shipped beside
+        the embedded default model."""
         from streamserve.engine.loading import DEFAULT_MODEL_DIR
 
         if self.spec.startswith("draft:"):
             return Path(self.spec.removeprefix("draft:"))
         shipped = DEFAULT_MODEL_DIR.parent / "default-draft"
-        return shipped if self.engine.path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists() else None
+        usable = self.engine.path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists()
+        return shipped if usable and self.engine.device.type == "cuda" else None
 
     def observe(self, drafter: str, proposed: int, accepted: int) -> None:
         t = self.totals.setdefault(drafter, {"verifications": 0, "proposed": 0, "accepted": 0})

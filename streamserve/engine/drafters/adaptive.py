@@ -100,17 +100,19 @@ class SpecController:
             per = seconds / tokens
             st.seconds_per_draft = per if st.seconds_per_draft == 0.0 else (1 - EMA) * st.seconds_per_draft + EMA * per
 
-    def observe(self, drafter: str, proposed: int, accepted: int) -> None:
-        """A verification of `proposed` drafted tokens accepted the first `accepted`."""
+    def observe(self, drafter: str, proposed: int, accepted: int, verified: bool = True) -> None:
+        """A verification of `proposed` drafted tokens accepted the first `accepted` (`verified=False`: a
+        proposal that came back empty, counted as a miss but not as a verification)."""
         if proposed == 0:
             return
         st = self.stats[drafter]
-        st.verifications += 1
-        st.proposed += proposed
-        st.accepted += accepted
+        if verified:
+            st.verifications += 1
+            st.proposed += proposed
+            st.accepted += accepted
         # per-token acceptance: accepting a of k (stopping at the first rejection) estimates a / (a + 1) when
         # rejected, and 1 when all were accepted
         rate = 1.0 if accepted == proposed else accepted / (accepted + 1)
         st.acceptance = (1 - EMA) * st.acceptance + EMA * rate
-        if self.on_observe is not None:
+        if self.on_observe is not None and verified:
             self.on_observe(drafter, proposed, accepted)

@@ -164,11 +164,14 @@ class DraftModelDrafter:
         if st.offset + len(st.tokens) >= len(h):  # it holds the whole history: run the last token again
             self._cut(st, len(h) - 1, session)
         logits = None
+        t0 = time.perf_counter()
+        behind = len(h) - st.offset - len(st.tokens)
         while st.offset + len(st.tokens) < len(h):
             start = st.offset + len(st.tokens)
             logits = self._forward(st, h[start:start + CATCH_UP_CHUNK])
         assert logits is not None
-        t0 = time.perf_counter()  # drafting proper: the catch-up above is not what k tokens cost
+        if behind > CATCH_UP_CHUNK // 8:  # a first fill (new, restored, evicted): not what drafting costs
+            t0 = time.perf_counter()  # (catching up with the few tokens accepted since the last draft is)
         sampled = reply is not None and reply.temperature >= MIN_TEMPERATURE
         tokens: list[int] = []
         probs: list[torch.Tensor] = []
