@@ -16,6 +16,7 @@ import json
 import sys
 
 from streamserve import Engine
+from streamserve.tools.batched import replies_together
 
 PROMPTS = ["In the beginning God", "And the LORD spake unto Moses, saying", "Blessed are the poor in spirit",
            "The LORD is my shepherd; I shall not", "For God so loved the world", "Now the serpent was more subtil",
@@ -42,17 +43,7 @@ def greedy_equal(engine: Engine, prompts: list[list[int]], tokens: int) -> list[
         with engine.open_session() as s:
             s.append(token_ids=p)
             alone.append(s.generate(max_tokens=tokens, stop_token_ids=()))
-    sessions = [engine.open_session() for _ in prompts]
-    for s, p in zip(sessions, prompts, strict=True):
-        s.append(token_ids=p)
-    with engine._lock:  # every reply queued before the first step: they run batched throughout
-        streams = [s.stream(max_tokens=tokens, stop_token_ids=()) for s in sessions]
-    together = []
-    for st in streams:
-        st.wait()
-        together.append(st.token_ids)
-    for s in sessions:
-        s.close()
+    together = replies_together(engine, prompts, tokens)
     return [a == b for a, b in zip(alone, together, strict=True)]
 
 

@@ -7,6 +7,7 @@ from helpers import greedy, random_ids
 
 from streamserve import Engine
 from streamserve.engine.graphs import bucket_for
+from streamserve.tools.batched import replies_together
 
 
 @pytest.mark.parametrize("kernels", ["torch", "triton"])
@@ -62,22 +63,6 @@ def test_captured_graphs_replay_the_same_tokens_on_cuda(checkpoints, kw) -> None
     assert outs[0] == outs[1]
 
 
-def _batched_replies(engine: Engine, prompts: list[list[int]], kws: list[dict], max_tokens: int) -> list[list[int]]:
-    """Replies of several sessions whose decode steps all run in the same engine steps."""
-    sessions = [engine.open_session(**kw) for kw in kws]
-    for s, p in zip(sessions, prompts, strict=True):
-        s.append(token_ids=p)
-    with engine._lock:  # every reply is queued before the first step: they run batched from the start
-        streams = [s.stream(max_tokens=max_tokens, stop_token_ids=()) for s in sessions]
-    out = []
-    for st in streams:
-        st.wait()
-        out.append(st.token_ids)
-    for s in sessions:
-        s.close()
-    return out
-
-
 @pytest.mark.parametrize("batch", [2, 3, 8])
 def test_batched_fixed_shape_decode_equals_sessions_alone(checkpoints, engines, batch: int) -> None:
     """Batch decode through the graph path's static buffers (eager on a CPU): one entry per batch shape,
@@ -88,7 +73,7 @@ def test_batched_fixed_shape_decode_equals_sessions_alone(checkpoints, engines, 
     kws = [kw_cycle[i % 3] for i in range(batch)]
     prompts = [random_ids(20 + 7 * i, seed=70 + i) for i in range(batch)]
     alone = [greedy(engines["qwen3_moe"], p, 12, **kw) for p, kw in zip(prompts, kws, strict=True)]
-    assert _batched_replies(graphed, prompts, kws, 12) == alone
+    assert replies_together(graphed, prompts, 12, kws) == alone
     shapes = {key[1] for key in graphed.graphs._entries}
     assert (1,) * batch in shapes  # the batched decode steps went through the fixed-shape path
     assert graphed.stats()["kv_pages_used"] == 0
@@ -106,7 +91,7 @@ def test_captured_batched_graphs_replay_the_same_tokens_on_cuda(checkpoints, bat
     outs = []
     for graphs in ("on", "off"):
         engine = Engine.from_pretrained(path, device="cuda", kernels="triton", cuda_graphs=graphs, kv_memory="256MiB")
-        outs.append(_batched_replies(engine, prompts, kws, 24))
+        outs.append(replies_together(engine, prompts, 24, kws))
         if graphs == "on":
             assert engine.graphs is not None and engine.graphs.captured >= 1
         engine.shutdown()
