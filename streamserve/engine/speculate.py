@@ -48,8 +48,6 @@ def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftPr
         proposal = DraftProposal([])
     seconds = proposal.seconds if proposal.seconds is not None else time.perf_counter() - t0
     s.spec.observe_drafting(drafter.name, len(proposal.tokens), seconds)
-    if not proposal.tokens:  # nothing to verify: a miss, as far as the draft length is concerned
-        s.spec.observe(drafter.name, 1, 0, verified=False)
     proposal.tokens = proposal.tokens[:k]
     if proposal.probs is not None:
         proposal.probs = proposal.probs[:k]

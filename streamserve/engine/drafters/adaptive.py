@@ -18,7 +18,7 @@ from streamserve.engine.drafters.base import MAX_DRAFT, Drafter
 
 PRIOR_ACCEPTANCE = 0.6
 EMA = 0.3  # weight of the newest observation
-PROBE_EVERY = 16  # tokens between probes while drafting does not pay
+PROBE_EVERY = 8  # tokens between probes while drafting does not pay
 PROBE_K = 2
 PRIOR_COST_PER_TOKEN = 0.15  # r(w) = 1 + 0.15 (w - 1) until measured
 
@@ -47,11 +47,18 @@ class VerifyCosts:
 
 @dataclass
 class DrafterStats:
-    acceptance: float = PRIOR_ACCEPTANCE
+    # per-token acceptance, the geometric MLE over recent verifications: accepted / (accepted + rejections),
+    # each an EMA (a verification that stops at a rejection contributes its accepted drafts and one rejection)
+    accepted_ema: float = PRIOR_ACCEPTANCE / (1 - PRIOR_ACCEPTANCE)
+    rejected_ema: float = 1.0
     seconds_per_draft: float = 0.0  # EMA: time to draft one token
     verifications: int = 0
     proposed: int = 0
     accepted: int = 0
+
+    @property
+    def acceptance(self) -> float:
+        return self.accepted_ema / (self.accepted_ema + self.rejected_ema)
 
 
 @dataclass
@@ -100,19 +107,17 @@ class SpecController:
             per = seconds / tokens
             st.seconds_per_draft = per if st.seconds_per_draft == 0.0 else (1 - EMA) * st.seconds_per_draft + EMA * per
 
-    def observe(self, drafter: str, proposed: int, accepted: int, verified: bool = True) -> None:
-        """A verification of `proposed` drafted tokens accepted the first `accepted` (`verified=False`: a
-        proposal that came back empty, counted as a miss but not as a verification)."""
+    def observe(self, drafter: str, proposed: int, accepted: int) -> None:
+        """A verification of `proposed` drafted tokens accepted the first `accepted`."""
         if proposed == 0:
             return
         st = self.stats[drafter]
-        if verified:
-            st.verifications += 1
-            st.proposed += proposed
-            st.accepted += accepted
+        st.verifications += 1
+        st.proposed += proposed
+        st.accepted += accepted
         # per-token acceptance: accepting a of k (stopping at the first rejection) estimates a / (a + 1) when
         # rejected, and 1 when all were accepted
-        rate = 1.0 if accepted == proposed else accepted / (accepted + 1)
-        st.acceptance = (1 - EMA) * st.acceptance + EMA * rate
-        if self.on_observe is not None and verified:
+        st.accepted_ema = (1 - EMA) * st.accepted_ema + EMA * accepted
+        st.rejected_ema = (1 - EMA) * st.rejected_ema + EMA * (accepted < proposed)
+        if self.on_observe is not None:
             self.on_observe(drafter, proposed, accepted)
