@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parent.parent
 @pytest.mark.parametrize("script", [["decode.py", "--quick"], ["session_append.py", "--quick"],
                                     ["moe_cpu.py", "--quick"], ["concurrency.py", "--quick"],
                                     ["batch_invariance.py", "--quick"], ["ws_overhead.py", "--quick"],
-                                    ["speculative.py", "--quick"], ["gpu_check.py", "--smoke"]])
+                                    ["speculative.py", "--quick"], ["step_costs.py", "--quick"],
+                                    ["gpu_check.py", "--smoke"]])
 def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     if script[0] == "gpu_check.py":
         pytest.importorskip("triton")

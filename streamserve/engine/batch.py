@@ -22,8 +22,8 @@ if TYPE_CHECKING:
     from streamserve.engine.session import Session
 
 # On a CPU, steps of fewer tokens than this run on one intra-op thread: waking a thread pool costs more than
-# these small matmuls gain from it (default model, 2 cores: a 3-token step 5.5 ms on 2 threads, 1.9 ms on 1;
-# from about 64 tokens on, more threads win; docs/benchmarks.md)
+# these small matmuls gain from it (default model, 2 vCPUs: a 3-token step is 2.7x-4.4x slower on 2 threads;
+# larger steps keep the process's setting; benchmarks/step_costs.py, docs/benchmarks.md)
 CPU_SMALL_STEP_TOKENS = 64
 
 
