@@ -116,37 +116,46 @@ def test_the_ngram_index_finds_the_longest_earlier_match_incrementally() -> None
     assert idx.lookup(2) == [6, 5]
 
 
+def run_steps(engine, n: int) -> None:
+    """Run n engine steps from the test thread; the caller holds the engine lock, so the loop thread waits."""
+    for _ in range(n):
+        engine.loop.step()
+
+
 def test_rewind_cancel_and_snapshot_mid_speculation_leave_the_session_exact(engines) -> None:
     engine = engines["qwen3_moe"]
     p = repetitive(36, 106)
     plain = greedy(engine, p, 50)
+    verified = engine.stats()["speculative"].get("ngram", {}).get("verifications", 0)
     with engine.open_session(drafter="ngram") as s:
         s.append(token_ids=p)
-        st = s.stream(max_tokens=50, stop_token_ids=())
-        next(st)
-        with engine._lock:  # between two (speculative) steps
-            snap = s.snapshot()
+        with engine._lock:  # the steps run here, one by one: stop in the middle of the reply, for sure
+            st = s.stream(max_tokens=50, stop_token_ids=())
+            run_steps(engine, 6)
+            assert engine.stats()["speculative"]["ngram"]["verifications"] > verified  # it is speculating
             n = len(s.token_ids) - len(p)
-            assert s.token_ids[len(p):] == plain[:n]
+            assert 6 < n < 50 and s.token_ids[len(p):] == plain[:n]
+            snap = s.snapshot()
             s.rewind(to=len(p) + n // 2)
         st.wait()
         cut = len(s.token_ids) - len(p)
-        rest = s.generate(max_tokens=50 - cut, stop_token_ids=()) if cut < 50 else []
+        assert cut == n // 2
+        rest = s.generate(max_tokens=50 - cut, stop_token_ids=())
         assert s.token_ids[len(p):] == plain[:cut] + rest == plain
         engine.check_integrity()
     restored = engine.restore(snap)  # a plain session restored from a speculative one continues exactly
     with restored:
-        done = len(restored.token_ids) - len(p)
-        if done < 50:
-            assert restored.generate(max_tokens=50 - done, stop_token_ids=()) == plain[done:]
+        assert restored.generate(max_tokens=50 - n, stop_token_ids=()) == plain[n:]
     with engine.open_session(drafter="ngram") as s:
         s.append(token_ids=p)
-        st = s.stream(max_tokens=1000, stop_token_ids=())
-        next(st)
-        s.cancel()
+        with engine._lock:
+            st = s.stream(max_tokens=50, stop_token_ids=())
+            run_steps(engine, 4)
+            s.cancel()
         st.wait()
         got = s.token_ids[len(p):]
-        assert got == plain[:len(got)] and s.kv.length == len(s.token_ids) - 1
+        assert 0 < len(got) < 50 and got == plain[:len(got)] and s.kv.length == len(s.token_ids) - 1
+        assert st.finish_reason == "cancelled"
     assert engine.stats()["kv_pages_used"] == 0
 
 
