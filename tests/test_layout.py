@@ -56,3 +56,82 @@ def test_no_python_file_is_oversized() -> None:
     big = [str(p.relative_to(ROOT)) for d in ("streamserve", "kernels", "sessions", "clients")
            for p in (ROOT / d).rglob("*.py") if len(p.read_text().splitlines()) > 400]
     assert not big, f"split these files by responsibility: {big}"
+
+
+# ---- one owner per piece of state (issue 11): no import cycles, no reads of another object's privates ----
+PACKAGES = {"streamserve": ROOT / "streamserve", "streamserve.kernels": ROOT / "kernels",
+            "streamserve.sessions": ROOT / "sessions"}
+
+
+def _modules() -> dict[str, Path]:
+    """Every module of the installed tree by dotted name (packages by their __init__)."""
+    mods: dict[str, Path] = {}
+    for pkg, folder in PACKAGES.items():
+        for p in folder.rglob("*.py"):
+            if pkg == "streamserve" and p.relative_to(folder).parts[0] in ("kernels", "sessions"):
+                continue
+            parts = list(p.relative_to(folder).with_suffix("").parts)
+            if parts[-1] == "__init__":
+                parts.pop()
+            mods[".".join([pkg, *parts])] = p
+    return mods
+
+
+def _edges(name: str, path: Path, mods: dict[str, Path]) -> set[str]:
+    """The project modules `name` imports (anywhere in the file: TYPE_CHECKING and function-level imports
+    count too). `from pkg import sub` is an edge to the submodule; a parent package's implicit import is not."""
+    is_pkg = path.name == "__init__.py"
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names if a.name in mods)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = name.split(".") if is_pkg else name.split(".")[:-1]
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            for a in node.names:
+                sub = f"{base}.{a.name}"
+                if sub in mods:
+                    out.add(sub)
+                elif base in mods:
+                    out.add(base)
+    out.discard(name)
+    return out
+
+
+def test_no_import_cycles() -> None:
+    mods = _modules()
+    graph = {m: _edges(m, p, mods) for m, p in mods.items()}
+    cycles: list[list[str]] = []
+    state: dict[str, int] = {}  # 1: on the stack, 2: done
+
+    def visit(m: str, stack: list[str]) -> None:
+        state[m] = 1
+        stack.append(m)
+        for n in sorted(graph[m]):
+            if state.get(n) == 1:
+                cycles.append([*stack[stack.index(n):], n])
+            elif n not in state:
+                visit(n, stack)
+        stack.pop()
+        state[m] = 2
+
+    for m in sorted(graph):
+        if m not in state:
+            visit(m, [])
+    assert not cycles, "import cycles (DESIGN.md §1: imports run one way):\n" + "\n".join(
+        " -> ".join(c) for c in cycles)
+
+
+def test_no_module_reads_another_objects_private_attributes() -> None:
+    """`x._name` is only allowed on `self` and `cls` (and a class's own name inside its body is not needed)."""
+    bad = []
+    for d in ("streamserve", "kernels", "sessions", "clients/python"):
+        for p in (ROOT / d).rglob("*.py"):
+            for node in ast.walk(ast.parse(p.read_text())):
+                if (isinstance(node, ast.Attribute) and node.attr.startswith("_") and not node.attr.startswith("__")
+                        and not (isinstance(node.value, ast.Name) and node.value.id in ("self", "cls"))):
+                    bad.append(f"{p.relative_to(ROOT)}:{node.lineno} .{node.attr}")
+    assert not bad, "reads of another object's private attributes:\n" + "\n".join(bad)

@@ -110,6 +110,11 @@ class Session:
         return SessionState.RESPONDING if responding else SessionState.OPEN
 
     @property
+    def next_seq(self) -> int:
+        """The seq the next chunk gets unless it names one (chunk seqs must grow)."""
+        return self._next_seq
+
+    @property
     def _pending(self) -> list[int]:
         """The tokens of the session not yet in the KV cache (at most the last generated one)."""
         return self.token_ids[self.kv.length:]
@@ -140,26 +145,29 @@ class Session:
         """`append`, returning the chunk's `Ack` (seq, tokens, queue and compute ms, missed deadline, shed)."""
         if self.engine.loop.in_engine_thread():
             raise RuntimeError("a session's blocking append cannot run on the engine thread")
-        return self._submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind).result()
+        return self.submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind).result()
 
     async def append_async(self, text: str | None = None, token_ids: Sequence[int] | None = None,
                            add_special_tokens: bool | None = None, seq: int | None = None,
                            capture_time: float | None = None, deadline: float | None = None,
                            kind: ChunkKind = "text") -> int:
         """`append` for asyncio: bad input raises at the call; resolves when the chunk is in the KV."""
-        fut = self._submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind)
+        fut = self.submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind)
         return (await asyncio.wrap_future(fut)).tokens
 
     async def append_chunk_async(self, text: str | None = None, token_ids: Sequence[int] | None = None,
                                  add_special_tokens: bool | None = None, seq: int | None = None,
                                  capture_time: float | None = None, deadline: float | None = None,
                                  kind: ChunkKind = "text") -> Ack:
-        fut = self._submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind)
+        fut = self.submit_chunk(text, token_ids, add_special_tokens, seq, capture_time, deadline, kind)
         return await asyncio.wrap_future(fut)
 
-    def _submit_chunk(self, text: str | None, token_ids: Sequence[int] | None, add_special_tokens: bool | None,
-                      seq: int | None, capture_time: float | None, deadline: float | None,
-                      kind: ChunkKind) -> Future[Ack]:
+    def submit_chunk(self, text: str | None = None, token_ids: Sequence[int] | None = None,
+                     add_special_tokens: bool | None = None, seq: int | None = None,
+                     capture_time: float | None = None, deadline: float | None = None,
+                     kind: ChunkKind = "text") -> Future[Ack]:
+        """Queue a chunk and return at once: the future resolves to its `Ack` (or fails with the step's typed
+        error). Bad input raises here. The blocking and asyncio appends are this plus a wait."""
         self._check_open()
         if (text is None) == (token_ids is None):
             raise InvalidInputError("append takes exactly one of text= or token_ids=")

@@ -171,7 +171,7 @@ class NativeConnection:
     def _opened(self, e: Entry, request_id: Any, resumed: bool) -> dict[str, Any]:
         s, pol = e.session, e.session.kv.policy
         return {"type": "opened", "id": request_id, "session": s.id, "resume_token": e.resume_token,
-                "resumed": resumed, "next_seq": s._next_seq, "tokens": len(s.token_ids), "window": pol.window,
+                "resumed": resumed, "next_seq": s.next_seq, "tokens": len(s.token_ids), "window": pol.window,
                 "sinks": pol.sinks, "positions": pol.mode, "chunk_budget_ms": s.chunk_budget * 1e3}
 
     async def on_append(self, m: P.ClientMessage) -> None:
@@ -192,9 +192,9 @@ class NativeConnection:
         await self.pending_acks.acquire()  # too many in flight: stop reading until acks go out
         try:
             if f["text"] is not None and len(f["text"]) > INLINE_TOKENIZE_CHARS:
-                fut = await asyncio.to_thread(s._submit_chunk, *args)  # tokenizing it would stall the loop
+                fut = await asyncio.to_thread(s.submit_chunk, *args)  # tokenizing it would stall the loop
             else:
-                fut = s._submit_chunk(*args)
+                fut = s.submit_chunk(*args)
         except BaseException:
             self.pending_acks.release()
             raise
@@ -243,7 +243,7 @@ class NativeConnection:
         assert m.session is not None
         s = self.server.registry.get(self, m.session).session
         n = await asyncio.to_thread(s.rewind, m.fields["to"], m.fields["to_seq"])
-        await self.send({"type": "rewound", "id": m.id, "session": s.id, "tokens": n, "next_seq": s._next_seq})
+        await self.send({"type": "rewound", "id": m.id, "session": s.id, "tokens": n, "next_seq": s.next_seq})
 
     async def on_configure(self, m: P.ClientMessage) -> None:
         assert m.session is not None

@@ -23,8 +23,8 @@ def test_a_caller_giving_up_on_an_ack_does_not_cost_other_sessions_theirs(engine
     engine = engines["qwen3"]
     a, b = engine.open_session(), engine.open_session()
     with engine._lock:  # both chunks run in the same step
-        fa = a._submit_chunk(None, [1, 2, 3], None, None, None, None, "text")
-        fb = b._submit_chunk(None, [4, 5, 6], None, None, None, None, "text")
+        fa = a.submit_chunk(None, [1, 2, 3], None, None, None, None, "text")
+        fb = b.submit_chunk(None, [4, 5, 6], None, None, None, None, "text")
         assert not fa.cancel()  # too late to cancel: the engine owns it
     assert fa.result(30).tokens == 3 and fb.result(30).tokens == 3
     a.close()
@@ -65,7 +65,7 @@ def test_a_reply_behind_a_failed_first_chunk_gets_a_clear_error(checkpoints) -> 
     engine = small_engine(checkpoints["llama"][0], pages=64)
     s = engine.open_session(page_cap=1)
     with engine._lock:
-        chunk = s._submit_chunk(None, random_ids(40, seed=4), None, None, None, None, "text")
+        chunk = s.submit_chunk(None, random_ids(40, seed=4), None, None, None, None, "text")
         reply = s.stream(max_tokens=3)
     with pytest.raises(PageCapError):
         chunk.result(30)
@@ -106,7 +106,7 @@ def test_sessions_closed_with_work_queued_are_not_counted_as_failures(engines) -
     for _ in range(5):
         s = engine.open_session()
         with engine._lock:
-            s._submit_chunk(None, [1, 2, 3], None, None, None, None, "text")
+            s.submit_chunk(None, [1, 2, 3], None, None, None, None, "text")
             s.closed = True  # closed by another thread between the submission and the step
             engine._release(s)
         engine.loop.step()
@@ -118,7 +118,7 @@ def test_kept_logits_do_not_pin_the_whole_batch(engines) -> None:
     engine = engines["qwen3"]
     sessions = [engine.open_session() for _ in range(4)]
     with engine._lock:
-        futures = [s._submit_chunk(None, [1, 2, 3], None, None, None, None, "text") for s in sessions]
+        futures = [s.submit_chunk(None, [1, 2, 3], None, None, None, None, "text") for s in sessions]
     for f in futures:
         f.result(30)
     for s in sessions:
