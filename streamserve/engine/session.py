@@ -39,7 +39,7 @@ from streamserve.errors import (
     SessionClosedError,
     TokenOutOfRangeError,
 )
-from streamserve.sessions import PagedSessionKV
+from streamserve.sessions import PagedSessionKV, WindowPolicy
 
 if TYPE_CHECKING:
     from streamserve.engine.drafters.adaptive import SpecController
@@ -108,6 +108,16 @@ class Session:
         with loop.cv:
             responding = loop.scheduler.responding(self.id)
         return SessionState.RESPONDING if responding else SessionState.OPEN
+
+    @property
+    def policy(self) -> WindowPolicy:
+        """What the session keeps of its history: sinks, window, position mode."""
+        return self.kv.policy
+
+    @property
+    def pages_held(self) -> int:
+        """KV pages the session holds on the pool now (0 while parked)."""
+        return len(self.kv.page_table)
 
     @property
     def next_seq(self) -> int:
