@@ -8,11 +8,24 @@ during a reply enters the KV after the reply ends. Each step (`schedule`):
 2. Under overload (a queued chunk is past its deadline) stale video chunks are shed, oldest first,
    keeping each session's newest video chunk; text and audio are never shed.
 3. Answering sessions first: one decode token each, up to `max_batch`, least recently served first.
-4. The rest of the token budget (`step_tokens`, but never less than `min_append_tokens`, so appends
-   always progress) goes to appends in deadline order; a long chunk is split across steps, so the
-   inter-token latency of answering sessions stays bounded by one step of at most `step_tokens`, and
-   chunks queued right behind each other in a session share its step.
-   A chunk waiting longer than `max_wait` is ordered as if due now: nothing starves.
+4. The rest of the token budget B (`step_tokens`, but never less than `min_append_tokens`, so appends
+   always progress) goes to appends. A long chunk is split across steps, so the inter-token latency of
+   answering sessions stays bounded by one step of at most `step_tokens`, and chunks queued right behind
+   each other in a session share its step. The budget is shared by deficit round-robin: with n sessions
+   appending, a session's share of a step is q = B // n (at least one token), and each keeps a deficit
+   counter (tokens it is owed; negative when it took more than its shares):
+   a. Sessions owed tokens by earlier steps go first and take what they are owed (no more than one share).
+      Those are sessions that got less than their share, or found no slot in the batch (`max_batch`).
+   b. The rest goes by need. First chunks that can still make their deadline, earliest deadline first
+      (a chunk waiting longer than `max_wait` is ordered as if due now: nothing starves). Then chunks
+      already past their deadline, the session owed the most first. So a session flooding the engine
+      with long chunks, which fall behind their deadlines, takes only what on-time chunks leave, and a
+      small chunk finishes in the first step that starts after it is queued.
+   c. A session still appending after the step gains one share and is charged what it took; its deficit
+      stays within one share either way. So a big chunk gets at least a share in every three steps
+      whatever the others send (it never waits behind more than its own excess), and one that took what
+      nobody else wanted is ranked behind the others when late chunks compete for the rest. A session
+      whose queued chunks are all in forgets its deficit: idle time banks nothing.
 
 `update` applies the runner's output and returns the events for callers (acks, deltas, done, errors).
 """
@@ -50,6 +63,7 @@ class Scheduler:
         self._queues: dict[str, deque[Chunk | Response]] = {}
         self._last_served: dict[str, int] = {}
         self._served = 0
+        self._deficit: dict[str, int] = {}  # tokens each appending session is owed (< 0: it owes), step 4c
         self.shed_total = 0
 
     # ---- submission (callers hold the loop's lock) ----------------------------------------------------
@@ -72,6 +86,7 @@ class Scheduler:
         """Take the session's queue away: its chunks fail and its responses end ("closed", or failed with
         `error`)."""
         self._last_served.pop(session_id, None)
+        self._deficit.pop(session_id, None)
         events: list[Event] = []
         for w in self._queues.pop(session_id, ()):
             if isinstance(w, Chunk):
@@ -128,30 +143,70 @@ class Scheduler:
         heads = {sid: q[0] for sid, q in self._queues.items()}
         decoders = sorted((sid for sid, w in heads.items() if isinstance(w, Response)),
                           key=lambda sid: self._last_served.get(sid, -1))
-        appenders = sorted((sid for sid, w in heads.items() if isinstance(w, Chunk)),
-                           key=lambda sid: self._priority(heads[sid]))  # type: ignore[arg-type]
-        n_dec = min(len(decoders), lim.max_batch - (1 if appenders else 0))
+        appending = any(isinstance(w, Chunk) for w in heads.values())
+        n_dec = min(len(decoders), lim.max_batch - (1 if appending else 0))
         for sid in decoders[:n_dec]:
             k = heads[sid].draft_len  # type: ignore[union-attr]
             plan.items.append(WorkItem(sid, "verify" if k else "decode", 1 + k, heads[sid]))
         budget = max(lim.step_tokens - sum(i.n_tokens for i in plan.items), lim.min_append_tokens)
-        for sid in appenders:
-            if budget <= 0 or len(plan.items) >= lim.max_batch:
-                break
-            parts: list[tuple[Chunk, int]] = []
-            for w in self._queues[sid]:  # the head chunk, then the chunks queued right behind it
-                if not isinstance(w, Chunk) or budget <= 0:
-                    break
-                n = min(w.remaining, budget)
-                parts.append((w, n))
-                budget -= n
-                if n < w.remaining:
-                    break
-            plan.items.append(WorkItem(sid, "append", sum(n for _, n in parts), parts[0][0], tuple(parts)))
+        self._plan_appends(plan, {sid: w for sid, w in heads.items() if isinstance(w, Chunk)}, budget, now)
         for item in plan.items:  # a running count, not the step number: ties would favour the same sessions
             self._served += 1
             self._last_served[item.session_id] = self._served
         return plan
+
+    def _plan_appends(self, plan: Plan, heads: dict[str, Chunk], budget: int, now: float) -> None:
+        """Step 4: share `budget` tokens among the sessions whose head of queue is a chunk (`heads`)."""
+        if not heads:
+            self._deficit.clear()
+            return
+        share = max(1, budget // len(heads))
+        deficit = {sid: self._deficit.get(sid, 0) for sid in heads}
+
+        def by_need(sid: str) -> tuple[int, int, float, float]:
+            head = heads[sid]
+            if head.deadline < now:  # late already: another step of lateness matters less than fairness here
+                return (1, -deficit[sid], *self._priority(head))
+            return (0, 0, *self._priority(head))
+
+        order = sorted(heads, key=lambda sid: (deficit[sid] <= 0, by_need(sid)))
+        running = order[:self.limits.max_batch - len(plan.items)]  # owed sessions get the free slots first
+        demand = {sid: self._demand(sid) for sid in running}
+        took = dict.fromkeys(running, 0)
+        for sid in running:  # 4a: what earlier steps owe
+            n = min(max(deficit[sid], 0), share, demand[sid], budget)
+            took[sid] += n
+            budget -= n
+        for sid in sorted(running, key=by_need):  # 4b: the rest by need
+            n = min(demand[sid] - took[sid], budget)
+            took[sid] += n
+            budget -= n
+        # 4c: sessions with chunks still queued (and those that found no slot) carry their deficit
+        self._deficit = {sid: max(-share, min(share, deficit[sid] + share - took.get(sid, 0)))
+                         for sid in heads if sid not in demand or took[sid] < demand[sid]}
+        for sid in running:
+            if took[sid]:
+                plan.items.append(self._append_item(sid, took[sid]))
+
+    def _demand(self, session_id: str) -> int:
+        """Tokens of the chunks at the head of the session's queue (they may share a step; a reply ends them)."""
+        n = 0
+        for w in self._queues[session_id]:
+            if not isinstance(w, Chunk):
+                break
+            n += w.remaining
+        return n
+
+    def _append_item(self, session_id: str, n_tokens: int) -> WorkItem:
+        """The session's next `n_tokens` of input: the rest of its head chunk, then the chunks behind it."""
+        parts: list[tuple[Chunk, int]] = []
+        for w in self._queues[session_id]:
+            if n_tokens <= 0 or not isinstance(w, Chunk):
+                break
+            n = min(w.remaining, n_tokens)
+            parts.append((w, n))
+            n_tokens -= n
+        return WorkItem(session_id, "append", sum(n for _, n in parts), parts[0][0], tuple(parts))
 
     def _priority(self, chunk: Chunk) -> tuple[float, float]:
         """Earliest deadline first; waiting past `max_wait` counts as due (no starvation)."""
