@@ -46,8 +46,16 @@ class ServerConfig:
                 "ideally with --api-key)"})
     port: int = field(default=8000, metadata={"help": "TCP port (0: any free port, printed at start)"})
     api_key: str | None = field(default=None, metadata={
-        "help": "require 'Authorization: Bearer KEY' on /v1/stream and /metrics (default: the "
-                "STREAMSERVE_API_KEY environment variable; unset: no key)"})
+        "help": "require this key ('Authorization: Bearer KEY', or the WebSocket subprotocol "
+                "'openai-insecure-api-key.KEY' / 'streamserve-key.KEY' for browsers) on every endpoint but "
+                "/healthz; prefer --api-key-file or STREAMSERVE_API_KEY (a command line is visible to every "
+                "user of the machine) (default: STREAMSERVE_API_KEY; unset: no key)"})
+    api_key_file: str | None = field(default=None, metadata={
+        "help": "read the API key from this file (its first line) instead of the command line"})
+    allowed_origins: str | None = field(default=None, metadata={
+        "help": "comma-separated browser origins allowed to connect, e.g. https://app.example.com,"
+                "http://localhost:* (':*': any port); requests without an Origin header (non-browser clients) "
+                "are always allowed (default: the server's own origin and loopback pages only)"})
     max_frame_bytes: int = field(default=1 << 20, metadata={"help": "largest WebSocket frame accepted, bytes"})
     max_chunk_tokens: int = field(default=1024, metadata={"help": "most tokens one appended chunk may have"})
     max_sessions_per_connection: int = field(default=8, metadata={"help": "sessions one connection may hold"})
@@ -58,9 +66,23 @@ class ServerConfig:
         "help": "connections served at once; more are closed with 1013 (try again later)"})
     messages_per_second: float = field(default=200.0, metadata={
         "help": "per-connection message rate limit (a burst of twice this is allowed)"})
+    bytes_per_second: float = field(default=float(16 << 20), metadata={
+        "help": "per-connection byte rate limit on what clients send (a burst of twice this is allowed)"})
     resume_ttl: float = field(default=60.0, metadata={
         "help": "seconds a session whose connection dropped waits for a resume before it is closed"})
     max_reply_tokens: int = field(default=1024, metadata={"help": "most tokens one reply may ask for"})
+    max_window: int = field(default=32768, metadata={
+        "help": "largest window + sinks a session may ask for (the model's context caps it too)"})
+    max_pages_per_connection: int | None = field(default=16384, metadata={
+        "help": "KV pages one connection's sessions may reserve together: an open reserves what its session "
+                "can ever hold (with a window: window + sinks + one step; without: the model's context) and is "
+                "refused (quota_exceeded) when that does not fit; closing a session gives it back"})
+    max_queued_tokens_per_connection: int | None = field(default=16384, metadata={
+        "help": "tokens one connection may have submitted and not yet acknowledged; an append over it is "
+                "refused at once (quota_exceeded)"})
+    min_deadline_ms: float = field(default=20.0, metadata={
+        "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
+                "client cannot jump the queue by claiming a 0 ms deadline"})
 
 
 @dataclass(frozen=True)

@@ -1,33 +1,39 @@
-"""`streamserve serve`: the HTTP and WebSocket front end, on one port (aiohttp).
+"""`streamserve serve`: routes, lifecycle and auth on one port (aiohttp). The session work is the session
+service's (server/service.py), the wire format the protocol adapter's (server/native.py), the sending
+the transport's (server/transport.py).
 
-    GET /healthz      200 {"status": "ok", ...} once the engine is loaded; 503 {"status": "loading"} before
-    GET /metrics      Prometheus text (the engine's metrics and the server's)
-    WS  /v1/stream    the native protocol (docs/protocol.md; server/native.py)
+    GET  /healthz                    ready or not: 200 {"status": "ok"} / 503 {"status": "loading" | "failed"};
+                                     with a valid key also the model, sessions, connections, uptime
+    GET  /metrics                    Prometheus text (the engine's metrics and the server's)
+    WS   /v1/stream                  the native protocol (docs/protocol.md)
+    POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
-With an API key, /metrics and /v1/stream need `Authorization: Bearer KEY` (compared in constant time;
-HTTP 401 otherwise, before any WebSocket upgrade). SIGINT/SIGTERM shut down gracefully: every
-connection is told which of its sessions close and is closed with 1001, replies end, pages come back.
+With an API key, every route but /healthz needs it or a live client secret (server/auth.py); a browser
+page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an
+unexpected failure is answered with `internal_error` and a request id that the server log also has.
+SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed
+with 1001, replies end, pages come back.
 """
 
 from __future__ import annotations
 
 import asyncio
-import hmac
+import json
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
-from streamserve import __version__
 from streamserve.config import (
-    SAMPLING_DEFAULTS,
+    SCHEDULER_DEFAULTS,
     SESSION_DEFAULTS,
     EngineConfig,
     SchedulerConfig,
@@ -35,15 +41,34 @@ from streamserve.config import (
     SessionConfig,
 )
 from streamserve.engine import Engine
-from streamserve.engine.sampling import check_sampling, check_seed, check_stop
-from streamserve.errors import InvalidInputError
+from streamserve.errors import InvalidInputError, StreamserveError
 from streamserve.server import protocol as P
+from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
 from streamserve.server.native import NativeConnection
-from streamserve.server.registry import SessionRegistry
+from streamserve.server.results import service_error
+from streamserve.server.secrets_route import mint_client_secret
+from streamserve.server.service import SessionService
+from streamserve.server.transport import RateLimiter, Transport, WebSocketChannel
 
 log = logging.getLogger("streamserve.server")
 
 REAP_SECONDS = 1.0
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def resolve_api_key(config: ServerConfig) -> str | None:
+    """--api-key, else the first line of --api-key-file, else STREAMSERVE_API_KEY, else none."""
+    if config.api_key is not None:
+        return config.api_key
+    if config.api_key_file is not None:
+        try:
+            key = Path(config.api_key_file).read_text().strip().splitlines()
+        except OSError as e:
+            raise InvalidInputError(f"cannot read the API key file {config.api_key_file!r}: {e.strerror}") from None
+        if not key or not key[0].strip():
+            raise InvalidInputError(f"the API key file {config.api_key_file!r} is empty")
+        return key[0].strip()
+    return os.environ.get("STREAMSERVE_API_KEY") or None
 
 
 @dataclass
@@ -54,42 +79,45 @@ class ServerMetrics:
 
 class Server:
     def __init__(self, config: ServerConfig, load: Callable[[], Engine],
-                 sessions: SessionConfig = SESSION_DEFAULTS) -> None:
-        key = config.api_key if config.api_key is not None else os.environ.get("STREAMSERVE_API_KEY") or None
-        self.config = replace(config, api_key=key)
-        self.session_defaults = sessions  # for `open` messages that leave window, sinks, ... out
-        self._load = load
-        self.engine: Engine | None = None  # type: ignore[assignment]
-        self.registry: SessionRegistry = None  # type: ignore[assignment]
+                 sessions: SessionConfig = SESSION_DEFAULTS, step_tokens: int = SCHEDULER_DEFAULTS.step_tokens) -> None:
+        self.config = replace(config, api_key=resolve_api_key(config), api_key_file=None)
+        self.auth = Authenticator(self.config.api_key)
+        self.origins = parse_origins(config.allowed_origins)
+        self.session_defaults, self.step_tokens = sessions, step_tokens
+        self.load = load
+        self.engine: Engine | None = None
+        self.service: SessionService | None = None
+        self.server_metrics: ServerMetrics | None = None
         self.connections: set[NativeConnection] = set()
         self.started = time.monotonic()
-        self.load_error: BaseException | None = None
-        self.app = web.Application(client_max_size=config.max_frame_bytes)
+        self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
+        self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
         self.app.add_routes([web.get("/healthz", self.healthz), web.get("/metrics", self.metrics),
-                             web.get("/v1/stream", self.stream)])
-        self.app.on_startup.append(self._on_startup)
-        self.app.on_shutdown.append(self._on_shutdown)
-        self.app.on_cleanup.append(self._on_cleanup)
-        self._background: list[asyncio.Task] = []
-        self._tasks: set[asyncio.Task] = set()
+                             web.get("/v1/stream", self.stream),
+                             web.post("/v1/realtime/client_secrets", self.client_secrets)])
+        self.app.on_startup.append(self.on_startup)
+        self.app.on_shutdown.append(self.on_shutdown)
+        self.app.on_cleanup.append(self.on_cleanup)
+        self.background: list[asyncio.Task] = []
         self.ready = asyncio.Event()
 
     # ---- lifecycle ------------------------------------------------------------------------------------
-    async def _on_startup(self, app: web.Application) -> None:
-        self._background.append(asyncio.create_task(self._load_engine()))
-        self._background.append(asyncio.create_task(self._reaper()))
+    async def on_startup(self, app: web.Application) -> None:
+        self.background.append(asyncio.create_task(self.load_engine()))
+        self.background.append(asyncio.create_task(self.reaper()))
 
-    async def _load_engine(self) -> None:
+    async def load_engine(self) -> None:
         try:
-            engine = await asyncio.to_thread(self._load)
+            engine = await asyncio.to_thread(self.load)
         except Exception as e:
             self.load_error = e
-            log.error("streamserve: the model failed to load: %s", e)
+            if isinstance(e, StreamserveError):  # a typed, explained failure: no traceback needed
+                log.error("streamserve: the model failed to load: %s", e)
+            else:
+                log.exception("streamserve: the model failed to load")
             self.ready.set()
             return
-        c = self.config
-        self.registry = SessionRegistry(engine, c.resume_ttl, c.max_sessions_per_connection, c.max_chunk_tokens,
-                                        c.max_sessions)
+        self.service = SessionService(engine, self.config, self.session_defaults, self.step_tokens)
         reg = engine.metrics.registry
         self.server_metrics = ServerMetrics(
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),
@@ -99,120 +127,110 @@ class Server:
         self.ready.set()
         log.info("streamserve: serving %s", engine.name)
 
-    async def _reaper(self) -> None:
-        """Close detached sessions past their resume TTL, and forget sessions the engine closed."""
+    async def reaper(self) -> None:
         while True:
             await asyncio.sleep(REAP_SECONDS)
-            if self.registry is None:
+            if self.service is None:
                 continue
             try:
-                for entry in self.registry.expired():
-                    await asyncio.to_thread(entry.session.close)
+                await self.service.reap()
             except Exception:  # never let one bad close end the reaping
                 log.exception("streamserve: reaping sessions failed")
 
-    async def _on_shutdown(self, app: web.Application) -> None:
-        await asyncio.gather(*(self._say_goodbye(conn) for conn in list(self.connections)))
+    async def on_shutdown(self, app: web.Application) -> None:
+        await asyncio.gather(*(self.say_goodbye(conn) for conn in list(self.connections)))
 
-    async def _say_goodbye(self, conn: NativeConnection) -> None:
+    async def say_goodbye(self, conn: NativeConnection) -> None:
         """Tell a connection which sessions close, give it 2 s to read that, close it; cut it if it will not."""
-        if self.registry is not None:
-            for entry in self.registry.owned(conn):
-                conn.send_nowait({"type": "closed", "session": entry.session.id, "reason": "shutdown"})
+        if self.service is not None:
+            self.service.announce_shutdown(conn.ctx)
         try:
-            await asyncio.wait_for(conn.out.join(), 2.0)
-            await asyncio.wait_for(conn.close(P.CLOSE_GOING_AWAY, "server shutting down"), 2.0)
+            await conn.transport.drain(2.0)
+            await asyncio.wait_for(conn.transport.close(P.CLOSE_GOING_AWAY, "server shutting down"), 2.0)
         except Exception:  # a client that does not read: cut it
-            conn.abort()
+            conn.transport.abort()
 
-    def spawn(self, coro: Any) -> None:
-        """A task of the server's (not of one connection): it outlives the connection that started it."""
-        task = asyncio.create_task(coro)
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
-
-    async def deliver(self, session_id: str, message: dict[str, Any]) -> None:
-        """Send a chunk's result to whichever connection holds its session now (none while detached)."""
-        entry = self.registry.find(session_id) if self.registry is not None else None
-        if entry is None:
-            return
-        entry.recent.append(message)  # sent again to a connection that resumes the session
-        owner = entry.owner
-        if owner is not None:
-            await owner.send(message)
-
-    async def _on_cleanup(self, app: web.Application) -> None:
-        for t in [*self._background, *self._tasks]:
+    async def on_cleanup(self, app: web.Application) -> None:
+        for t in self.background:
             t.cancel()
-        if self.engine is not None:
-            for entry in self.registry.all():
-                self.registry.remove(entry.session.id)
-                await asyncio.to_thread(entry.session.close)
-            await asyncio.to_thread(self.engine.shutdown)
+        if self.service is not None:
+            await self.service.shutdown()
 
-    # ---- helpers --------------------------------------------------------------------------------------
-    def authorized(self, request: web.Request) -> bool:
-        if self.config.api_key is None:
-            return True
-        given = request.headers.get("Authorization", "")
-        expected = f"Bearer {self.config.api_key}"
-        return hmac.compare_digest(given.encode(), expected.encode())
+    # ---- auth -----------------------------------------------------------------------------------------
+    def credential(self, request: web.Request) -> str | None:
+        given = bearer(request.headers.get("Authorization"))
+        return given if given is not None else split_protocols(request.headers.get("Sec-WebSocket-Protocol"))[0]
 
-    def hello(self) -> dict[str, Any]:
-        e, c = self.engine, self.config
-        assert e is not None
-        return {"type": "hello", "protocol": P.PROTOCOL_VERSION, "server": f"streamserve {__version__}",
-                "model": e.name, "architecture": e.config.architecture, "modalities": ["text"],
-                "vocab_size": e.config.vocab_size, "max_context": e.config.max_position_embeddings,
-                "limits": {"max_frame_bytes": c.max_frame_bytes, "max_chunk_tokens": c.max_chunk_tokens,
-                           "max_sessions": c.max_sessions_per_connection,
-                           "messages_per_second": c.messages_per_second, "resume_ttl_s": c.resume_ttl,
-                           "max_reply_tokens": c.max_reply_tokens}}
+    def grant(self, request: web.Request) -> Grant | None:
+        return self.auth.grant_for(self.credential(request))
 
-    def check_sampling(self, params: dict[str, Any]) -> dict[str, Any]:
-        """Reply parameters within the engine's ranges and the server's max_reply_tokens (checked where they
-        are given: `open` and `configure` too, so a session's defaults are always usable)."""
-        d, limit = SAMPLING_DEFAULTS, self.config.max_reply_tokens
-        max_tokens = params.get("max_tokens", min(d.max_tokens, limit))
-        check_sampling(max_tokens, params.get("temperature", d.temperature), params.get("top_p", d.top_p),
-                       params.get("top_k", d.top_k))
-        check_seed(params.get("seed"))
-        check_stop(params.get("stop"))
-        if max_tokens > limit:
-            raise InvalidInputError(f"max_tokens {max_tokens} is over this server's limit of {limit}")
-        return {**params, "max_tokens": max_tokens}
+    @web.middleware
+    async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
+        """Every request: a browser page from a foreign origin is refused first; a failure that is not a typed
+        answer becomes `internal_error` + request id (the traceback goes to the log, not the client)."""
+        if not origin_allowed(request.headers.get("Origin"), request.host, self.origins):
+            return error_response(403, "origin_not_allowed", "this origin may not use this server "
+                                  "(the server's --allowed-origins)")
+        try:
+            return await handler(request)
+        except web.HTTPException:
+            raise  # aiohttp's own answers (404, 405, 413): fixed texts, no detail
+        except Exception as e:
+            err = service_error(e)
+            return error_response(500, err.code, err.message, request_id=err.request_id)
 
     # ---- routes ---------------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
         if self.load_error is not None:
-            return web.json_response({"status": "failed", "error": str(self.load_error)}, status=500)
+            return web.json_response({"status": "failed"}, status=503)
         if self.engine is None:
             return web.json_response({"status": "loading"}, status=503)
-        st = self.engine.stats()
-        return web.json_response({"status": "ok", "model": st["model"], "device": st["device"],
-                                  "sessions_open": st["sessions_open"], "connections": len(self.connections),
-                                  "uptime_s": round(time.monotonic() - self.started, 1)})
+        if not self.auth.required or self.grant(request) is not None:
+            st = self.engine.stats()
+            return web.json_response({"status": "ok", "model": st["model"], "device": st["device"],
+                                      "sessions_open": st["sessions_open"], "connections": len(self.connections),
+                                      "uptime_s": round(time.monotonic() - self.started, 1)})
+        return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if not self.authorized(request):
-            return _unauthorized()
+        if self.grant(request) is None:
+            return unauthorized()
         if self.engine is None:
             return web.Response(status=503, text="loading\n")
         return web.Response(body=self.engine.metrics.exposition(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
+    async def client_secrets(self, request: web.Request) -> web.Response:
+        """Minted with the API key only (a client secret cannot mint more)."""
+        if self.auth.required and not self.auth.is_api_key(bearer(request.headers.get("Authorization"))):
+            return openai_error(401, "invalid_api_key", "send 'Authorization: Bearer <api key>'")
+        try:
+            body = await request.json() if request.can_read_body else {}
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return openai_error(400, "invalid_json", "the body must be a JSON object")
+        status, answer = mint_client_secret(self.auth, body, self.engine.name if self.engine else None)
+        return web.json_response(answer, status=status)
+
     async def stream(self, request: web.Request) -> web.StreamResponse:
-        if not self.authorized(request):
-            return _unauthorized()
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, heartbeat=20.0)
+        grant = self.grant(request)
+        if grant is None:
+            return unauthorized()
+        offered = split_protocols(request.headers.get("Sec-WebSocket-Protocol"))[1]
+        # compress=False: no permessage-deflate (media frames do not compress; it costs CPU and memory per
+        # connection). protocols: echo a non-secret protocol the client offered, never a key.
+        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, heartbeat=20.0, compress=False,
+                                   protocols=tuple(offered))
         await ws.prepare(request)
-        if self.engine is None:
+        if self.service is None or self.server_metrics is None:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"the model is still loading; retry shortly")
             return ws
         if len(self.connections) >= self.config.max_connections:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"too many connections; retry later")
             return ws
-        conn = NativeConnection(self, ws, request.transport)
+        c = self.config
+        transport = Transport(WebSocketChannel(ws, request.transport),
+                              RateLimiter(c.messages_per_second, c.bytes_per_second))
+        conn = NativeConnection(self.service, transport, grant, self.server_metrics.messages)
         self.connections.add(conn)
         try:
             await conn.run()
@@ -221,10 +239,24 @@ class Server:
         return ws
 
 
-def _unauthorized() -> web.Response:
-    return web.json_response({"type": "error", "code": "unauthorized",
-                              "message": "send 'Authorization: Bearer <api key>'"}, status=401,
-                             headers={"WWW-Authenticate": "Bearer"})
+def error_response(status: int, code: str, message: str, request_id: str | None = None,
+                   headers: dict[str, str] | None = None) -> web.Response:
+    body: dict[str, Any] = {"type": "error", "code": code, "message": message}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return web.json_response(body, status=status, headers=headers)
+
+
+def unauthorized() -> web.Response:
+    return error_response(401, "unauthorized", "send 'Authorization: Bearer <api key or client secret>', or "
+                          "the WebSocket subprotocol 'openai-insecure-api-key.<key or secret>'",
+                          headers={"WWW-Authenticate": "Bearer"})
+
+
+def openai_error(status: int, code: str, message: str) -> web.Response:
+    kind = "authentication_error" if status == 401 else "invalid_request_error"
+    return web.json_response({"error": {"message": message, "type": kind, "code": code, "param": None}},
+                             status=status)
 
 
 def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None) -> Callable[[], Engine]:
@@ -242,8 +274,7 @@ async def start(server: Server) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, server.config.host, server.config.port)
     await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    return runner, port
+    return runner, runner.addresses[0][1]
 
 
 def run(server: Server, announce: Callable[[str], None] = print) -> None:

@@ -154,7 +154,7 @@ class _Fields:
         return ProtocolError("bad_message", f"{self.obj.get('type')}: {message}", request_id=self.request_id,
                              session=self.session, seq=seq)
 
-    def _get(self, key: str, required: bool) -> Any:
+    def get_field(self, key: str, required: bool) -> Any:
         self.seen.add(key)
         v = self.obj.get(key)
         if v is None and required:
@@ -162,20 +162,20 @@ class _Fields:
         return v
 
     def text(self, key: str, required: bool = False, max_chars: int | None = None) -> str | None:
-        v = self._get(key, required)
+        v = self.get_field(key, required)
         if v is not None and (not isinstance(v, str) or (max_chars is not None and len(v) > max_chars)):
             raise self.error(f"{key} must be a string" + (f" of at most {max_chars} characters" if max_chars else ""))
         return v
 
     def integer(self, key: str, minimum: int | None = None) -> int | None:
-        v = self._get(key, False)
+        v = self.get_field(key, False)
         if v is not None and (not _is_int(v) or (minimum is not None and v < minimum) or abs(v) > MAX_INT):
             raise self.error(f"{key} must be an integer" + (f" >= {minimum}" if minimum is not None else "")
                              + " below 2**63")
         return v
 
     def number(self, key: str, positive: bool = False) -> float | None:
-        v = self._get(key, False)
+        v = self.get_field(key, False)
         if v is None:
             return None
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or (positive and v <= 0):
@@ -183,26 +183,26 @@ class _Fields:
         return float(v)
 
     def choice(self, key: str, options: tuple[str, ...]) -> str | None:
-        v = self._get(key, False)
+        v = self.get_field(key, False)
         if v is not None and v not in options:
             raise self.error(f"{key} must be one of {list(options)}, got {v!r}")
         return v
 
     def int_list(self, key: str) -> list[int] | None:
-        v = self._get(key, False)
+        v = self.get_field(key, False)
         if v is not None and (not isinstance(v, list) or len(v) > MAX_TOKEN_LIST or not all(_is_int(i) for i in v)):
             raise self.error(f"{key} must be a list of at most {MAX_TOKEN_LIST} integers")
         return v
 
     def raw(self, key: str) -> Any:
-        return self._get(key, False)
+        return self.get_field(key, False)
 
     def sampling_fields(self, obj: dict[str, Any] | None = None) -> dict[str, Any]:
         sub = _Fields(obj, self.request_id) if obj is not None else self
         sub.session = self.session
         out = {"max_tokens": sub.integer("max_tokens"), "temperature": sub.number("temperature"),
                "top_p": sub.number("top_p"), "top_k": sub.integer("top_k"), "seed": sub.integer("seed")}
-        stop = sub._get("stop", False)
+        stop = sub.get_field("stop", False)
         if stop is not None and (not isinstance(stop, list) or len(stop) > MAX_STOP_STRINGS
                                  or not all(isinstance(s, str) for s in stop)):
             raise self.error(f"stop must be a list of at most {MAX_STOP_STRINGS} strings")
@@ -212,7 +212,7 @@ class _Fields:
         return {k: v for k, v in out.items() if v is not None}
 
     def sampling(self, key: str) -> dict[str, Any] | None:
-        v = self._get(key, False)
+        v = self.get_field(key, False)
         if v is None:
             return None
         if not isinstance(v, dict):

@@ -10,7 +10,8 @@ chunks stay in its entry and are sent again to whoever resumes it, so a client l
 chunk it was waiting for, whether its ack was lost with the old connection or came while none held it. After the
 TTL, a detached session is closed and its pages come back. The server holds at most `max_total`
 sessions, open and detached together: when full, the oldest detached session makes room, and when
-none is detached, `open` is refused. Thread-safe: `open` runs in a worker thread.
+none is detached, `open` is refused. Thread-safe: `open` runs in a worker thread. Owned by the session
+service (server/service.py); an owner is whatever object stands for one connection there.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from typing import Any
 
 from streamserve.engine import Engine, Session
 from streamserve.errors import SessionNotFoundError, StreamserveError
+from streamserve.server.results import ChunkResult
 
 RECENT_RESULTS = 64  # chunk results kept per session for a resume (>= the engine's queue bound per session)
 
@@ -44,7 +46,9 @@ class Entry:
     owner: Any  # the connection holding it; None while detached
     detached_at: float | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # reply defaults from open / configure
-    recent: deque[dict[str, Any]] = field(default_factory=lambda: deque(maxlen=RECENT_RESULTS))  # latest acks
+    reserved_pages: int = 0  # counted against the owner's page quota (the session's page_cap)
+    # the latest chunk results, neutral: whichever protocol resumes the session renders them
+    recent: deque[ChunkResult] = field(default_factory=lambda: deque(maxlen=RECENT_RESULTS))
 
 
 class SessionRegistry:
@@ -66,7 +70,7 @@ class SessionRegistry:
         with self._lock:
             return list(self._entries.values())
 
-    def open(self, owner: Any, sampling: dict[str, Any] | None, **session_kw: Any) -> Entry:
+    def open(self, owner: Any, sampling: dict[str, Any] | None, reserved_pages: int = 0, **session_kw: Any) -> Entry:
         """A new session held by `owner` (blocking: run it off the event loop)."""
         with self._lock:
             if sum(1 for e in self._entries.values() if e.owner is owner) >= self.max_per_owner:
@@ -83,7 +87,8 @@ class SessionRegistry:
             evict.session.close()  # the oldest detached session makes room
         s = self.engine.open_session(**session_kw)
         s.max_chunk_tokens = self.max_chunk_tokens
-        entry = Entry(s, secrets.token_urlsafe(32), owner, sampling=dict(sampling or {}))
+        entry = Entry(s, secrets.token_urlsafe(32), owner, sampling=dict(sampling or {}),
+                      reserved_pages=reserved_pages)
         with self._lock:
             self._entries[s.id] = entry
         return entry

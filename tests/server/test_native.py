@@ -264,9 +264,10 @@ def test_sync_client_and_dropped_sessions_expire_after_the_ttl(served: RunningSe
     s.append(text="In the beginning")
     c._loop.call_soon_threadsafe(c._client._ws.transport.abort)
     deadline = time.monotonic() + 15
-    while served.server.registry.all() and time.monotonic() < deadline:
+    while served.server.service.registry.all() and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not served.server.registry.all() and sid not in [e.session.id for e in served.server.registry.all()]
+    registry = served.server.service.registry
+    assert not registry.all() and sid not in [e.session.id for e in registry.all()]
     assert served.engine.stats()["sessions_open"] == 0 and served.engine.stats()["kv_pages_used"] == 0
     c._stop()
 

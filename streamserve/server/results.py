@@ -1,0 +1,205 @@
+"""What the session service answers, protocol-neutral: plain dataclasses that each protocol adapter renders
+in its own wire format (server/native.py: msgpack maps). No aiohttp, no msgpack, no torch here.
+
+Direct answers (`Opened`, `Rewound`, `Configured`, `Closed`, `Stats`) are returned by the service call;
+asynchronous ones (`ChunkResult`, `ReplyDelta`, `ReplyDone`, `ServiceError` for a session moved or
+closed by the server) reach the connection holding the session through its `ResultListener`.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from streamserve.errors import InvalidInputError, StepError, StreamserveError
+
+log = logging.getLogger("streamserve.server")
+
+INTERNAL_ERROR = "internal_error"
+
+
+@dataclass(frozen=True)
+class ServiceError:
+    """A typed error for the client: a stable `code`, a message written for clients, and where they apply the
+    session and chunk it concerns. `request_id` ties an internal error to the server log's traceback."""
+
+    code: str
+    message: str
+    session: str | None = None
+    seq: int | None = None
+    fatal: bool = False
+    request_id: str | None = None
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_frame_bytes: int
+    max_chunk_tokens: int
+    max_sessions: int
+    messages_per_second: float
+    bytes_per_second: float
+    resume_ttl_s: float
+    max_reply_tokens: int
+    max_window: int
+    max_pages: int | None
+    max_queued_tokens: int | None
+    min_deadline_ms: float
+
+
+@dataclass(frozen=True)
+class ServerInfo:
+    model: str
+    architecture: str
+    vocab_size: int
+    max_context: int
+    modalities: tuple[str, ...]
+    limits: Limits
+
+
+@dataclass(frozen=True)
+class Opened:
+    session: str
+    resume_token: str
+    resumed: bool
+    next_seq: int
+    tokens: int  # the session's length
+    window: int | None
+    sinks: int
+    positions: str
+    chunk_budget_ms: float
+    reserved_pages: int | None  # what the session counts against its connection's page quota
+
+
+@dataclass(frozen=True)
+class ChunkResult:
+    """The fate of one appended chunk: an ack (the chunk is in the KV cache, or was shed) or an error."""
+
+    session: str
+    seq: int | None
+    capture_time: float | None
+    tokens: int = 0
+    queue_ms: float = 0.0
+    compute_ms: float = 0.0
+    deadline_missed: bool = False
+    shed: bool = False
+    error: ServiceError | None = None
+
+
+@dataclass(frozen=True)
+class ReplyDelta:
+    session: str
+    response: str
+    text: str
+    token_ids: list[int]
+
+
+@dataclass(frozen=True)
+class ReplyDone:
+    session: str
+    response: str
+    reason: str  # length, stop, context, cancelled, closed, error
+    usage: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Rewound:
+    session: str
+    tokens: int
+    next_seq: int
+
+
+@dataclass(frozen=True)
+class Configured:
+    session: str
+    sampling: dict[str, Any]
+    chunk_budget_ms: float
+
+
+@dataclass(frozen=True)
+class Closed:
+    session: str
+    reason: str  # client, shutdown
+
+
+@dataclass(frozen=True)
+class Stats:
+    engine: dict[str, Any] = field(default_factory=dict)  # the engine's public figures
+    connection_sessions: int = 0
+    connection_pages_reserved: int = 0
+    connection_queued_tokens: int = 0
+
+
+Pushed = ChunkResult | ReplyDelta | ReplyDone | ServiceError | Closed
+
+
+class ResultListener(Protocol):
+    """What the service needs of a connection: a way to push results it did not ask for right now."""
+
+    async def push(self, result: Pushed) -> None:
+        """Deliver a result; may wait while the connection's outgoing queue is full (backpressure)."""
+
+    def push_nowait(self, result: Pushed) -> bool:
+        """Best effort, never waits: False when the client is too far behind."""
+
+
+# ---- the service's own typed errors --------------------------------------------------------------------
+class QuotaExceededError(StreamserveError):
+    """Over one of this connection's quotas (KV pages reserved, tokens queued); nothing was taken."""
+
+    code = "quota_exceeded"
+
+
+class WindowTooLargeError(InvalidInputError):
+    """window + sinks over the model's context or the server's --max-window."""
+
+    code = "window_too_large"
+
+
+class UnsupportedModalityError(StreamserveError):
+    code = "unsupported_modality"
+
+
+class ClientSecretScopeError(StreamserveError):
+    """A client secret authenticates one session: the first one opened with it (and resumes of it)."""
+
+    code = "client_secret_used"
+
+
+def service_error(e: BaseException, session: str | None = None, seq: int | None = None) -> ServiceError:
+    """Any exception -> what the client may see. Typed errors keep their message (written for clients),
+    except those that carry an internal exception's text (`StepError`, `internal_error`): those, like any
+    untyped exception, become `internal_error` with a random request id, logged here with the detail."""
+    if isinstance(e, StreamserveError) and not isinstance(e, StepError) and e.code != INTERNAL_ERROR:
+        return ServiceError(e.code, str(e), session, seq)
+    request_id = secrets.token_hex(8)
+    log.error("streamserve: request %s failed (session %s, seq %s)", request_id, session, seq, exc_info=e)
+    if isinstance(e, StepError):  # the session was closed by the engine; the cause is in the log only
+        return ServiceError(e.code, f"the engine failed on this session's step and closed it (request id "
+                                    f"{request_id})", session, seq, request_id=request_id)
+    return ServiceError(INTERNAL_ERROR, f"internal server error (request id {request_id}; the server log has "
+                                        "the detail)", session, seq, request_id=request_id)
+
+
+# ---- what the service is asked, protocol-neutral ---------------------------------------------------------
+@dataclass(frozen=True)
+class OpenRequest:
+    window: int | None = None  # None: the server's session default
+    sinks: int | None = None
+    positions: str | None = None
+    drafter: str | None = None
+    chunk_budget_ms: float | None = None
+    sampling: dict[str, Any] | None = None  # reply defaults
+
+
+@dataclass(frozen=True)
+class AppendRequest:
+    seq: int | None = None
+    capture_time: float | None = None  # the client's clock: echoed in the result
+    deadline_ms: float | None = None  # from arrival; raised to the server's floor
+    kind: str = "text"
+    text: str | None = None
+    token_ids: list[int] | None = None
+    audio: Any = None
+    image: Any = None

@@ -1,0 +1,349 @@
+"""The session service: every session operation a front end offers, protocol-neutral.
+
+Protocol adapters (server/native.py; later OpenAI Realtime, openpi) decode their frames into calls on
+this service and render what it returns (server/results.py). It owns the registry of resumable sessions,
+the limits and quotas (checked before anything is taken), sampling checks and the client-secret scope.
+It never waits for the model on the event loop: operations that take the engine lock (open, rewind,
+close) run on a small executor of their own, long texts are tokenized on another, so a burst of long
+texts can never delay an open or a close.
+
+Per connection (`ClientContext`): the sessions it holds (the registry), the KV pages their page caps
+reserve (`max_pages_per_connection`), the tokens it submitted that are not acked yet
+(`max_queued_tokens_per_connection`), its reply-forwarding tasks, and its authorization (`Grant`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+from streamserve.config import SAMPLING_DEFAULTS, SCHEDULER_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
+from streamserve.engine import Engine, Session
+from streamserve.engine.sampling import check_sampling, check_seed, check_stop
+from streamserve.errors import ChunkTooLargeError, InvalidInputError
+from streamserve.server.auth import Grant
+from streamserve.server.registry import Entry, SessionRegistry
+from streamserve.server.results import (
+    AppendRequest,
+    ChunkResult,
+    Closed,
+    Configured,
+    Limits,
+    Opened,
+    OpenRequest,
+    QuotaExceededError,
+    ReplyDelta,
+    ReplyDone,
+    ResultListener,
+    Rewound,
+    ServerInfo,
+    ServiceError,
+    Stats,
+    UnsupportedModalityError,
+    WindowTooLargeError,
+    service_error,
+)
+
+log = logging.getLogger("streamserve.server")
+
+MAX_PENDING_ACKS = 256  # appends in flight per connection; past it the adapter's read loop waits (backpressure)
+CHARS_PER_TOKEN = 32  # text longer than max_chunk_tokens times this is refused before tokenizing
+INLINE_TOKENIZE_CHARS = 512  # longer text is tokenized on the tokenizer executor, not on the event loop
+ENGINE_WORKERS = 4  # threads for calls that wait for the engine lock (open, rewind, close)
+TOKENIZE_WORKERS = 2
+STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_pages_total", "steps",
+              "queued_chunks", "queued_tokens", "responding", "chunks_shed", "decode_tokens_per_s")
+
+
+def session_window(s: Session) -> tuple[int | None, int, str]:
+    """(window, sinks, position mode) of a session. The one place that knows where the engine keeps them."""
+    policy = getattr(s, "policy", None) or s.kv.policy
+    return policy.window, policy.sinks, str(policy.mode)
+
+
+class ClientContext:
+    """One connection's standing with the service."""
+
+    def __init__(self, listener: ResultListener, grant: Grant) -> None:
+        self.listener, self.grant = listener, grant
+        self.tasks: set[asyncio.Task] = set()  # reply forwarders: cancelled when the connection ends
+        self.pending_acks = asyncio.Semaphore(MAX_PENDING_ACKS)
+        self.queued_tokens = 0  # submitted, not acked yet, over all its sessions
+        self.opening_pages = 0  # reserved by opens still in flight
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+
+class SessionService:
+    def __init__(self, engine: Engine, config: ServerConfig, session_defaults: SessionConfig = SESSION_DEFAULTS,
+                 step_tokens: int = SCHEDULER_DEFAULTS.step_tokens) -> None:
+        self.engine, self.config, self.defaults = engine, config, session_defaults
+        self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
+        self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
+                                        config.max_chunk_tokens, config.max_sessions)
+        self.engine_executor = ThreadPoolExecutor(ENGINE_WORKERS, thread_name_prefix="streamserve-engine")
+        self.tokenize_executor = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="streamserve-tokenize")
+        self.tasks: set[asyncio.Task] = set()  # the service's own: acks follow their session to a resume
+
+    # ---- what the server is --------------------------------------------------------------------------
+    def info(self) -> ServerInfo:
+        e, c = self.engine, self.config
+        return ServerInfo(e.name, e.config.architecture, e.config.vocab_size, e.config.max_position_embeddings,
+                          ("text",), Limits(
+                              c.max_frame_bytes, c.max_chunk_tokens, c.max_sessions_per_connection,
+                              c.messages_per_second, c.bytes_per_second, c.resume_ttl, c.max_reply_tokens,
+                              self.max_window(), c.max_pages_per_connection, c.max_queued_tokens_per_connection,
+                              c.min_deadline_ms))
+
+    def max_window(self) -> int:
+        """The largest window + sinks a session may ask for."""
+        return min(self.config.max_window, self.engine.config.max_position_embeddings)
+
+    async def run_engine(self, fn: Any, *args: Any, **kw: Any) -> Any:
+        """A call that may wait for the engine lock, off the event loop, on the engine executor."""
+        return await asyncio.get_running_loop().run_in_executor(self.engine_executor, lambda: fn(*args, **kw))
+
+    def spawn(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self.tasks.add(task)
+        task.add_done_callback(self.tasks.discard)
+
+    # ---- connections -----------------------------------------------------------------------------------
+    def connect(self, listener: ResultListener, grant: Grant) -> ClientContext:
+        return ClientContext(listener, grant)
+
+    def disconnect(self, ctx: ClientContext) -> None:
+        """The connection ended: its reply forwarders stop, its sessions wait for a resume."""
+        for t in list(ctx.tasks):
+            t.cancel()
+        self.registry.detach_all(ctx)
+
+    def held(self, ctx: ClientContext) -> list[str]:
+        return [e.session.id for e in self.registry.owned(ctx)]
+
+    def reserved_pages(self, ctx: ClientContext) -> int:
+        return sum(e.reserved_pages for e in self.registry.owned(ctx)) + ctx.opening_pages
+
+    # ---- checks ------------------------------------------------------------------------------------------
+    def check_sampling(self, params: dict[str, Any]) -> dict[str, Any]:
+        """Reply parameters within the engine's ranges and the server's max_reply_tokens (checked where they
+        are given: `open` and `configure` too, so a session's defaults are always usable)."""
+        d, limit = SAMPLING_DEFAULTS, self.config.max_reply_tokens
+        max_tokens = params.get("max_tokens", min(d.max_tokens, limit))
+        check_sampling(max_tokens, params.get("temperature", d.temperature), params.get("top_p", d.top_p),
+                       params.get("top_k", d.top_k))
+        check_seed(params.get("seed"))
+        check_stop(params.get("stop"))
+        if max_tokens > limit:
+            raise InvalidInputError(f"max_tokens {max_tokens} is over this server's limit of {limit}")
+        return {**params, "max_tokens": max_tokens}
+
+    def floor_ms(self, ms: float) -> float:
+        """Client deadlines below --min-deadline-ms are raised to it: a 0 ms deadline cannot jump the queue."""
+        return max(ms, self.config.min_deadline_ms)
+
+    def page_reservation(self, window: int | None, sinks: int, page_cap: int | None) -> int:
+        """The most KV pages a session can ever hold. With a window: the sinks' pages, plus the window and
+        one step's tokens (the pages outside the window go back only after the step), plus one for page
+        alignment. Without: the model's context. The session's own page_cap lowers either."""
+        size = self.engine.pool.page_size
+        if window is not None:
+            pages = math.ceil(sinks / size) + math.ceil((window + self.step_tokens) / size) + 1
+        else:
+            pages = math.ceil(self.engine.config.max_position_embeddings / size)
+        return pages if page_cap is None else min(pages, page_cap)
+
+    # ---- session operations -----------------------------------------------------------------------------
+    async def open(self, ctx: ClientContext, req: OpenRequest) -> Opened:
+        d = self.defaults
+        window = req.window if req.window is not None else d.window
+        sinks = req.sinks if req.sinks is not None else d.sinks
+        if window is not None and window + sinks > self.max_window():
+            raise WindowTooLargeError(f"window + sinks = {window + sinks} is over this server's limit of "
+                                      f"{self.max_window()} tokens (the model's context and --max-window)")
+        budget_ms = req.chunk_budget_ms if req.chunk_budget_ms is not None else d.chunk_budget * 1e3
+        sampling = self.check_sampling(req.sampling or {})
+        pages = self.page_reservation(window, sinks, d.page_cap)
+        quota = self.config.max_pages_per_connection
+        if quota is not None and self.reserved_pages(ctx) + pages > quota:
+            raise QuotaExceededError(f"a session with window {window} needs {pages} KV pages reserved; this "
+                                     f"connection has {quota - self.reserved_pages(ctx)} of its {quota} left "
+                                     "(close a session, or open with a smaller window)")
+        kw: dict[str, Any] = {"window": window, "sinks": sinks, "positions": req.positions or d.positions,
+                              "page_cap": pages, "chunk_budget": self.floor_ms(budget_ms) / 1e3}
+        if req.drafter is not None:
+            kw["drafter"] = req.drafter
+        ctx.grant.claim_open()
+        ctx.opening_pages += pages
+        entry = None
+        try:
+            entry = await self.run_engine(self.registry.open, ctx, sampling, reserved_pages=pages, **kw)
+        finally:
+            ctx.opening_pages -= pages
+            ctx.grant.opened(entry.session.id if entry is not None else None)
+        return self.opened(entry, resumed=False)
+
+    def opened(self, e: Entry, resumed: bool) -> Opened:
+        s = e.session
+        window, sinks, mode = session_window(s)
+        return Opened(s.id, e.resume_token, resumed, s.next_seq, len(s.token_ids), window, sinks, mode,
+                      s.chunk_budget * 1e3, e.reserved_pages)
+
+    async def resume(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:
+        """-> (the session, the results of its latest chunks, sent again for the client to pick from)."""
+        ctx.grant.check_resume(session_id)
+        found = self.registry.find(session_id)
+        quota = self.config.max_pages_per_connection
+        if found is not None and found.owner is not ctx and quota is not None \
+                and self.reserved_pages(ctx) + found.reserved_pages > quota:
+            raise QuotaExceededError(f"resuming this session needs {found.reserved_pages} KV pages of this "
+                                     f"connection's quota of {quota}; {quota - self.reserved_pages(ctx)} are left")
+        entry, previous = self.registry.resume(ctx, session_id, token)
+        if previous is not None:  # taken over from a connection that has not noticed it is gone
+            previous.listener.push_nowait(ServiceError("session_moved", "another connection resumed this session",
+                                                       session=session_id))
+        return self.opened(entry, resumed=True), list(entry.recent)
+
+    async def append(self, ctx: ClientContext, session_id: str, req: AppendRequest) -> None:
+        """Queue a chunk; its ChunkResult reaches whichever connection holds the session when it is done.
+        Refusals (limits, quotas, bad input) raise here, before anything is queued."""
+        s = self.registry.get(ctx, session_id).session
+        if req.audio is not None or req.image is not None:
+            raise UnsupportedModalityError(f"this server accepts text and token_ids; {self.engine.name} has no "
+                                           "audio or vision input yet")
+        limit = self.config.max_chunk_tokens
+        too_many = req.token_ids is not None and len(req.token_ids) > limit
+        too_long = req.text is not None and len(req.text) > limit * CHARS_PER_TOKEN
+        if too_many or too_long:
+            raise ChunkTooLargeError(f"this chunk is over the limit of {limit} tokens per chunk; split it")
+        long_text = req.text is not None and len(req.text) > INLINE_TOKENIZE_CHARS
+        n_tokens = await self.count_tokens(req, long_text)
+        cap = self.config.max_queued_tokens_per_connection
+        if cap is not None and ctx.queued_tokens + n_tokens > cap:
+            raise QuotaExceededError(f"this connection has {ctx.queued_tokens} tokens queued and not yet in the KV "
+                                     f"cache; {n_tokens} more would pass its limit of {cap}: wait for acks")
+        now = time.monotonic()
+        deadline = None if req.deadline_ms is None else now + self.floor_ms(req.deadline_ms) / 1e3
+        kw = {"text": req.text, "token_ids": req.token_ids, "seq": req.seq, "capture_time": now,
+              "deadline": deadline, "kind": req.kind or "text"}
+        await ctx.pending_acks.acquire()  # too many in flight: the adapter stops reading until acks go out
+        try:
+            if long_text:  # tokenizing it on the event loop would stall every connection
+                fut = await asyncio.get_running_loop().run_in_executor(self.tokenize_executor,
+                                                                       lambda: s.submit_chunk(**kw))
+            else:
+                fut = s.submit_chunk(**kw)
+        except BaseException:
+            ctx.pending_acks.release()
+            raise
+        ctx.queued_tokens += n_tokens
+        self.spawn(self.finish_chunk(ctx, s.id, req, n_tokens, fut))
+
+    async def count_tokens(self, req: AppendRequest, long_text: bool) -> int:
+        """Tokens a chunk adds, for the queued-token quota (text: its tokens without special tokens; the
+        engine counts exactly when it tokenizes, the quota needs to know before)."""
+        if req.text is None or self.config.max_queued_tokens_per_connection is None:
+            return len(req.token_ids or ())
+        if not long_text:
+            return len(self.engine.tokenizer.encode(req.text, add_special_tokens=False))
+        return len(await asyncio.get_running_loop().run_in_executor(
+            self.tokenize_executor, lambda: self.engine.tokenizer.encode(req.text, add_special_tokens=False)))
+
+    async def finish_chunk(self, ctx: ClientContext, session_id: str, req: AppendRequest, n_tokens: int,
+                           fut: Future) -> None:
+        try:
+            try:
+                ack = await asyncio.wrap_future(fut)
+                result = ChunkResult(session_id, ack.seq, req.capture_time, ack.tokens, round(ack.queue_ms, 3),
+                                     round(ack.compute_ms, 3), ack.deadline_missed, ack.shed)
+            except Exception as e:
+                result = ChunkResult(session_id, req.seq, req.capture_time, error=service_error(e, session_id,
+                                                                                                req.seq))
+            await self.deliver(result)
+        finally:
+            ctx.queued_tokens -= n_tokens
+            ctx.pending_acks.release()
+
+    async def deliver(self, result: ChunkResult) -> None:
+        """A chunk's result goes to whichever connection holds its session now (none while detached) and is
+        kept for a resume."""
+        entry = self.registry.find(result.session)
+        if entry is None:
+            return
+        entry.recent.append(result)
+        if entry.owner is not None:
+            await entry.owner.listener.push(result)
+
+    def respond(self, ctx: ClientContext, session_id: str, params: dict[str, Any]) -> None:
+        """Start a reply; its ReplyDeltas and ReplyDone reach this connection."""
+        entry = self.registry.get(ctx, session_id)
+        params = self.check_sampling({**entry.sampling, **params})
+        stop = params.pop("stop", None)
+        stream = entry.session.stream(**params, stop=stop)
+        ctx.spawn(self.forward(ctx, stream, session_id))
+
+    async def forward(self, ctx: ClientContext, stream: Any, session_id: str) -> None:
+        try:
+            async for d in stream:
+                await ctx.listener.push(ReplyDelta(session_id, stream.id, d.text, d.token_ids))
+            reason = stream.finish_reason
+        except Exception as e:
+            await ctx.listener.push(service_error(e, session_id))
+            reason = "error"
+        await ctx.listener.push(ReplyDone(session_id, stream.id, reason, stream.usage))
+
+    def cancel(self, ctx: ClientContext, session_id: str) -> None:
+        self.registry.get(ctx, session_id).session.cancel()
+
+    async def rewind(self, ctx: ClientContext, session_id: str, to: int | None, to_seq: int | None) -> Rewound:
+        s = self.registry.get(ctx, session_id).session
+        n = await self.run_engine(s.rewind, to, to_seq)
+        return Rewound(s.id, n, s.next_seq)
+
+    def configure(self, ctx: ClientContext, session_id: str, sampling: dict[str, Any] | None,
+                  chunk_budget_ms: float | None) -> Configured:
+        entry = self.registry.get(ctx, session_id)
+        if sampling is not None:
+            entry.sampling = self.check_sampling({**entry.sampling, **sampling})
+        if chunk_budget_ms is not None:
+            entry.session.chunk_budget = self.floor_ms(chunk_budget_ms) / 1e3
+        return Configured(session_id, entry.sampling, entry.session.chunk_budget * 1e3)
+
+    async def close(self, ctx: ClientContext, session_id: str) -> Closed:
+        entry = self.registry.get(ctx, session_id)
+        self.registry.remove(session_id)  # its page reservation goes back to the connection with it
+        await self.run_engine(entry.session.close)
+        return Closed(session_id, "client")
+
+    def stats(self, ctx: ClientContext) -> Stats:
+        st = self.engine.stats()
+        return Stats({k: st[k] for k in STATS_KEYS}, len(self.registry.owned(ctx)), self.reserved_pages(ctx),
+                     ctx.queued_tokens)
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    async def reap(self) -> None:
+        """Close detached sessions past their resume TTL, and forget sessions the engine closed."""
+        for entry in self.registry.expired():
+            await self.run_engine(entry.session.close)
+
+    def announce_shutdown(self, ctx: ClientContext) -> None:
+        for entry in self.registry.owned(ctx):
+            ctx.listener.push_nowait(Closed(entry.session.id, "shutdown"))
+
+    async def shutdown(self) -> None:
+        """Close every session, stop the engine and the executors (the server's cleanup)."""
+        for t in list(self.tasks):
+            t.cancel()
+        for entry in self.registry.all():
+            self.registry.remove(entry.session.id)
+            await self.run_engine(entry.session.close)
+        await self.run_engine(self.engine.shutdown)
+        self.engine_executor.shutdown(wait=False)
+        self.tokenize_executor.shutdown(wait=False)
