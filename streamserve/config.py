@@ -91,7 +91,11 @@ class SchedulerConfig:
 
     step_tokens: int = field(default=256, metadata={
         "help": "input tokens one engine step runs at most (answering sessions' next tokens + parts of chunks): "
-                "bounds the inter-token latency of replies while chunks are being appended"})
+                "bounds the inter-token latency of replies while chunks are being appended, and how long a chunk "
+                "that arrives during a step waits for it (keep two steps within a chunk's deadline budget). "
+                "Appends share what decoding leaves by deficit round-robin: each appending session gets an "
+                "equal share, small chunks finish in one step, the rest goes to on-time chunks by deadline, "
+                "then to late ones (a session flooding long chunks falls behind and takes what is left)"})
     max_batch: int = field(default=64, metadata={"help": "sessions in one engine step at most"})
     min_append_tokens: int = field(default=32, metadata={
         "help": "tokens of every step kept for queued chunks, however many sessions are answering"})
