@@ -25,7 +25,8 @@ Qwen3-MoE trained on the King James Bible, so it continues text in KJV English.
 
 examples:
   streamserve serve                          # the server on 127.0.0.1:8000 (WebSocket /v1/stream)
-  streamserve serve --port 9000 --window 1024 --sinks 4 --api-key secret
+  streamserve serve --port 9000 --window 1024 --sinks 4 --api-key-file ./key.txt
+  STREAMSERVE_API_KEY=secret streamserve serve   # the key from the environment, not the command line
   streamserve generate --prompt "In the beginning" --max-tokens 40
   streamserve generate                       # interactive: each line continues one session
   streamserve generate --model ./Qwen3-30B-A3B --chat --temperature 0.7
@@ -59,7 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     serve = sub.add_parser("serve", help="serve the model: WebSocket streaming sessions, health, metrics",
                            description="Serve the model on one port: WS /v1/stream (the native msgpack protocol, "
-                                       "docs/protocol.md), GET /healthz, GET /metrics. --window/--sinks/"
+                                       "docs/protocol.md), GET /healthz, GET /metrics, POST "
+                                       "/v1/realtime/client_secrets (short-lived secrets for browsers). "
+                                       "--window/--sinks/"
                                        "--positions are the defaults of sessions that do not choose. "
                                        "SIGINT or SIGTERM shuts down gracefully.")
     add_config_args(serve, ServerConfig)
@@ -152,8 +155,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     server_cfg: ServerConfig = config_from_args(ServerConfig, args)
     engine_cfg: EngineConfig = config_from_args(EngineConfig, args)
-    server = Server(server_cfg, engine_loader(engine_cfg, config_from_args(SchedulerConfig, args)),
-                    config_from_args(SessionConfig, args))
+    scheduler_cfg: SchedulerConfig = config_from_args(SchedulerConfig, args)
+    server = Server(server_cfg, engine_loader(engine_cfg, scheduler_cfg), config_from_args(SessionConfig, args),
+                    step_tokens=scheduler_cfg.step_tokens)
     run(server, announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 

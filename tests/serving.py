@@ -1,12 +1,19 @@
-"""A real `streamserve serve` on a loopback port, in a thread of the test process."""
+"""A real `streamserve serve` on a loopback port, started in the running test's event loop.
+
+    async with serve(ServerConfig(...)) as srv:   # a server of its own for one test
+        ...
+
+Async fixtures (tests/server/conftest.py) share one per module where tests need no config of their own.
+"""
 
 from __future__ import annotations
 
 import asyncio
-import threading
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
-from typing import Any
+
+from aiohttp import web
 
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
@@ -14,17 +21,17 @@ from streamserve.server.app import Server, start
 
 
 class RunningServer:
-    def __init__(self, config: ServerConfig, load: Callable[[], Engine]) -> None:
-        self.server = Server(replace(config, host="127.0.0.1", port=0), load)
-        self.loop = asyncio.new_event_loop()
-        self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self.thread.start()
-        self.runner, self.port = self.call(start(self.server))
-        self.call(asyncio.wait_for(self.server.ready.wait(), 120))
-        assert self.server.engine is not None, self.server.load_error
+    def __init__(self, server: Server, runner: web.AppRunner, port: int) -> None:
+        self.server, self.runner, self.port = server, runner, port
+        self.stopped = False
 
-    def call(self, coro: Any) -> Any:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(120)
+    @classmethod
+    async def start(cls, config: ServerConfig, load: Callable[[], Engine]) -> RunningServer:
+        server = Server(replace(config, host="127.0.0.1", port=0), load)
+        runner, port = await start(server)
+        await asyncio.wait_for(server.ready.wait(), 120)
+        assert server.engine is not None, server.load_error
+        return cls(server, runner, port)
 
     @property
     def url(self) -> str:
@@ -39,10 +46,26 @@ class RunningServer:
         assert self.server.engine is not None
         return self.server.engine
 
-    def stop(self) -> None:
-        self.call(self.runner.cleanup())
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self.thread.join(10)
+    async def stop(self) -> None:
+        if not self.stopped:
+            self.stopped = True
+            await self.runner.cleanup()
+
+
+@contextlib.asynccontextmanager
+async def serve(config: ServerConfig, load: Callable[[], Engine] | None = None) -> AsyncIterator[RunningServer]:
+    srv = await RunningServer.start(config, load or default_engine)
+    try:
+        yield srv
+    finally:
+        await srv.stop()
+
+
+@contextlib.contextmanager
+def engine_paused(engine: Engine) -> Iterator[None]:
+    """Hold the engine between steps: chunks submitted meanwhile cannot run until the block ends."""
+    with engine._lock:
+        yield
 
 
 def default_engine() -> Engine:

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 
 import msgpack
+import pytest
 import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -80,36 +81,29 @@ async def exchange(served: RunningServer, batch: list) -> None:
     await ws.close()
 
 
-def test_the_server_survives_random_and_malformed_frames(served: RunningServer) -> None:
-    engine = served.engine
-    with engine.open_session() as s:
-        s.append(text="And God said")
-        expected = s.generate(max_tokens=8, stop_token_ids=())
+@pytest.mark.asyncio(loop_scope="module")
+async def test_the_server_survives_random_and_malformed_frames(served: RunningServer) -> None:
+    def engine_tokens() -> list[int]:
+        with served.engine.open_session() as s:
+            s.append(text="And God said")
+            return s.generate(max_tokens=8, stop_token_ids=())
 
-    async def setup() -> tuple[sc.Client, sc.Session]:
-        client = sc.connect(served.url)
-        await client.connect()
-        bystander = await client.open_session()
-        await bystander.append(text="And God said")
-        return client, bystander
-
-    loop = asyncio.new_event_loop()
-    client, bystander = loop.run_until_complete(setup())
+    expected = await asyncio.to_thread(engine_tokens)
+    client = sc.connect(served.url)
+    await client.connect()
+    bystander = await client.open_session()
+    await bystander.append(text="And God said")
+    loop = asyncio.get_running_loop()
 
     @settings(max_examples=150, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
     @given(st.lists(frames, min_size=1, max_size=12))
-    def fuzz(batch: list) -> None:
-        asyncio.run(exchange(served, batch))
+    def fuzz(batch: list) -> None:  # hypothesis drives from a worker thread; the exchange runs on the server's loop
+        asyncio.run_coroutine_threadsafe(exchange(served, batch), loop).result(120)
 
-    fuzz()
-
-    async def after() -> list[int]:
-        r = bystander.respond(max_tokens=8, temperature=0.0)
-        await r.wait()
-        await client.close()
-        return r.token_ids
-
-    assert loop.run_until_complete(after()) == expected
-    loop.close()
-    engine.check_integrity()
+    await asyncio.to_thread(fuzz)
+    r = bystander.respond(max_tokens=8, temperature=0.0)
+    await r.wait()
+    await client.close()
+    assert r.token_ids == expected
+    served.engine.check_integrity()

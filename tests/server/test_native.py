@@ -11,19 +11,36 @@ import urllib.request
 import msgpack
 import pytest
 import websockets
-from serving import RunningServer, default_engine
+from serving import RunningServer, default_engine, engine_paused, serve
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")  # the module's server runs in the module's loop
 
 PROMPTS = ["In the beginning God created", "And the LORD spake unto Moses", "Blessed are the meek",
            "The LORD is my shepherd"]
 
 
-def engine_tokens(served: RunningServer, text: str, n: int) -> list[int]:
-    with served.engine.open_session() as s:
-        s.append(text=text)
-        return s.generate(max_tokens=n, stop_token_ids=())
+async def engine_tokens(served: RunningServer, text: str, n: int) -> list[int]:
+    """The engine's own greedy tokens (in a worker thread: the server shares this event loop)."""
+    def run() -> list[int]:
+        with served.engine.open_session() as s:
+            s.append(text=text)
+            return s.generate(max_tokens=n, stop_token_ids=())
+
+    return await asyncio.to_thread(run)
+
+
+async def http_get(url: str) -> tuple[int, bytes]:
+    def run() -> tuple[int, bytes]:
+        try:
+            with urllib.request.urlopen(url, timeout=30) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    return await asyncio.to_thread(run)
 
 
 def raw(frame: dict) -> bytes:
@@ -44,8 +61,8 @@ async def recv_type(ws: websockets.ClientConnection, kind: str) -> dict:
             return m
 
 
-def test_sessions_at_once_get_the_engines_greedy_tokens_over_the_wire(served: RunningServer) -> None:
-    expected = [engine_tokens(served, p, 16) for p in PROMPTS]
+async def test_sessions_at_once_get_the_engines_greedy_tokens_over_the_wire(served: RunningServer) -> None:
+    expected = [await engine_tokens(served, p, 16) for p in PROMPTS]
 
     async def one(client: sc.Client, text: str) -> tuple[list[int], str, sc.Ack]:
         s = await client.open_session()
@@ -61,7 +78,7 @@ def test_sessions_at_once_get_the_engines_greedy_tokens_over_the_wire(served: Ru
             assert a.hello["model"] == "default" and a.hello["limits"]["max_chunk_tokens"] == 64
             return await asyncio.gather(*(one(a if i % 2 else b, p) for i, p in enumerate(PROMPTS)))
 
-    out = asyncio.run(main())
+    out = await main()
     assert [o[0] for o in out] == expected
     assert [o[1] for o in out] == [served.engine.tokenizer.decode(e) for e in expected]
     ack = out[0][2]
@@ -69,7 +86,7 @@ def test_sessions_at_once_get_the_engines_greedy_tokens_over_the_wire(served: Ru
     assert served.engine.stats()["sessions_open"] == 0
 
 
-def test_cancel_mid_reply_and_rewind_to_a_chunk(served: RunningServer) -> None:
+async def test_cancel_mid_reply_and_rewind_to_a_chunk(served: RunningServer) -> None:
     async def main() -> None:
         async with sc.connect(served.url) as client:
             s = await client.open_session(window=32, sinks=4)  # rolling: the reply could run for ever
@@ -87,11 +104,11 @@ def test_cancel_mid_reply_and_rewind_to_a_chunk(served: RunningServer) -> None:
             ack = await s.append(text=" the heaven")
             assert ack.seq == 2
 
-    asyncio.run(main())
+    await main()
 
 
-def test_a_cut_connection_resumes_with_kv_and_timeline(served: RunningServer) -> None:
-    expected = engine_tokens(served, "In the beginning God created the heaven", 12)
+async def test_a_cut_connection_resumes_with_kv_and_timeline(served: RunningServer) -> None:
+    expected = await engine_tokens(served, "In the beginning God created the heaven", 12)
 
     async def main() -> tuple[list[int], list[int]]:
         async with sc.connect(served.url) as client:
@@ -110,11 +127,11 @@ def test_a_cut_connection_resumes_with_kv_and_timeline(served: RunningServer) ->
                 await s2.close()
             return got, more
 
-    got, more = asyncio.run(main())
+    got, more = await main()
     assert got == expected and len(more) == 3
 
 
-def test_every_error_code_reaches_the_client_typed(served: RunningServer) -> None:
+async def test_every_error_code_reaches_the_client_typed(served: RunningServer) -> None:
     async def main() -> None:
         async with sc.connect(served.url) as client:
             s = await client.open_session()
@@ -160,10 +177,10 @@ def test_every_error_code_reaches_the_client_typed(served: RunningServer) -> Non
             for x in extra:
                 await x.close()
 
-    asyncio.run(main())
+    await main()
 
 
-def test_malformed_frames_get_errors_and_the_connection_survives_until_too_many(served: RunningServer) -> None:
+async def test_malformed_frames_get_errors_and_the_connection_survives_until_too_many(served: RunningServer) -> None:
     async def main() -> None:
         ws = await raw_connect(served)
         for frame in (b"\xc1", raw([1, 2]), raw({"type": "warp"}), raw({"type": "append"}),
@@ -186,10 +203,10 @@ def test_malformed_frames_get_errors_and_the_connection_survives_until_too_many(
             await ws.recv()
         assert info.value.rcvd.code == 1009
 
-    asyncio.run(main())
+    await main()
 
 
-def test_a_connection_never_reaches_another_connections_session(served: RunningServer) -> None:
+async def test_a_connection_never_reaches_another_connections_session(served: RunningServer) -> None:
     async def main() -> None:
         async with sc.connect(served.url) as a, sc.connect(served.url) as b:
             s = await a.open_session()
@@ -200,14 +217,14 @@ def test_a_connection_never_reaches_another_connections_session(served: RunningS
                     await b._request(msg)
             assert (await s.append(text=" God")).tokens > 0  # untouched
 
-    asyncio.run(main())
+    await main()
 
 
-def test_rate_limit_health_metrics_and_stats(served: RunningServer) -> None:
-    with urllib.request.urlopen(served.http + "/healthz") as r:
-        assert r.status == 200 and json.load(r)["status"] == "ok"
-    with urllib.request.urlopen(served.http + "/metrics") as r:
-        text = r.read().decode()
+async def test_rate_limit_health_metrics_and_stats(served: RunningServer) -> None:
+    status, body = await http_get(served.http + "/healthz")
+    assert status == 200 and json.loads(body)["status"] == "ok"
+    status, body = await http_get(served.http + "/metrics")
+    text = body.decode()
     assert "streamserve_step_seconds_bucket" in text and "streamserve_connections" in text
 
     async def main() -> float:
@@ -220,21 +237,17 @@ def test_rate_limit_health_metrics_and_stats(served: RunningServer) -> None:
         await ws.close()
         return time.monotonic() - t0
 
-    assert asyncio.run(main()) >= 0.4  # (1250 - 1000) / 500 a second
+    assert await main() >= 0.4  # (1250 - 1000) / 500 a second
 
 
-def test_api_key_is_required_when_set_and_a_full_server_says_try_later() -> None:
-    srv = RunningServer(ServerConfig(api_key="s3cret", max_connections=1), default_engine)
-    try:
+async def test_api_key_is_required_when_set_and_a_full_server_says_try_later() -> None:
+    async with serve(ServerConfig(api_key="s3cret", max_connections=1)) as srv:
         with pytest.raises(sc.UnauthorizedError):
-            asyncio.run(sc.connect(srv.url).connect())
+            await sc.connect(srv.url).connect()
         with pytest.raises(sc.UnauthorizedError):
-            asyncio.run(sc.connect(srv.url, api_key="wrong").connect())
-        with pytest.raises(urllib.error.HTTPError) as info:
-            urllib.request.urlopen(srv.http + "/metrics")
-        assert info.value.code == 401
-        with urllib.request.urlopen(srv.http + "/healthz") as r:  # health stays open
-            assert r.status == 200
+            await sc.connect(srv.url, api_key="wrong").connect()
+        assert (await http_get(srv.http + "/metrics"))[0] == 401
+        assert (await http_get(srv.http + "/healthz"))[0] == 200  # health stays open
 
         async def ok() -> int:
             async with sc.connect(srv.url, api_key="s3cret") as c:
@@ -243,12 +256,14 @@ def test_api_key_is_required_when_set_and_a_full_server_says_try_later() -> None
                     await sc.connect(srv.url, api_key="s3cret").connect()
                 return (await s.append(text="In the beginning")).tokens
 
-        assert asyncio.run(ok()) > 0
-    finally:
-        srv.stop()
+        assert await ok() > 0
 
 
-def test_sync_client_and_dropped_sessions_expire_after_the_ttl(served: RunningServer) -> None:
+async def test_sync_client_and_dropped_sessions_expire_after_the_ttl(served: RunningServer) -> None:
+    await asyncio.to_thread(sync_client_and_a_dropped_session, served)  # blocking calls: off the server's loop
+
+
+def sync_client_and_a_dropped_session(served: RunningServer) -> None:
     with sc.SyncClient(served.url) as client:
         s = client.open_session(max_tokens=5)
         assert s.append(text="In the beginning").tokens > 0
@@ -272,8 +287,8 @@ def test_sync_client_and_dropped_sessions_expire_after_the_ttl(served: RunningSe
     c._stop()
 
 
-def test_shutdown_tells_sessions_and_frees_pages() -> None:
-    srv = RunningServer(ServerConfig(), default_engine)
+async def test_shutdown_tells_sessions_and_frees_pages() -> None:
+    srv = await RunningServer.start(ServerConfig(), default_engine)
     engine = srv.engine
 
     async def main() -> list[dict]:
@@ -282,7 +297,7 @@ def test_shutdown_tells_sessions_and_frees_pages() -> None:
         sid = (await recv_type(ws, "opened"))["session"]
         await ws.send(raw({"type": "append", "session": sid, "text": "In the beginning"}))
         await recv_type(ws, "ack")
-        stop = asyncio.get_running_loop().run_in_executor(None, srv.stop)
+        stop = asyncio.create_task(srv.stop())
         got = []
         with pytest.raises(websockets.ConnectionClosed) as info:
             while True:
@@ -291,18 +306,18 @@ def test_shutdown_tells_sessions_and_frees_pages() -> None:
         assert info.value.rcvd.code == 1001
         return got
 
-    got = asyncio.run(main())
+    got = await main()
     assert any(m["type"] == "closed" and m["reason"] == "shutdown" for m in got)
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["sessions_open"] == 0
 
 
-def test_results_of_chunks_finished_while_detached_reach_the_resuming_client(served: RunningServer) -> None:
+async def test_results_of_chunks_finished_while_detached_reach_the_resuming_client(served: RunningServer) -> None:
     async def main() -> None:
         ws = await raw_connect(served)
         await ws.send(raw({"type": "open", "id": 1}))
         opened = await recv_type(ws, "opened")
         sid, token = opened["session"], opened["resume_token"]
-        with served.engine._lock:  # the chunks cannot run before the connection is gone
+        with engine_paused(served.engine):  # the chunks cannot run before the connection is gone
             for seq in range(3):
                 await ws.send(raw({"type": "append", "session": sid, "seq": seq, "token_ids": [5, 6, 7]}))
             await ws.send(raw({"type": "append", "session": sid, "seq": 3, "token_ids": [10**6]}))
@@ -317,12 +332,11 @@ def test_results_of_chunks_finished_while_detached_reach_the_resuming_client(ser
         assert [a["seq"] for a in acks] == [0, 1, 2] and all(a["tokens"] == 3 for a in acks)
         await ws2.close()
 
-    asyncio.run(main())
+    await main()
 
 
-def test_the_server_sheds_its_oldest_detached_session_when_full() -> None:
-    srv = RunningServer(ServerConfig(max_sessions=2, max_sessions_per_connection=2), default_engine)
-    try:
+async def test_the_server_sheds_its_oldest_detached_session_when_full() -> None:
+    async with serve(ServerConfig(max_sessions=2, max_sessions_per_connection=2)) as srv:
         async def main() -> None:
             c1 = sc.connect(srv.url, reconnect=False)
             await c1.connect()
@@ -339,13 +353,11 @@ def test_the_server_sheds_its_oldest_detached_session_when_full() -> None:
                     await c2.open_session()
                 assert info.value.code == "too_many_sessions"
 
-        asyncio.run(main())
-    finally:
-        srv.stop()
+        await main()
 
 
-def test_a_client_whose_server_is_gone_fails_fast_and_a_shutdown_does_not_wait_for_a_silent_client() -> None:
-    srv = RunningServer(ServerConfig(), default_engine)
+async def test_a_client_whose_server_is_gone_fails_fast_and_a_shutdown_does_not_wait_for_a_silent_client() -> None:
+    srv = await RunningServer.start(ServerConfig(), default_engine)
 
     async def main() -> None:
         ws = await raw_connect(srv)
@@ -357,7 +369,7 @@ def test_a_client_whose_server_is_gone_fails_fast_and_a_shutdown_does_not_wait_f
         client.retries = 2
         s = await client.open_session()
         t0 = time.monotonic()
-        await asyncio.get_running_loop().run_in_executor(None, srv.stop)
+        await srv.stop()
         assert time.monotonic() - t0 < 15
         with pytest.raises(sc.StreamserveClientError):  # told the session closed, or the connection is gone
             await asyncio.wait_for(s.append(text="In the beginning"), 30)
@@ -366,12 +378,12 @@ def test_a_client_whose_server_is_gone_fails_fast_and_a_shutdown_does_not_wait_f
         await asyncio.wait_for(client.close(), 5)
         ws.transport.abort()
 
-    asyncio.run(main())
+    await main()
 
 
-def test_a_session_with_a_drafter_gives_the_same_tokens_over_the_wire(served: RunningServer) -> None:
+async def test_a_session_with_a_drafter_gives_the_same_tokens_over_the_wire(served: RunningServer) -> None:
     text = "And God said, Let there be light: and there was light. And God said, Let there be"
-    expected = engine_tokens(served, text, 24)
+    expected = await engine_tokens(served, text, 24)
 
     async def main() -> list[int]:
         async with sc.connect(served.url) as client:
@@ -383,4 +395,4 @@ def test_a_session_with_a_drafter_gives_the_same_tokens_over_the_wire(served: Ru
                 await client.open_session(drafter="draft:/etc")  # paths are the server operator's choice
             return r.token_ids
 
-    assert asyncio.run(main()) == expected
+    assert await main() == expected
