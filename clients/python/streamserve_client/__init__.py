@@ -7,11 +7,13 @@
             print(delta.text, end="")
 """
 
+from streamserve_client.channel import Channel
 from streamserve_client.client import Client, connect
 from streamserve_client.errors import (
     CapacityError,
     ConnectionLostError,
     InvalidInputError,
+    ProtocolViolationError,
     ServerBusyError,
     StepFailedError,
     StreamserveClientError,
@@ -19,11 +21,13 @@ from streamserve_client.errors import (
     UnknownSessionError,
     UnsupportedModalityError,
 )
-from streamserve_client.session import Ack, Delta, Response, Session
+from streamserve_client.protocol import Ack, Delta
+from streamserve_client.session import Response, Session
 from streamserve_client.sync import SyncClient, SyncSession
 
 __version__ = "0.1.0"
 
-__all__ = ["Ack", "CapacityError", "Client", "ConnectionLostError", "Delta", "InvalidInputError", "Response",
-           "ServerBusyError", "Session", "StepFailedError", "StreamserveClientError", "SyncClient", "SyncSession",
-           "UnauthorizedError", "UnknownSessionError", "UnsupportedModalityError", "connect"]
+__all__ = ["Ack", "CapacityError", "Channel", "Client", "ConnectionLostError", "Delta", "InvalidInputError",
+           "ProtocolViolationError", "Response", "ServerBusyError", "Session", "StepFailedError",
+           "StreamserveClientError", "SyncClient", "SyncSession", "UnauthorizedError", "UnknownSessionError",
+           "UnsupportedModalityError", "connect"]

@@ -14,6 +14,10 @@ class StreamserveClientError(Exception):
         if code is not None:
             self.code = code
 
+    def copy(self) -> StreamserveClientError:
+        """The same error, to raise again (each raise gets its own traceback)."""
+        return type(self)(self.message, code=self.code, seq=self.seq, fatal=self.fatal)
+
 
 class InvalidInputError(StreamserveClientError):
     """The request was malformed or out of range; fix it and send again."""
@@ -59,6 +63,15 @@ class ConnectionLostError(StreamserveClientError):
     """The connection dropped and could not be resumed (or a reply was running when it dropped)."""
 
     code = "connection_lost"
+
+
+class ProtocolViolationError(ConnectionLostError):
+    """The server sent something the protocol does not allow (a frame that is not a msgpack map, a known
+    message with a missing or mistyped field, output for a reply that is not running): every call waiting
+    on the connection fails with it, and the client reconnects and resumes as after a dropped connection
+    (with `reconnect=False` the client stays failed). Calls that failed may or may not have been carried out."""
+
+    code = "protocol_violation"
 
 
 _FAMILIES: dict[str, type[StreamserveClientError]] = {

@@ -1,65 +1,23 @@
-"""A session on the server and its replies, as the client sees them (see client.py for the connection)."""
+"""A session on the server and its replies, as the client sees them. Both talk to the connection only
+through the public methods of the channel (channel.py), which routes the server's messages to them."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import time
+import collections
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-import msgpack
 import numpy as np
 
-from streamserve_client.errors import InvalidInputError, StreamserveClientError, from_message
+from streamserve_client.channel import Channel
+from streamserve_client.errors import InvalidInputError, StreamserveClientError
+from streamserve_client.protocol import Ack, Delta, ndarray, pack
+from streamserve_client.routes import ReplyItem
 
-if TYPE_CHECKING:
-    from streamserve_client.client import Client
-
-
-@dataclass(frozen=True)
-class Ack:
-    """A chunk is in the session's KV cache (or was shed). Times in milliseconds."""
-
-    seq: int
-    tokens: int
-    queue_ms: float  # waiting in the server's scheduler
-    compute_ms: float  # in the engine
-    round_trip_ms: float  # send to ack, measured here
-    deadline_missed: bool = False
-    shed: bool = False
-
-
-@dataclass(frozen=True)
-class Delta:
-    text: str
-    token_ids: list[int] = field(default_factory=list)
-
-
-def fail(fut: asyncio.Future, error: BaseException) -> None:
-    """Fail a caller's future; if the caller has gone (cancelled its wait), the error is dropped quietly."""
-    if not fut.done():
-        fut.set_exception(error)
-        fut.add_done_callback(lambda f: f.cancelled() or f.exception())
-
-
-def _pack(message: dict[str, Any]) -> bytes:
-    return msgpack.packb({k: v for k, v in message.items() if v is not None}, use_bin_type=True)
-
-
-def _ndarray(a: np.ndarray) -> dict[str, Any]:
-    """openpi's array form."""
-    a = np.ascontiguousarray(a)
-    return {"__ndarray__": True, "data": a.tobytes(), "dtype": a.dtype.str, "shape": list(a.shape)}
-
-
-@dataclass(eq=False)
-class _PendingAck:
-    future: asyncio.Future
-    message: dict[str, Any]
-    sent_at: float  # perf_counter
-    generation: int = -1  # the connection it was last sent on
+# Deltas waiting to be read beyond this many are merged into the last one (as the server merges them for
+# a slow reader): a reply's memory here is bounded by its tokens, never by a message count.
+MAX_BUFFERED_DELTAS = 256
 
 
 class Response:
@@ -72,9 +30,14 @@ class Response:
         self.usage: dict[str, int] = {}
         self.text = ""
         self.token_ids: list[int] = []
-        self._queue: asyncio.Queue[dict[str, Any] | BaseException] = asyncio.Queue()
+        self._buffer: collections.deque[ReplyItem] = collections.deque()
+        self._arrived = asyncio.Event()
         self._started = False
-        self._request_id: int | None = None
+
+    @property
+    def started(self) -> bool:
+        """Whether iterating has sent the request (a reply that never started needs no cancel)."""
+        return self._started
 
     def __aiter__(self) -> AsyncIterator[Delta]:
         return self
@@ -82,26 +45,36 @@ class Response:
     async def __anext__(self) -> Delta:
         if not self._started:
             self._started = True
-            await self.session._start_response(self)
+            await self.session.channel.respond(self.session.id, self.params, self._deliver)
         if self.finish_reason is not None:
             raise StopAsyncIteration
-        item = await self._queue.get()
+        while not self._buffer:
+            self._arrived.clear()
+            await self._arrived.wait()
+        item = self._buffer.popleft()
         if isinstance(item, BaseException):
-            self._end("error")
+            self.finish_reason = "error"
             raise item
         if item["type"] == "done":
-            self._end(item.get("reason", "error"))
-            self.usage = item.get("usage", {})
+            self.finish_reason = item.get("reason") or "error"
+            self.usage = item.get("usage") or {}
             raise StopAsyncIteration
-        self.id = item.get("response")
-        d = Delta(item.get("text", ""), list(item.get("token_ids", [])))
+        self.id = item.get("response", self.id)
+        d = Delta(item.get("text") or "", list(item.get("token_ids") or []))
         self.text += d.text
         self.token_ids += d.token_ids
         return d
 
-    def _end(self, reason: str) -> None:
-        self.finish_reason = reason
-        self.session.client._replies.pop(self._request_id, None)
+    def _deliver(self, item: ReplyItem) -> None:
+        """From the channel: a `delta`, the `done`, or the error that ends this reply."""
+        last = self._buffer[-1] if self._buffer else None
+        if (len(self._buffer) >= MAX_BUFFERED_DELTAS and isinstance(item, dict) and item["type"] == "delta"
+                and isinstance(last, dict) and last["type"] == "delta"):
+            self._buffer[-1] = {**last, "text": (last.get("text") or "") + (item.get("text") or ""),
+                                "token_ids": [*(last.get("token_ids") or []), *(item.get("token_ids") or [])]}
+        else:
+            self._buffer.append(item)
+        self._arrived.set()
 
     async def wait(self) -> str:
         """Read to the end; -> the finish reason."""
@@ -112,15 +85,15 @@ class Response:
 
 
 class Session:
-    def __init__(self, client: Client, opened: dict[str, Any]) -> None:
-        self.client = client
+    def __init__(self, channel: Channel, opened: dict[str, Any]) -> None:
+        self.channel = channel
         self.id: str = opened["session"]
         self.resume_token: str = opened["resume_token"]
         self.info = opened
-        self.next_seq: int = opened.get("next_seq", 0)
-        self._acks: dict[int, _PendingAck] = {}  # by seq
-        self._response: Response | None = None
+        self.next_seq: int = opened.get("next_seq") or 0
         self.closed = False
+        self._lost_with: StreamserveClientError | None = None  # why the session ended, if not closed by us
+        channel.attach(self.id, self.resume_token, self._on_lost)
 
     async def append(self, text: str | None = None, token_ids: list[int] | None = None,
                      audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | None = None, *,
@@ -140,20 +113,14 @@ class Session:
             data = pcm if isinstance(pcm, bytes) else np.asarray(pcm).astype("<i2").tobytes()
             msg["audio"] = {"pcm": data, "rate": int(rate), "channels": 1, "format": "s16le"}
         if image is not None:
-            msg["image"] = _ndarray(np.asarray(image))
+            msg["image"] = ndarray(np.asarray(image))
         seq = self.next_seq if seq is None else seq
         msg["seq"] = seq
-        limit = self.client.hello.get("limits", {}).get("max_frame_bytes")
-        if limit is not None and len(_pack(msg)) > limit:
+        limit = self.channel.hello.get("limits", {}).get("max_frame_bytes")
+        if limit is not None and len(pack(msg)) > limit:
             raise InvalidInputError(f"this chunk is over the server's frame limit of {limit} bytes; split it")
         self.next_seq = seq + 1
-        pending = _PendingAck(asyncio.get_running_loop().create_future(), msg, time.perf_counter())
-        self._acks[seq] = pending
-        try:
-            await self.client._send_append(pending)
-            return await pending.future
-        finally:
-            self._acks.pop(seq, None)
+        return await self.channel.append(self.id, seq, msg)
 
     def respond(self, max_tokens: int | None = None, temperature: float | None = None, top_p: float | None = None,
                 top_k: int | None = None, seed: int | None = None, stop: list[str] | None = None) -> Response:
@@ -163,71 +130,40 @@ class Session:
         return Response(self, {"max_tokens": max_tokens, "temperature": temperature, "top_p": top_p,
                                "top_k": top_k, "seed": seed, "stop": stop})
 
-    async def _start_response(self, r: Response) -> None:
-        if self._response is not None and self._response.finish_reason is None:
-            raise InvalidInputError("this session already has a reply running; cancel it or read it to the end")
-        self._response = r
-        rid = next(self.client._ids)  # an error refusing this request comes back with its id
-        self.client._replies[rid] = r
-        r._request_id = rid
-        await self.client._send({"type": "respond", "session": self.id, "id": rid, **r.params})
-
     async def cancel(self) -> None:
         """Stop the running reply (its iteration ends with finish_reason "cancelled")."""
         self._check()
-        await self.client._send({"type": "cancel", "session": self.id})
+        await self.channel.send({"type": "cancel", "session": self.id})
 
     async def rewind(self, to_seq: int | None = None, to: int | None = None) -> int:
         """Forget everything after chunk `to_seq` (kept) or token position `to`; -> the session's length."""
-        reply = await self.client._request({"type": "rewind", "session": self.id, "to_seq": to_seq, "to": to})
+        reply = await self.channel.request({"type": "rewind", "session": self.id, "to_seq": to_seq, "to": to})
         self.next_seq = reply.get("next_seq", self.next_seq)
         return int(reply["tokens"])
 
     async def configure(self, chunk_budget_ms: float | None = None, **sampling: Any) -> dict[str, Any]:
         """Change the session's reply defaults (max_tokens, temperature, top_p, top_k, seed, stop) or its
         chunk deadline budget."""
-        return await self.client._request({"type": "configure", "session": self.id, "chunk_budget_ms": chunk_budget_ms,
-                                           "sampling": sampling or None})
+        return await self.channel.request({"type": "configure", "session": self.id,
+                                           "chunk_budget_ms": chunk_budget_ms, "sampling": sampling or None})
 
     async def close(self) -> None:
         if not self.closed:
-            with contextlib.suppress(StreamserveClientError):
-                await self.client._request({"type": "close", "session": self.id})
-            self._lost(None)
+            try:
+                await self.channel.request({"type": "close", "session": self.id})
+            except StreamserveClientError:
+                pass  # already gone on the server (or the connection is): either way it is closed here
+            finally:
+                self.channel.detach(self.id)
+                self.closed = True
 
     def _check(self) -> None:
+        if self._lost_with is not None:
+            raise self._lost_with.copy()
         if self.closed:
             raise StreamserveClientError(f"session {self.id} is closed", code="session_closed")
 
-    def _lost(self, error: BaseException | None) -> None:
-        """The session is gone (closed, or not resumable): everything waiting on it ends."""
+    def _on_lost(self, error: StreamserveClientError | None) -> None:
+        """From the channel: the session is gone (closed, moved, not resumable, or the connection is)."""
         self.closed = True
-        self.client._sessions.pop(self.id, None)
-        for p in self._acks.values():
-            if not p.future.done():
-                fail(p.future, error or StreamserveClientError("session closed", code="session_closed"))
-        if self._response is not None and self._response.finish_reason is None and error is not None:
-            self._response._queue.put_nowait(error)
-
-    # ---- routing (called by the reader) ---------------------------------------------------------------
-    def _on_ack(self, m: dict[str, Any]) -> None:
-        p = self._acks.get(m.get("seq", -1))
-        if p is not None and not p.future.done():
-            p.future.set_result(Ack(m["seq"], m.get("tokens", 0), m.get("queue_ms", 0.0), m.get("compute_ms", 0.0),
-                                    (time.perf_counter() - p.sent_at) * 1e3, m.get("deadline_missed", False),
-                                    m.get("shed", False)))
-
-    def _on_error(self, m: dict[str, Any]) -> None:
-        err = from_message(m)
-        p = self._acks.get(m["seq"]) if m.get("seq") is not None else None
-        if p is not None:
-            if not p.future.done():
-                fail(p.future, err)
-        elif m.get("code") == "session_moved":
-            self._lost(err)
-        elif self._response is not None and self._response.finish_reason is None:
-            self._response._queue.put_nowait(err)
-
-    def _on_reply(self, m: dict[str, Any]) -> None:
-        if self._response is not None:
-            self._response._queue.put_nowait(m)
+        self._lost_with = error

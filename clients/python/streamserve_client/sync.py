@@ -15,7 +15,8 @@ from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from streamserve_client.client import Client
-from streamserve_client.session import Ack, Delta, Response, Session
+from streamserve_client.protocol import Ack, Delta
+from streamserve_client.session import Session
 
 T = TypeVar("T")
 
@@ -26,14 +27,15 @@ class SyncClient:
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="streamserve-client", daemon=True)
         self._thread.start()
-        self._client = Client(url, api_key=api_key, reconnect=reconnect)
+        self.client = Client(url, api_key=api_key, reconnect=reconnect)  # the asyncio client this one drives
         try:
-            self._run(self._client.connect())
+            self.run(self.client.connect())
         except BaseException:
             self._stop()
             raise
 
-    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
+    def run(self, coro: Coroutine[Any, Any, T]) -> T:
+        """Run a coroutine of the asyncio client on its loop thread and wait (at most `timeout`) for it."""
         return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
 
     def __enter__(self) -> SyncClient:
@@ -44,64 +46,75 @@ class SyncClient:
 
     @property
     def hello(self) -> dict[str, Any]:
-        return self._client.hello
+        return self.client.hello
 
     def open_session(self, window: int | None = None, sinks: int | None = None, positions: str | None = None,
                      chunk_budget_ms: float | None = None, drafter: str | None = None,
                      **sampling: Any) -> SyncSession:
-        return SyncSession(self, self._run(self._client.open_session(window, sinks, positions, chunk_budget_ms,
-                                                                     drafter, **sampling)))
+        return SyncSession(self, self.run(self.client.open_session(window, sinks, positions, chunk_budget_ms,
+                                                                   drafter, **sampling)))
 
     def resume_session(self, session_id: str, resume_token: str) -> SyncSession:
-        return SyncSession(self, self._run(self._client.resume_session(session_id, resume_token)))
+        return SyncSession(self, self.run(self.client.resume_session(session_id, resume_token)))
 
     def stats(self) -> dict[str, Any]:
-        return self._run(self._client.stats())
+        return self.run(self.client.stats())
+
+    def request(self, message: dict[str, Any]) -> dict[str, Any]:
+        return self.run(self.client.request(message))
+
+    def drop_connection(self) -> None:
+        """See Client.drop_connection."""
+        self.run(self.client.drop_connection())
 
     def close(self) -> None:
+        """Close the sessions (unless the connection is gone), the connection and the loop thread."""
         if self._loop.is_running():
             try:
-                self._run(self._client.close())
+                self.run(self.client.close())
             finally:
                 self._stop()
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(5)
+        if not self._thread.is_alive():
+            self._loop.close()
 
 
 class SyncSession:
     def __init__(self, client: SyncClient, session: Session) -> None:
-        self._c, self._s = client, session
+        self.client, self.session = client, session
         self.id, self.resume_token = session.id, session.resume_token
+        self.finish_reason: str | None = None  # of the latest reply
 
     def append(self, text: str | None = None, token_ids: list[int] | None = None, audio: Any = None,
                image: Any = None, **kw: Any) -> Ack:
-        return self._c._run(self._s.append(text, token_ids, audio, image, **kw))
+        return self.client.run(self.session.append(text, token_ids, audio, image, **kw))
 
     def respond(self, **params: Any) -> Iterator[Delta]:
         """Yield the reply's deltas as they come; closing the iterator early cancels the reply."""
-        r: Response = self._s.respond(**params)
+        r = self.session.respond(**params)
         try:
             while True:
                 try:
-                    yield self._c._run(r.__anext__())
+                    yield self.client.run(r.__anext__())
                 except StopAsyncIteration:
                     return
         finally:
-            if r.finish_reason is None and r._started:
+            if r.finish_reason is None and r.started:
                 self.cancel()
-                self._c._run(r.wait())
+                self.client.run(r.wait())
             self.finish_reason = r.finish_reason
 
     def cancel(self) -> None:
-        self._c._run(self._s.cancel())
+        self.client.run(self.session.cancel())
 
     def rewind(self, to_seq: int | None = None, to: int | None = None) -> int:
-        return self._c._run(self._s.rewind(to_seq, to))
+        return self.client.run(self.session.rewind(to_seq, to))
 
     def configure(self, chunk_budget_ms: float | None = None, **sampling: Any) -> dict[str, Any]:
-        return self._c._run(self._s.configure(chunk_budget_ms, **sampling))
+        return self.client.run(self.session.configure(chunk_budget_ms, **sampling))
 
     def close(self) -> None:
-        self._c._run(self._s.close())
+        self.client.run(self.session.close())

@@ -1,0 +1,200 @@
+"""The client SDK's channel against a fake server: junk mid-stream fails every pending call with a typed
+error within a bounded time and the client resumes (or, without reconnects, stays failed); unknown
+message types are ignored; dropped connections resume and re-send what the server lacks."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import msgpack
+import pytest
+from conftest import FakeServer
+
+import streamserve_client as sc
+from streamserve_client.routes import SessionRoute
+
+BOUND_S = 5.0  # every pending call must fail within this after the junk arrives
+
+
+def junk_frames(session_id: str) -> dict[str, bytes | str]:
+    """What a broken (or hostile) server sends, by name; `session_id` is a session with no reply running."""
+    return {
+        "garbage bytes": b"\xc1\xff\x00garbage",
+        "truncated msgpack": msgpack.packb({"type": "ack", "session": session_id, "seq": 0})[:-3],
+        "a text frame": "hello?",
+        "a list, not a map": msgpack.packb(["ack", session_id, 0]),
+        "a map without type": msgpack.packb({"session": session_id, "seq": 0}),
+        "an ack with a string seq": msgpack.packb({"type": "ack", "session": session_id, "seq": "0"}),
+        "an ack without seq": msgpack.packb({"type": "ack", "session": session_id}),
+        "a delta for no running reply": msgpack.packb({"type": "delta", "session": session_id, "response": "r9",
+                                                       "text": "x", "token_ids": [1]}),
+        "a done with a text usage": msgpack.packb({"type": "done", "session": session_id, "usage": "lots"}),
+        "an error without code": msgpack.packb({"type": "error", "message": "?", "session": session_id}),
+    }
+
+
+JUNK = list(junk_frames("s"))
+
+
+async def calls_in_flight(client: sc.Client, fake: FakeServer,
+                          ) -> tuple[sc.Session, sc.Session, list[asyncio.Task[Any]]]:
+    """Two sessions; on the first a chunk awaiting its ack and a running reply, plus a request awaiting its
+    answer: -> (busy session, idle session, the pending calls)."""
+    busy, idle = await client.open_session(), await client.open_session()
+    fake.hold_acks = fake.hold_requests = fake.hold_replies = True
+    reply = busy.respond(max_tokens=3)
+    first = await asyncio.wait_for(reply.__anext__(), BOUND_S)  # the reply is running
+    assert first.text == "a"
+    tasks = [asyncio.create_task(busy.append(text="chunk")), asyncio.create_task(client.stats()),
+             asyncio.create_task(reply.wait())]
+    while not any(m["type"] == "append" for m in fake.received) or not any(
+            m["type"] == "stats" for m in fake.received):
+        await asyncio.sleep(0.01)
+    assert not any(t.done() for t in tasks)
+    return busy, idle, tasks
+
+
+async def expect_violation(tasks: list[asyncio.Task[Any]]) -> None:
+    done, pending = await asyncio.wait(tasks, timeout=BOUND_S)
+    assert not pending, f"{len(pending)} calls still waiting {BOUND_S} s after the junk"
+    for t in done:
+        error = t.exception()
+        assert isinstance(error, sc.ProtocolViolationError), repr(error)
+        assert isinstance(error, sc.ConnectionLostError) and error.code == "protocol_violation"
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("junk", JUNK)
+async def test_junk_fails_every_pending_call_then_the_client_resumes(fake_server: FakeServer, junk: str) -> None:
+    async with sc.connect(fake_server.url) as client:
+        busy, idle, tasks = await calls_in_flight(client, fake_server)
+        await fake_server.send_raw(junk_frames(idle.id)[junk])
+        await expect_violation(tasks)
+        fake_server.hold_acks = fake_server.hold_requests = fake_server.hold_replies = False
+        # the client reconnected and resumed both sessions; later calls work
+        ack = await asyncio.wait_for(busy.append(text="again"), BOUND_S)
+        assert ack.tokens == 1 and fake_server.connections == 2
+        assert sorted(fake_server.resumes) == sorted([busy.id, idle.id])
+        reply = idle.respond(max_tokens=2)
+        assert [d.text async for d in reply] == ["a", "a"] and reply.finish_reason == "length"
+        assert (await client.stats())["model"] == "fake"
+        assert not busy.closed and not idle.closed
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("junk", ["garbage bytes", "an ack with a string seq", "a delta for no running reply"])
+async def test_without_reconnects_junk_fails_fast_and_the_client_stays_failed(fake_server: FakeServer,
+                                                                             junk: str) -> None:
+    client = sc.connect(fake_server.url, reconnect=False)
+    await client.connect()
+    busy, idle, tasks = await calls_in_flight(client, fake_server)
+    await fake_server.send_raw(junk_frames(idle.id)[junk])
+    await expect_violation(tasks)
+    for call in (client.stats(), busy.append(text="more"), client.open_session()):
+        with pytest.raises(sc.ProtocolViolationError):
+            await asyncio.wait_for(call, BOUND_S)
+    assert busy.closed and idle.closed
+    await asyncio.sleep(0.3)
+    assert fake_server.connections == 1  # no reconnect
+    await asyncio.wait_for(client.close(), BOUND_S)
+
+
+@pytest.mark.asyncio
+async def test_an_exception_while_routing_fails_every_pending_call_like_junk(fake_server: FakeServer,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(self: SessionRoute, m: dict[str, Any]) -> None:
+        raise RuntimeError("a bug in the client")
+
+    async with sc.connect(fake_server.url) as client:
+        busy, _, tasks = await calls_in_flight(client, fake_server)
+        with monkeypatch.context() as patch:
+            patch.setattr(SessionRoute, "on_ack", broken)
+            await fake_server.send_raw(msgpack.packb({"type": "ack", "session": busy.id, "seq": 0}))
+            await expect_violation(tasks)
+        fake_server.hold_acks = fake_server.hold_requests = fake_server.hold_replies = False
+        assert (await asyncio.wait_for(busy.append(text="fine"), BOUND_S)).tokens == 1
+
+
+def test_the_blocking_client_fails_pending_calls_on_junk_and_resumes(fake_server_thread: FakeServer) -> None:
+    fake = fake_server_thread
+    with sc.SyncClient(fake.url, timeout=BOUND_S) as client:
+        s = client.open_session()
+        assert s.append(text="x").tokens == 1
+        fake.hold_requests = True
+        with ThreadPoolExecutor(1) as pool:
+            stats = pool.submit(client.stats)
+            while not any(m["type"] == "stats" for m in fake.received):
+                time.sleep(0.01)
+            fake.send_raw_threadsafe(b"\xc1")
+            with pytest.raises(sc.ProtocolViolationError):
+                stats.result(BOUND_S)
+        fake.hold_requests = False
+        assert client.stats()["model"] == "fake" and s.append(text="y").seq == 1
+        assert "".join(d.text for d in s.respond(max_tokens=2)) == "aa" and s.finish_reason == "length"
+        client.drop_connection()
+        assert s.append(text="z").seq == 2 and fake.resumes == [s.id, s.id]
+
+
+@pytest.mark.asyncio
+async def test_unknown_message_types_and_fields_from_a_newer_server_are_ignored(fake_server: FakeServer) -> None:
+    async with sc.connect(fake_server.url) as client:
+        busy, _, tasks = await calls_in_flight(client, fake_server)
+        await fake_server.send_raw(msgpack.packb({"type": "turn_detected", "session": busy.id, "at": 1.5}))
+        await fake_server.send_raw(msgpack.packb({"type": "ack", "session": "someone-else", "seq": 3}))
+        await asyncio.sleep(0.2)
+        assert not any(t.done() for t in tasks)  # nothing failed, nothing resolved
+        fake_server.hold_acks = fake_server.hold_requests = fake_server.hold_replies = False
+        # known messages with fields this client does not know
+        stats_id = next(m["id"] for m in fake_server.received if m["type"] == "stats")
+        await fake_server.send_raw(msgpack.packb({"type": "ack", "session": busy.id, "seq": 0, "tokens": 5,
+                                                  "energy_mj": 0.3}))
+        await fake_server.send_raw(msgpack.packb({"type": "stats", "id": stats_id, "model": "fake", "gpus": 8}))
+        ack, stats, reason = await asyncio.wait_for(asyncio.gather(*tasks), BOUND_S)
+        assert ack.seq == 0 and ack.tokens == 5 and stats["gpus"] == 8 and reason == "length"
+        assert fake_server.connections == 1
+
+
+@pytest.mark.asyncio
+async def test_a_dropped_connection_resends_the_chunks_the_server_lacks(fake_server: FakeServer) -> None:
+    async with sc.connect(fake_server.url) as client:
+        s = await client.open_session()
+        assert (await s.append(text="kept")).seq == 0
+        fake_server.lose_appends = True  # the next chunk goes down with the connection
+        pending = asyncio.create_task(s.append(text="lost"))
+        while not any(m["type"] == "append" and m["seq"] == 1 for m in fake_server.received):
+            await asyncio.sleep(0.01)
+        fake_server.lose_appends = False
+        await client.drop_connection()
+        ack = await asyncio.wait_for(pending, BOUND_S)  # sent again after the resume (next_seq was 1)
+        assert ack.seq == 1 and fake_server.sessions[s.id].seqs == [0, 1]
+        assert [m["seq"] for m in fake_server.received if m["type"] == "append"] == [0, 1, 1]
+        assert fake_server.resumes == [s.id]
+
+
+@pytest.mark.asyncio
+async def test_a_reply_running_at_a_drop_ends_with_connection_lost_and_the_session_goes_on(
+        fake_server: FakeServer) -> None:
+    async with sc.connect(fake_server.url) as client:
+        s = await client.open_session()
+        fake_server.hold_replies = True
+        reply = s.respond(max_tokens=3)
+        await asyncio.wait_for(reply.__anext__(), BOUND_S)
+        await client.drop_connection()
+        with pytest.raises(sc.ConnectionLostError) as info:
+            await asyncio.wait_for(reply.wait(), BOUND_S)
+        assert not isinstance(info.value, sc.ProtocolViolationError) and reply.finish_reason == "error"
+        fake_server.hold_replies = False
+        assert (await asyncio.wait_for(s.append(text="on"), BOUND_S)).tokens == 1
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_does_not_speak_first_with_hello_is_refused(fake_server: FakeServer,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    import conftest
+
+    monkeypatch.setattr(conftest, "HELLO", {"type": "hello", "protocol": "one"})
+    with pytest.raises(sc.ProtocolViolationError):
+        await asyncio.wait_for(sc.connect(fake_server.url).connect(), BOUND_S)
