@@ -1,0 +1,144 @@
+"""Server-side quotas over the wire: window + sinks caps, the per-connection page quota and queued-token cap
+(typed errors before anything is taken, given back on close and ack), and the floor on client deadlines."""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from collections.abc import AsyncIterator
+
+import msgpack
+import pytest
+import pytest_asyncio
+import websockets
+from serving import RunningServer, default_engine, engine_paused
+
+import streamserve_client as sc
+from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
+from streamserve.server.results import ChunkResult
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+PAGES, QUEUED, FLOOR_MS = 50, 100, 2000.0
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def limited() -> AsyncIterator[RunningServer]:
+    srv = await RunningServer.start(ServerConfig(max_window=64, max_pages_per_connection=PAGES,
+                                                 max_queued_tokens_per_connection=QUEUED,
+                                                 min_deadline_ms=FLOOR_MS, max_chunk_tokens=64), default_engine)
+    yield srv
+    await srv.stop()
+
+
+async def raw_connect(srv: RunningServer) -> websockets.ClientConnection:
+    ws = await websockets.connect(srv.url + "/v1/stream")
+    assert msgpack.unpackb(await ws.recv())["type"] == "hello"
+    return ws
+
+
+async def recv(ws: websockets.ClientConnection, **match: object) -> dict:
+    while True:
+        m = msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30))
+        if all(m.get(k) == v for k, v in match.items()):
+            return m
+
+
+def windowed_pages(srv: RunningServer, window: int, sinks: int) -> int:
+    size = srv.engine.pool.page_size
+    return math.ceil(sinks / size) + math.ceil((window + SCHEDULER_DEFAULTS.step_tokens) / size) + 1
+
+
+async def test_window_and_sinks_are_capped_by_the_server_and_the_context(limited: RunningServer,
+                                                                        served: RunningServer) -> None:
+    async with sc.connect(limited.url) as client:
+        assert client.hello["limits"]["max_window"] == 64
+        with pytest.raises(sc.StreamserveClientError) as info:
+            await client.open_session(window=61, sinks=4)
+        assert info.value.code == "window_too_large"
+        s = await client.open_session(window=60, sinks=4)
+        await s.close()
+    context = served.engine.config.max_position_embeddings  # the default server's --max-window is larger
+    async with sc.connect(served.url) as client:
+        assert client.hello["limits"]["max_window"] == context
+        with pytest.raises(sc.StreamserveClientError) as info:
+            await client.open_session(window=context, sinks=4)
+        assert info.value.code == "window_too_large"
+    assert served.engine.stats()["sessions_open"] == 0
+
+
+async def test_the_page_quota_reserves_at_open_refuses_past_it_and_returns_on_close(limited: RunningServer) -> None:
+    need = windowed_pages(limited, 32, 4)
+    assert 2 * need <= PAGES < 3 * need
+    async with sc.connect(limited.url) as client:
+        a = await client.open_session(window=32, sinks=4)
+        b = await client.open_session(window=32, sinks=4)
+        assert a.info["reserved_pages"] == need
+        with pytest.raises(sc.StreamserveClientError) as info:
+            await client.open_session(window=32, sinks=4)
+        assert info.value.code == "quota_exceeded"
+        with pytest.raises(sc.StreamserveClientError) as info:  # no window: the whole context's pages
+            await client.open_session()
+        assert info.value.code == "quota_exceeded"
+        stats = await client.stats()
+        assert stats["connection_pages_reserved"] == 2 * need and stats["connection_sessions"] == 2
+        # what was reserved is what the session may hold: an endless stream stays under its page cap
+        for _ in range(8):
+            await a.append(token_ids=list(range(5, 69)))
+        r = a.respond(max_tokens=40)
+        assert await r.wait() == "length"
+        await b.close()
+        c = await client.open_session(window=32, sinks=4)  # b's reservation came back
+        for s in (a, c):
+            await s.close()
+    assert limited.engine.stats()["sessions_open"] == 0
+
+
+async def test_the_queued_token_cap_refuses_an_append_at_once(limited: RunningServer) -> None:
+    ws = await raw_connect(limited)
+    await ws.send(msgpack.packb({"type": "open", "id": 1, "window": 32, "sinks": 4}))
+    sid = (await recv(ws, type="opened"))["session"]
+    with engine_paused(limited.engine):  # nothing is acked meanwhile
+        await ws.send(msgpack.packb({"type": "append", "session": sid, "seq": 0, "token_ids": list(range(5, 69))}))
+        await ws.send(msgpack.packb({"type": "append", "session": sid, "seq": 1, "token_ids": list(range(5, 69))}))
+        refused = await recv(ws, type="error")
+        await ws.send(msgpack.packb({"type": "stats", "id": 2}))
+        stats = await recv(ws, type="stats")
+    assert refused["code"] == "quota_exceeded" and refused["seq"] == 1 and refused["session"] == sid
+    assert stats["connection_queued_tokens"] == 64
+    assert (await recv(ws, type="ack"))["seq"] == 0
+    await ws.send(msgpack.packb({"type": "append", "session": sid, "seq": 1, "token_ids": list(range(5, 69))}))
+    assert (await recv(ws, type="ack"))["seq"] == 1  # nothing of the refused chunk was queued: seq 1 is free
+    await ws.send(msgpack.packb({"type": "stats", "id": 3}))
+    assert (await recv(ws, type="stats"))["connection_queued_tokens"] == 0
+    await ws.close()
+
+
+async def test_client_deadlines_have_a_floor(limited: RunningServer) -> None:
+    async with sc.connect(limited.url) as client:
+        s = await client.open_session(window=32, chunk_budget_ms=1.0)
+        assert s.info["chunk_budget_ms"] == FLOOR_MS
+        assert (await s.configure(chunk_budget_ms=0.5))["chunk_budget_ms"] == FLOOR_MS
+        # a 1 µs deadline cannot be met by any step; raised to the floor, it is
+        ack = await s.append(token_ids=[5, 6, 7], deadline_ms=0.001)
+        assert not ack.deadline_missed
+        await s.close()
+
+
+async def test_a_resume_renders_the_neutral_results_it_kept(limited: RunningServer) -> None:
+    ws = await raw_connect(limited)
+    await ws.send(msgpack.packb({"type": "open", "id": 1, "window": 32}))
+    opened = await recv(ws, type="opened")
+    sid = opened["session"]
+    await ws.send(msgpack.packb({"type": "append", "session": sid, "seq": 0, "token_ids": [5, 6]}))
+    first = await recv(ws, type="ack")
+    entry = limited.server.service.registry.find(sid)  # type: ignore[union-attr]
+    assert entry is not None and all(isinstance(r, ChunkResult) for r in entry.recent)
+    ws.transport.abort()
+    ws2 = await raw_connect(limited)
+    await ws2.send(msgpack.packb({"type": "resume", "id": 2, "session": sid, "resume_token": opened["resume_token"]}))
+    assert (await recv(ws2, type="opened"))["resumed"]
+    again = await recv(ws2, type="ack")
+    assert again == first  # the same result, rendered again in the native form
+    await ws2.send(msgpack.packb({"type": "close", "id": 3, "session": sid}))
+    await recv(ws2, type="closed")
+    await ws2.close()
