@@ -234,6 +234,10 @@ class Server:
         self.connections.add(conn)
         try:
             await conn.run()
+        except Exception as e:  # the upgrade is done: no HTTP answer any more, a close code and the log
+            service_error(e)
+            if not ws.closed:
+                await ws.close(code=P.CLOSE_INTERNAL, message=b"internal server error")
         finally:
             self.connections.discard(conn)
         return ws

@@ -60,9 +60,8 @@ STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_
 
 
 def session_window(s: Session) -> tuple[int | None, int, str]:
-    """(window, sinks, position mode) of a session. The one place that knows where the engine keeps them."""
-    policy = getattr(s, "policy", None) or s.kv.policy
-    return policy.window, policy.sinks, str(policy.mode)
+    """(window, sinks, position mode) of a session."""
+    return s.policy.window, s.policy.sinks, str(s.policy.mode)
 
 
 class ClientContext:
