@@ -16,11 +16,12 @@ during a reply enters the KV after the reply ends. Each step (`schedule`):
    counter (tokens it is owed; negative when it took more than its shares):
    a. Sessions owed tokens by earlier steps go first and take what they are owed (no more than one share).
       Those are sessions that got less than their share, or found no slot in the batch (`max_batch`).
-   b. The rest goes by need. First chunks that can still make their deadline, earliest deadline first
-      (a chunk waiting longer than `max_wait` is ordered as if due now: nothing starves). Then chunks
-      already past their deadline, the session owed the most first. So a session flooding the engine
-      with long chunks, which fall behind their deadlines, takes only what on-time chunks leave, and a
-      small chunk finishes in the first step that starts after it is queued.
+   b. The rest goes by need. First sessions whose queued chunks fit in a share and can still make their
+      deadline, then other chunks that can still make it, each group earliest deadline first (a chunk
+      waiting longer than `max_wait` is ordered as if due now: nothing starves); then chunks already
+      past their deadline, the session owed the most first. So a small chunk finishes in the first step
+      that starts after it is queued, even behind a long chunk due earlier, and a session flooding the
+      engine with long chunks, which soon fall behind their deadlines, takes only what others leave.
    c. A session still appending after the step gains one share and is charged what it took; its deficit
       stays within one share either way. So a big chunk gets at least a share in every three steps
       whatever the others send (it never waits behind more than its own excess), and one that took what
@@ -162,16 +163,16 @@ class Scheduler:
             return
         share = max(1, budget // len(heads))
         deficit = {sid: self._deficit.get(sid, 0) for sid in heads}
+        demand = {sid: self._demand(sid) for sid in heads}
 
         def by_need(sid: str) -> tuple[int, int, float, float]:
             head = heads[sid]
             if head.deadline < now:  # late already: another step of lateness matters less than fairness here
-                return (1, -deficit[sid], *self._priority(head))
-            return (0, 0, *self._priority(head))
+                return (2, -deficit[sid], *self._priority(head))
+            return (0 if demand[sid] <= share else 1, 0, *self._priority(head))
 
         order = sorted(heads, key=lambda sid: (deficit[sid] <= 0, by_need(sid)))
         running = order[:self.limits.max_batch - len(plan.items)]  # owed sessions get the free slots first
-        demand = {sid: self._demand(sid) for sid in running}
         took = dict.fromkeys(running, 0)
         for sid in running:  # 4a: what earlier steps owe
             n = min(max(deficit[sid], 0), share, demand[sid], budget)
@@ -183,7 +184,7 @@ class Scheduler:
             budget -= n
         # 4c: sessions with chunks still queued (and those that found no slot) carry their deficit
         self._deficit = {sid: max(-share, min(share, deficit[sid] + share - took.get(sid, 0)))
-                         for sid in heads if sid not in demand or took[sid] < demand[sid]}
+                         for sid in heads if took.get(sid, 0) < demand[sid]}
         for sid in running:
             if took[sid]:
                 plan.items.append(self._append_item(sid, took[sid]))

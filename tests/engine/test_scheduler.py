@@ -327,3 +327,16 @@ def test_sharing_is_deterministic() -> None:
         return plans
 
     assert script() == script()
+
+
+def test_a_small_chunk_finishes_in_one_step_even_behind_a_long_chunk_due_first() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(step_tokens=32, min_append_tokens=1), clock)
+    sched.add(chunk("long", 1000, 100.0, deadline=100.05))  # on time, due first, far more than a step
+    for step in range(5):  # it is refreshed every step: always the earliest deadline, never late
+        sched.add(chunk("small", 6, clock.t, seq=step))
+        plan, events = run(sched, clock)
+        assert plan.as_dict() == {"small": 6, "long": 26}
+        assert [e.chunk.session_id for e in events if isinstance(e, ChunkAcked)] == ["small"]
+        sched.drop_session("long")
+        sched.add(chunk("long", 1000, clock.t, deadline=clock.t + 0.05))
