@@ -114,7 +114,7 @@ async def test_a_cut_connection_resumes_with_kv_and_timeline(served: RunningServ
         async with sc.connect(served.url) as client:
             s = await client.open_session()
             await s.append(text="In the beginning")
-            client._ws.transport.abort()  # the network drops
+            await client.drop_connection()  # the network drops
             ack = await s.append(text=" God created the heaven")  # sent after the client reconnects and resumes
             assert ack.tokens > 0
             got = [t for d in [d async for d in s.respond(max_tokens=12)] for t in d.token_ids]
@@ -166,7 +166,7 @@ async def test_every_error_code_reaches_the_client_typed(served: RunningServer) 
             with pytest.raises(sc.InvalidInputError, match="already"):
                 await s.respond(max_tokens=2).__anext__()  # the client's own check
             with pytest.raises(sc.InvalidInputError) as info:  # and the server's, bypassing it
-                await client._request({"type": "respond", "session": s.id, "max_tokens": 2})
+                await client.request({"type": "respond", "session": s.id, "max_tokens": 2})
             assert info.value.code == "response_in_progress"
             await s.cancel()
             assert await r.wait() == "cancelled"  # the running reply was not disturbed
@@ -214,7 +214,7 @@ async def test_a_connection_never_reaches_another_connections_session(served: Ru
             for msg in ({"type": "append", "session": s.id, "text": "x", "id": 1},
                         {"type": "respond", "session": s.id, "id": 2}, {"type": "close", "session": s.id, "id": 3}):
                 with pytest.raises(sc.UnknownSessionError):
-                    await b._request(msg)
+                    await b.request(msg)
             assert (await s.append(text=" God")).tokens > 0  # untouched
 
     await main()
@@ -270,21 +270,21 @@ def sync_client_and_a_dropped_session(served: RunningServer) -> None:
         text = "".join(d.text for d in s.respond())
         assert text and s.finish_reason == "length"
         sid = s.id
-        # the network drops (on the client's loop thread): the client reconnects and resumes the session
-        client._loop.call_soon_threadsafe(client._client._ws.transport.abort)
+        # the network drops: the client reconnects and resumes the session
+        client.drop_connection()
         assert s.append(text=" God").tokens > 0
     # the client closed its sessions; now one that is only dropped
     c = sc.SyncClient(served.url, reconnect=False)
     s = c.open_session()
     s.append(text="In the beginning")
-    c._loop.call_soon_threadsafe(c._client._ws.transport.abort)
+    c.drop_connection()
     deadline = time.monotonic() + 15
     while served.server.service.registry.all() and time.monotonic() < deadline:
         time.sleep(0.2)
     registry = served.server.service.registry
     assert not registry.all() and sid not in [e.session.id for e in registry.all()]
     assert served.engine.stats()["sessions_open"] == 0 and served.engine.stats()["kv_pages_used"] == 0
-    c._stop()
+    c.close()  # the connection is gone: only the client's thread stops
 
 
 async def test_shutdown_tells_sessions_and_frees_pages() -> None:
@@ -342,7 +342,7 @@ async def test_the_server_sheds_its_oldest_detached_session_when_full() -> None:
             await c1.connect()
             old = await c1.open_session()
             await c1.open_session()
-            c1._ws.transport.abort()  # both detached now
+            await c1.drop_connection()  # both detached now
             await asyncio.sleep(0.3)
             async with sc.connect(srv.url) as c2:
                 await c2.open_session()  # the oldest detached session made room
