@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from helpers import make_checkpoint
 
 
@@ -59,14 +60,17 @@ def test_info_prints_json(tmp_path: Path) -> None:
     assert info["architecture"] == "OlmoeForCausalLM" and info["experts"] == 8 and info["experts_per_token"] == 3
 
 
-def test_serve_starts_answers_and_stops_gracefully_on_sigterm() -> None:
+def test_serve_starts_answers_and_stops_gracefully_on_sigterm(tmp_path: Path) -> None:
     import json
     import re
     import signal
+    import urllib.error
     import urllib.request
 
-    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--kv-memory", "64MiB"],
-                            stderr=subprocess.PIPE, text=True)
+    key_file = tmp_path / "key"
+    key_file.write_text("k3y-from-a-file\n")  # the key never appears on the command line
+    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--kv-memory", "64MiB",
+                             "--api-key-file", str(key_file)], stderr=subprocess.PIPE, text=True)
     try:
         assert proc.stderr is not None
         port = None
@@ -77,7 +81,14 @@ def test_serve_starts_answers_and_stops_gracefully_on_sigterm() -> None:
                 break
         assert port is not None
         with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=10) as r:
-            assert json.load(r)["status"] == "ok"
+            assert json.load(r) == {"status": "ok"}  # a stranger learns only that it is ready
+        with pytest.raises(urllib.error.HTTPError) as info:
+            urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10)
+        assert info.value.code == 401
+        keyed = urllib.request.Request(f"http://127.0.0.1:{port}/metrics",
+                                       headers={"Authorization": "Bearer k3y-from-a-file"})
+        with urllib.request.urlopen(keyed, timeout=10) as r:
+            assert b"streamserve_connections" in r.read()
         proc.send_signal(signal.SIGTERM)
         rest = proc.stderr.read()
         assert proc.wait(30) == 0 and "shutting down" in rest
