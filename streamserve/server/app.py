@@ -9,8 +9,9 @@ the transport's (server/transport.py).
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
-With an API key, every route but /healthz needs it or a live client secret (server/auth.py); a browser
-page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an
+With an API key, /v1/stream needs it or a live client secret (server/auth.py), /metrics and minting
+secrets need the key itself, /healthz needs nothing (and says more with the key); a browser page from
+an origin not allowed gets 403 before anything else. No exception text reaches a client: an
 unexpected failure is answered with `internal_error` and a request id that the server log also has.
 SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed
 with 1001, replies end, pages come back.
@@ -164,11 +165,16 @@ class Server:
     def grant(self, request: web.Request) -> Grant | None:
         return self.auth.grant_for(self.credential(request))
 
+    def operator(self, request: web.Request) -> bool:
+        """The API key itself (or no key configured): what server-wide figures need; a client secret is not
+        enough."""
+        return not self.auth.required or self.auth.is_api_key(self.credential(request))
+
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
         """Every request: a browser page from a foreign origin is refused first; a failure that is not a typed
         answer becomes `internal_error` + request id (the traceback goes to the log, not the client)."""
-        if not origin_allowed(request.headers.get("Origin"), request.host, self.origins):
+        if not origin_allowed(request.headers.get("Origin"), request.host, self.origins, self.config.host):
             return error_response(403, "origin_not_allowed", "this origin may not use this server "
                                   "(the server's --allowed-origins)")
         try:
@@ -185,7 +191,7 @@ class Server:
             return web.json_response({"status": "failed"}, status=503)
         if self.engine is None:
             return web.json_response({"status": "loading"}, status=503)
-        if not self.auth.required or self.grant(request) is not None:
+        if self.operator(request):
             st = self.engine.stats()
             return web.json_response({"status": "ok", "model": st["model"], "device": st["device"],
                                       "sessions_open": st["sessions_open"], "connections": len(self.connections),
@@ -193,7 +199,7 @@ class Server:
         return web.json_response({"status": "ok"})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        if self.grant(request) is None:
+        if not self.operator(request):
             return unauthorized()
         if self.engine is None:
             return web.Response(status=503, text="loading\n")
@@ -202,7 +208,7 @@ class Server:
 
     async def client_secrets(self, request: web.Request) -> web.Response:
         """Minted with the API key only (a client secret cannot mint more)."""
-        if self.auth.required and not self.auth.is_api_key(bearer(request.headers.get("Authorization"))):
+        if not self.operator(request):
             return openai_error(401, "invalid_api_key", "send 'Authorization: Bearer <api key>'")
         try:
             body = await request.json() if request.can_read_body else {}

@@ -158,11 +158,16 @@ def parse_origins(spec: str | None) -> tuple[str, ...]:
 
 
 _ORIGIN = re.compile(r"^(https?)://([^/:]+|\[[0-9a-f:]+\])(?::(\d+))?$")
+_IP = re.compile(r"^(\d{1,3}(\.\d{1,3}){3}|\[[0-9a-f:]+\])$")
 
 
-def origin_allowed(origin: str | None, host_header: str | None, patterns: tuple[str, ...]) -> bool:
-    """No Origin (a non-browser client): allowed. Otherwise the origin must be the server's own (the Host
-    it was reached at), a loopback page when no allow-list is given, or match the allow-list."""
+def origin_allowed(origin: str | None, host_header: str | None, patterns: tuple[str, ...],
+                   server_host: str = "127.0.0.1") -> bool:
+    """No Origin (a non-browser client): allowed. Otherwise the origin must match the allow-list, or, without
+    one, be a loopback page, or be the server's own origin (the Host it was reached at). A Host is trusted as
+    the server's own only when it is an IP address, a loopback name or the --host name: a page under any
+    other DNS name could be a DNS-rebinding attack (evil.example resolving to this server), so such a
+    name must be listed in --allowed-origins."""
     if origin is None:
         return True
     origin = origin.strip().rstrip("/").lower()
@@ -170,8 +175,12 @@ def origin_allowed(origin: str | None, host_header: str | None, patterns: tuple[
     if m is None:  # "null" (file://, sandboxed frames) and anything malformed
         return "null" in patterns and origin == "null"
     scheme, host, port = m.group(1), m.group(2), m.group(3)
-    if host_header and origin in (f"http://{host_header.lower()}", f"https://{host_header.lower()}"):
-        return True
+    if host_header:
+        own = host_header.lower()
+        own_name = own.rsplit(":", 1)[0] if not own.endswith("]") else own
+        trusted = own_name in LOOPBACK_HOSTS or own_name == server_host.lower() or _IP.match(own_name) is not None
+        if trusted and origin in (f"http://{own}", f"https://{own}"):
+            return True
     if not patterns:
         return host in LOOPBACK_HOSTS
     for p in patterns:

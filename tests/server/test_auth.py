@@ -158,7 +158,10 @@ def test_the_origin_allow_list() -> None:
     allowed = parse_origins("https://app.example.com, http://localhost:*")
     assert origin_allowed("https://app.example.com", "srv:8000", allowed)
     assert origin_allowed("http://localhost:3000", "srv:8000", allowed)
-    assert origin_allowed("http://srv:8000", "srv:8000", allowed)  # the server's own pages
+    assert origin_allowed("http://srv:8000", "srv:8000", allowed, "srv")  # the server's own pages
+    assert origin_allowed("http://10.0.0.5:8000", "10.0.0.5:8000", (), "0.0.0.0")
+    # DNS rebinding: a page of evil.example whose name now resolves to this server is not "its own"
+    assert not origin_allowed("http://evil.example:8000", "evil.example:8000", (), "127.0.0.1")
     assert not origin_allowed("http://127.0.0.1:3000", "srv:8000", allowed)  # a list replaces the loopback default
     assert not origin_allowed("https://app.example.com.evil.io", "srv:8000", allowed)
     assert not origin_allowed("null", "srv:8000", ())
