@@ -215,7 +215,7 @@ def batched_decode(engine, batch: int, new: int) -> tuple[float, list[list[int]]
         s.append(token_ids=[(7 * i + j) % 1000 + 1 for j in range(128)])
 
     def together(n: int) -> list:
-        with engine._lock:  # every reply queued before the first step: they decode batched throughout
+        with engine.guard:  # every reply queued before the first step: they decode batched throughout
             streams = [s.stream(max_tokens=n, stop_token_ids=()) for s in sessions]
         for st in streams:
             st.wait()

@@ -47,6 +47,11 @@ class PagedSessionKV:
         return self.policy.rolling
 
     @property
+    def write_slots(self) -> torch.Tensor:
+        """The slots [T] the planned step (after `begin`) writes its keys and values to."""
+        return self._write
+
+    @property
     def held_pages(self) -> list[int]:
         return list(self.page_table.values())
 

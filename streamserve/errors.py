@@ -105,3 +105,21 @@ class ChunkTooLargeError(InvalidInputError):
 
 class ChatTemplateError(StreamserveError):
     code = "chat_template_error"
+
+
+class EmbeddingShapeError(InvalidInputError):
+    """An embedding chunk is not a [T, hidden] tensor of the model's hidden size."""
+
+    code = "embedding_shape"
+
+
+class EmbeddingDtypeError(InvalidInputError):
+    """An embedding chunk's values are not floating point."""
+
+    code = "embedding_dtype"
+
+
+class NonFiniteInputError(InvalidInputError):
+    """Input values hold NaN or infinity (or overflow the engine's dtype)."""
+
+    code = "non_finite_input"

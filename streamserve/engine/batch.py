@@ -3,6 +3,8 @@ CUDA graph or the eager batched model), committing each, and isolating a session
 
 After a batched forward that raises, every step is undone and each runs alone, so the one that fails is
 found and only it fails. Logits are copied per session: a view would keep the whole batch's logits alive.
+A step with embedding vectors (an embedding chunk, or a vector position run again after a rewind) runs
+eagerly: its rows' vectors replace their placeholder embeddings inside the model's forward.
 """
 
 from __future__ import annotations
@@ -10,16 +12,17 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 import torch
 
-from streamserve.engine.graphs import graphable, rows_of
+from streamserve.engine.admission import Admission
+from streamserve.engine.counters import Counters
+from streamserve.engine.graphs import DecodeGraphs, graphable, rows_of
+from streamserve.engine.guard import BetweenSteps
+from streamserve.engine.state import SessionState
+from streamserve.models import CausalLM
 from streamserve.sessions import PagedSessionKV
-
-if TYPE_CHECKING:
-    from streamserve.engine.engine import Engine
-    from streamserve.engine.session import Session
 
 # On a CPU, steps of fewer tokens than this run on one intra-op thread: waking a thread pool costs more than
 # these small matmuls gain from it (default model, 2 vCPUs: a 3-token step is 2.7x-4.4x slower on 2 threads;
@@ -27,77 +30,93 @@ if TYPE_CHECKING:
 CPU_SMALL_STEP_TOKENS = 64
 
 
+@dataclass
+class Job:
+    """One session's part of a step: `ids` run after its committed tokens; `vectors` (row in `ids`, vector
+    [hidden]) replace those rows' embeddings; `all_rows`: keep the logits of every row (draft verification)."""
+
+    state: SessionState
+    ids: list[int]
+    vectors: list[tuple[int, torch.Tensor]] = field(default_factory=list)
+    all_rows: bool = False
+
+
 class BatchForward:
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, model: CausalLM, admission: Admission, counters: Counters, guard: BetweenSteps) -> None:
+        self.model, self.admission, self.counters, self.guard = model, admission, counters, guard
+        self.device = next(model.parameters()).device
+        self.graphs: DecodeGraphs | None = None  # CUDA-graph decode, when on
         self.seconds: float | None = None  # the last step's forward time (None: no forward, or a graph captured)
 
-    def run(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool] | None = None
-            ) -> list[torch.Tensor | BaseException]:
+    def run(self, jobs: list[Job]) -> list[torch.Tensor | BaseException]:
         """Each job's ids run after its session's committed tokens, all in one forward. -> per job the logits
         [V] of its last token ([T, V] of all its tokens where `all_rows`: draft verification), or the
         exception that failed it (that job's step is undone; the others are unaffected). Verification jobs
         are committed without dropping pages outside the window: the caller truncates the rejected drafts
         first, then drops them (`kv.drop_outside_window()`)."""
-        flags = all_rows or [False] * len(jobs)
         self.seconds = None
-        with self.engine._lock:
-            busy = [s.kv for s, _ in jobs]
+        with self.guard:
+            busy = [j.state.kv for j in jobs]
             out: list[torch.Tensor | BaseException | None] = [None] * len(jobs)
             ready = [i for i in range(len(jobs)) if self._try_begin(jobs[i], busy, out, i)]
             try:
-                logits = self._forward_jobs([jobs[i] for i in ready], [flags[i] for i in ready]) if ready else None
+                logits = self._forward_jobs([jobs[i] for i in ready]) if ready else None
             except Exception as e:
                 for i in ready:
-                    jobs[i][0].kv.abort()
+                    jobs[i].state.kv.abort()
                 if len(ready) == 1:
                     out[ready[0]] = e
                 else:
                     for i in ready:  # find the job that fails: each runs alone
                         if self._try_begin(jobs[i], busy, out, i):
                             try:
-                                out[i] = self._forward_jobs([jobs[i]], [flags[i]])[0].clone()
-                                jobs[i][0].kv.commit(drop=not flags[i])
+                                out[i] = self._forward_jobs([jobs[i]])[0].clone()
+                                jobs[i].state.kv.commit(drop=not jobs[i].all_rows)
                             except Exception as e1:
-                                jobs[i][0].kv.abort()
+                                jobs[i].state.kv.abort()
                                 out[i] = e1
             else:
                 for rows, i in zip(logits or [], ready, strict=True):
-                    jobs[i][0].kv.commit(drop=not flags[i])
+                    jobs[i].state.kv.commit(drop=not jobs[i].all_rows)
                     out[i] = rows.clone()  # a view would keep the whole batch's logits alive
         return out  # type: ignore[return-value]
 
-    def _try_begin(self, job: tuple[Session, list[int]], busy: list[PagedSessionKV],
-                   out: list[torch.Tensor | BaseException | None], i: int) -> bool:
+    def _try_begin(self, job: Job, busy: list[PagedSessionKV], out: list[torch.Tensor | BaseException | None],
+                   i: int) -> bool:
         try:
-            self.engine.begin_step(job[0], job[0].kv, len(job[1]), busy)
+            self.admission.begin_step(job.state, job.state.kv, len(job.ids), busy)
             return True
         except Exception as e:
             out[i] = e
             return False
 
-    def _forward_jobs(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool]) -> list[torch.Tensor]:
-        return self.forward_planned([s.kv for s, _ in jobs], [i for _, i in jobs], all_rows)
+    def _forward_jobs(self, jobs: list[Job]) -> list[torch.Tensor]:
+        return self.forward_planned([j.state.kv for j in jobs], [j.ids for j in jobs], [j.all_rows for j in jobs],
+                                    [j.vectors for j in jobs])
 
-    def forward_planned(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool] | None = None
-                        ) -> list[torch.Tensor]:
+    def forward_planned(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool] | None = None,
+                        vectors: list[list[tuple[int, torch.Tensor]]] | None = None) -> list[torch.Tensor]:
         """The planned (`begin`) steps of `kvs` over `ids` in one forward -> per session the logits of its last
-        token [V], or of all its tokens [T, V] where `all_rows`. The caller commits or aborts."""
-        e = self.engine
+        token [V], or of all its tokens [T, V] where `all_rows`. `vectors[i]`: (row of ids[i], vector
+        [hidden]) embeddings that replace those rows'. The caller commits or aborts."""
         widths = [len(i) for i in ids]
         flags = all_rows or [False] * len(ids)
+        override = _flat_vectors(widths, vectors, self.device) if vectors and any(vectors) else None
         t0 = time.perf_counter()
-        captured = e.graphs.captured if e.graphs is not None else 0
-        with threads_for(e.device, sum(widths)):
-            if e.graphs is not None and graphable(widths):
-                logits = e.graphs.run(kvs, ids, flags)
+        graphs = self.graphs
+        captured = graphs.captured if graphs is not None else 0
+        with threads_for(self.device, sum(widths)):
+            if graphs is not None and override is None and graphable(widths):  # embedding steps run eagerly
+                logits = graphs.run(kvs, ids, flags)
             else:
-                flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=e.device)
-                logits = e.model.forward_batch(flat, kvs, None if all(flags) else rows_of(widths, flags))
+                flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=self.device)
+                rows = None if all(flags) else rows_of(widths, flags)
+                logits = (self.model.forward_batch(flat, kvs, rows) if override is None
+                          else self.model.forward_batch(flat, kvs, rows, embeds=override))
         seconds = time.perf_counter() - t0
-        self._count(widths, seconds)
+        self.counters.count_forward(widths, seconds)
         # a step that captured a graph took capture time too: it measures nothing about the step's cost
-        self.seconds = None if e.graphs is not None and e.graphs.captured != captured else seconds
+        self.seconds = None if graphs is not None and graphs.captured != captured else seconds
         out, start = [], 0
         for w, f in zip(widths, flags, strict=True):  # split the rows per session
             n = w if f else 1
@@ -105,12 +124,19 @@ class BatchForward:
             start += n
         return out
 
-    def _count(self, widths: list[int], seconds: float) -> None:
-        c = self.engine._counters
-        c["decode_tokens"] += sum(1 for w in widths if w == 1)
-        c["prefill_tokens"] += sum(w for w in widths if w > 1)
-        c["decode_seconds" if all(w == 1 for w in widths) else "prefill_seconds"] += seconds
-        c["forward_calls"] += 1
+
+def _flat_vectors(widths: list[int], vectors: list[list[tuple[int, torch.Tensor]]], device: torch.device
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-session (row, vector) lists -> (rows [R] in the flat step, vectors [R, hidden]) for the model."""
+    rows: list[int] = []
+    values: list[torch.Tensor] = []
+    start = 0
+    for w, vs in zip(widths, vectors, strict=True):
+        for r, v in vs:
+            rows.append(start + r)
+            values.append(v)
+        start += w
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.stack(values)
 
 
 @contextlib.contextmanager

@@ -1,21 +1,24 @@
 """`Engine`: a loaded model and tokenizer, the global paged KV pool, and the sessions on it.
 
+The engine composes objects with one job each, and is the only module that imports them all:
+`SessionTable` (open sessions, weakly; orphan reclaim), `Admission` (the page budget; parking),
+`BetweenSteps` (the loop's critical section), `Counters`, `DrafterCatalog`, `BatchForward` (one forward
+for a step's sessions), `Runner` (executes a plan), `Scheduler` and `EngineLoop` (the engine thread).
+Dependencies are passed down; nothing below imports this module.
+
 All model work runs on one engine thread (`EngineLoop`): each step batches every session that has work
-into one forward (`run_step`). Admission: a step that cannot get pages parks (offloads to host memory) the
-least recently active idle session and tries again; when no session can be parked that session's item
-fails with `CapacityError`, having taken nothing. A parked session comes back transparently on its next
-use. Sessions idle past `idle_ttl` are closed (checked about once a second by the loop, and whenever a
-session opens). One step runs at a time (a lock); every page is counted (`check_integrity`).
+into one forward. Admission: a step that cannot get pages parks (offloads to host memory) the least
+recently active idle session and tries again; when no session can be parked that session's item fails
+with `CapacityError`, having taken nothing. A parked session comes back transparently on its next use.
+Sessions idle past `idle_ttl` are closed (checked about once a second by the loop, and whenever a session
+opens). One step runs at a time; every page is counted (`check_integrity`).
 """
 
 from __future__ import annotations
 
 import json
 import logging
-import queue
-import threading
 import time
-import weakref
 from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
@@ -23,9 +26,12 @@ from typing import Any
 import torch
 
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
-from streamserve.engine.batch import BatchForward
+from streamserve.engine.admission import Admission
+from streamserve.engine.batch import BatchForward, Job
+from streamserve.engine.counters import Counters
 from streamserve.engine.drafters import MAX_DRAFT, DrafterCatalog
 from streamserve.engine.graphs import DecodeGraphs
+from streamserve.engine.guard import BetweenSteps
 from streamserve.engine.loading import (
     DEFAULT_MODEL_DIR,
     model_fingerprint,
@@ -36,9 +42,13 @@ from streamserve.engine.loading import (
 )
 from streamserve.engine.loop import EngineLoop
 from streamserve.engine.metrics import EngineMetrics
-from streamserve.engine.session import Session, SessionState
+from streamserve.engine.runner import Runner
+from streamserve.engine.scheduler import Scheduler
+from streamserve.engine.session import Session
 from streamserve.engine.snapshot import Snapshot
-from streamserve.errors import CapacityError, InvalidInputError, SessionNotFoundError, SnapshotError
+from streamserve.engine.state import SessionState, SessionStatus
+from streamserve.engine.table import SessionTable
+from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model
 from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy
 
@@ -46,6 +56,14 @@ log = logging.getLogger("streamserve")
 
 __all__ = ["DEFAULT_MODEL_DIR", "Engine"]
 
+
+def placeholder_id(tokenizer: Tokenizer, vocab_size: int) -> int:
+    """The id an embedding vector's position holds in `token_ids`: the tokenizer's pad token when it names
+    one, else the model's last id (past the tokenizer's own ids when the embedding matrix is padded; else
+    its last-learned, rarest merge). Drafters treat it as a break in the history."""
+    pad = tokenizer.config.get("pad_token")
+    pad_id = tokenizer.token_to_id(pad) if isinstance(pad, str) else None
+    return pad_id if pad_id is not None and 0 <= pad_id < vocab_size else vocab_size - 1
 
 
 class Engine:
@@ -70,19 +88,34 @@ class Engine:
             raise InvalidInputError(f"kv_memory of {kv_bytes} bytes is less than one page ({per_page} bytes)")
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_bytes // per_page, page_size,
                            self.dtype, self.device)
-        self.graphs: DecodeGraphs | None = None  # set by from_pretrained when CUDA-graph decode is on
-        self._lock = threading.RLock()
-        # weak: a session dropped without close() is garbage-collected, and its finalizer returns its pages
-        self._sessions: weakref.WeakValueDictionary[str, Session] = weakref.WeakValueDictionary()
-        self._sessions_lock = threading.Lock()  # guards _sessions: callers open and close while the engine admits
-        self._orphans: queue.SimpleQueue[tuple[PagedSessionKV, str]] = queue.SimpleQueue()  # collected sessions
-        self._counters = {"prefill_tokens": 0, "decode_tokens": 0, "forward_calls": 0,
-                          "prefill_seconds": 0.0, "decode_seconds": 0.0, "sessions_parked_total": 0,
-                          "sessions_expired_total": 0, "sessions_failed_total": 0}
-        self.metrics = EngineMetrics(self)
-        self.batch = BatchForward(self)
-        self.drafters = DrafterCatalog(self)
-        self.loop = EngineLoop(self, scheduler)
+        self.placeholder_id = placeholder_id(tokenizer, cfg.vocab_size)
+        self.guard = BetweenSteps()  # held by every step and by out-of-band operations: between steps
+        self._lock = self.guard  # the name tests and tools used before `guard`
+        self.counters = Counters()
+        self.table = SessionTable()  # weak: a session dropped without close() is collected, its pages reclaimed
+        self.metrics = EngineMetrics(self.pool.allocator, lambda: len(self.table.handles()),
+                                     lambda: sum(1 for s in self.table.states() if s.kv.parked is not None))
+        self.scheduler = Scheduler(scheduler)
+        self.admission = Admission(self.pool, self.table, self.guard, self.counters, self._queued_sessions,
+                                   self.free_orphans)
+        self.drafters = DrafterCatalog(path, cfg, tokenizer, model.ops, self.pool, self.metrics.observe_draft)
+        self.batch = BatchForward(model, self.admission, self.counters, self.guard)
+        self.runner = Runner(self.table, self.batch, self.drafters, self.admission,
+                             lambda context: tokenizer.detokenizer(context=context))
+        self.loop = EngineLoop(self.runner, self.scheduler, self.guard, self.metrics, self)
+
+    @property
+    def graphs(self) -> DecodeGraphs | None:
+        """CUDA-graph decode (set by from_pretrained when on; None: every step runs eagerly)."""
+        return self.batch.graphs
+
+    @graphs.setter
+    def graphs(self, graphs: DecodeGraphs | None) -> None:
+        self.batch.graphs = graphs
+
+    def _queued_sessions(self) -> Collection[str]:
+        with self.loop.cv:
+            return self.loop.scheduler.busy_sessions()
 
     def __enter__(self) -> Engine:
         return self
@@ -164,14 +197,19 @@ class Engine:
         if page_cap is not None and (isinstance(page_cap, bool) or not isinstance(page_cap, int) or page_cap < 1):
             raise InvalidInputError(f"page_cap must be an integer >= 1, got {page_cap!r}")
         policy = WindowPolicy(window=window, sinks=sinks, mode=positions)  # type: ignore[arg-type]
-        kv = PagedSessionKV(self.pool, policy, self.config.max_position_embeddings, page_cap)
+        context = self.config.max_position_embeddings
+        if policy.window is not None and policy.window + policy.sinks > context:
+            # rolling positions run up to window + sinks: past the trained range they are garbage
+            raise InvalidInputError(f"window + sinks ({policy.window} + {policy.sinks}) is over the model's context "
+                                    f"of {context} positions; choose a window of at most {context - policy.sinks}")
         if isinstance(chunk_budget, bool) or not isinstance(chunk_budget, (int, float)) or not chunk_budget > 0:
             raise InvalidInputError(f"chunk_budget must be a number of seconds > 0, got {chunk_budget!r}")
         spec = self.drafters.controller(drafter)
-        s = Session(self, kv, seed, float(chunk_budget))
-        s.spec = spec
-        with self._sessions_lock:
-            self._sessions[s.id] = s
+        kv = PagedSessionKV(self.pool, policy, context, page_cap)
+        state = SessionState(Session.new_id(), kv, context, self.device, seed, self.placeholder_id)
+        state.spec = spec
+        s = Session(self, state, float(chunk_budget))
+        self.table.add(s)
         return s
 
     def restore(self, snapshot: Snapshot | str | Path) -> Session:
@@ -191,94 +229,77 @@ class Engine:
                 raise SnapshotError(f"damaged snapshot: {e}") from None
             if not snap.kv_length <= len(snap.token_ids) <= snap.kv_length + 1:
                 raise SnapshotError(f"damaged snapshot: {len(snap.token_ids)} tokens for a KV of {snap.kv_length}")
-            self.admit(s, lambda: s.kv.load_host(snap.pages), len(snap.pages.logical))
-            s._load_state(snap)
+            vectors = self._snapshot_vectors(snap)
+            self.admission.admit(s.core, lambda: s.kv.load_host(snap.pages), len(snap.pages.logical))
+            s.core.load(snap.token_ids, snap.timeline, snap.kv_length, snap.next_seq,
+                        None if snap.logits is None else snap.logits.to(self.device), snap.logits_at, vectors)
         except BaseException:
             s.close()  # a failed restore leaves nothing behind
             raise
         return s
 
-    def _release(self, session: Session) -> None:
-        with self._sessions_lock:
-            self._sessions.pop(session.id, None)
+    def _snapshot_vectors(self, snap: Snapshot) -> dict[int, torch.Tensor]:
+        """The snapshot's embedding vectors by position, on this engine (SnapshotError when they do not fit)."""
+        pos, vec = snap.vector_positions, snap.vectors
+        if not pos:
+            return {}
+        hidden = self.config.hidden_size
+        if (not isinstance(vec, torch.Tensor) or not vec.is_floating_point() or tuple(vec.shape) != (len(pos), hidden)
+                or len(set(pos)) != len(pos) or not all(0 <= p < len(snap.token_ids) for p in pos)):
+            raise SnapshotError(f"damaged snapshot: vectors for positions {pos[:4]}... do not fit "
+                                f"[{len(pos)}, {hidden}] in a session of {len(snap.token_ids)} tokens")
+        rows = vec.to(device=self.device, dtype=self.dtype)
+        return {p: rows[i] for i, p in enumerate(pos)}
 
     def get_session(self, session_id: str) -> Session:
         """The open session with this id (SessionNotFoundError otherwise)."""
-        with self._sessions_lock:
-            s = self._sessions.get(session_id) if isinstance(session_id, str) else None
-        if s is None or s.closed:
+        s = self.table.get(session_id)
+        if s is None or s.core.closed:
             raise SessionNotFoundError(f"no open session has id {session_id!r}; it was closed, expired, or never "
                                        "existed: open a new one")
+        assert isinstance(s, Session)
         return s
 
     def sessions(self) -> list[Session]:
-        with self._sessions_lock:
-            return list(self._sessions.values())
+        return [s for s in self.table.handles() if isinstance(s, Session)]
 
     def free_orphans(self, wait: bool = True) -> None:
         """Give back the pages of sessions that were garbage-collected without close(). `wait=False`: only
         if no step is running (callers that must not block, like health checks)."""
-        if not self._lock.acquire(blocking=wait):
+        if not self.guard.acquire(blocking=wait):
             return
         try:
-            while True:
-                try:
-                    kv, session_id = self._orphans.get_nowait()
-                except queue.Empty:
-                    return
-                kv.release()
-                kv.parked = None
-                self.drafters.forget(session_id)
+            for state in self.table.take_orphans():
+                state.closed = True
+                state.release()
+                self.drafters.forget(state.id)
         finally:
-            self._lock.release()
+            self.guard.release()
 
     def expire_idle(self, now: float | None = None) -> int:
         """Close the sessions idle for longer than `idle_ttl`; returns how many."""
         if self.idle_ttl is None:
             return 0
         now = time.monotonic() if now is None else now
-        with self.loop.cv:
-            busy = self.loop.scheduler.busy_sessions()
+        busy = self._queued_sessions()
         stale = [s for s in self.sessions() if s.id not in busy and now - s.last_active > self.idle_ttl]
         for s in stale:
             s.close()
-        self._counters["sessions_expired_total"] += len(stale)
+        self.counters.sessions_expired_total += len(stale)
         return len(stale)
+
+    def session_failed(self, session_id: str, error: BaseException) -> None:
+        """A fault in the session's step (the loop already ended its queue): close it, its pages come back."""
+        self.counters.sessions_failed_total += 1
+        s = self.table.get(session_id)
+        if isinstance(s, Session):
+            s.close_now(drop=False)
 
     def admit(self, session: Session | None, take: Callable[[], None], needed: int,
               busy: Collection[PagedSessionKV] = ()) -> None:
-        """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking the
-        least recently active idle sessions (never one in `busy`: this step's) one by one until it
-        succeeds. Sessions with work queued are parked only when no other is left. Fails at once, parking
-        nobody, when even parking every idle session would not free enough."""
-        with self._lock:
-            self.free_orphans()
-            if needed <= self.pool.allocator.free_count:  # the common case: no search for idle sessions
-                try:
-                    take()
-                    return
-                except CapacityError:
-                    pass
-            step = {id(kv) for kv in busy}
-            with self.loop.cv:
-                queued = self.loop.scheduler.busy_sessions()
-            idle = [s for s in self.sessions() if s is not session and not s.closed and s.kv.parked is None
-                    and s.kv.page_table and id(s.kv) not in step]
-            if needed > self.pool.allocator.free_count + sum(len(s.kv.page_table) for s in idle):
-                raise CapacityError(f"this needs {needed} KV pages; the pool ({self.pool.num_pages} pages of "
-                                    f"{self.pool.page_size} tokens) has {self.pool.allocator.free_count} free and "
-                                    "not enough idle sessions to park: retry later, close sessions, or raise "
-                                    "kv_memory")
-            idle.sort(key=lambda s: (s.id in queued, s.last_active))
-            while True:
-                try:
-                    take()
-                    return
-                except CapacityError:
-                    if not idle:
-                        raise
-                    idle.pop(0).park()
-                    self._counters["sessions_parked_total"] += 1
+        """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking idle
+        sessions as needed (`Admission.admit`)."""
+        self.admission.admit(session.core if session is not None else None, take, needed, busy)
 
     def forward(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False,
                 session: Session | None = None) -> torch.Tensor:
@@ -287,7 +308,7 @@ class Engine:
 
         -> logits [V] of the last token (fp32), or [T, V] with `all_logits`.
         """
-        with self._lock:
+        with self.guard:
             self.begin_step(session, kv, len(ids), [kv])
             try:
                 (logits,) = self.batch.forward_planned([kv], [ids], [all_logits])
@@ -297,28 +318,29 @@ class Engine:
             kv.commit()  # last: nothing after it can fail between the cache and the caller's bookkeeping
         return logits
 
-    def run_step(self, jobs: list[tuple[Session, list[int]]], all_rows: list[bool] | None = None
+    def run_step(self, jobs: list[tuple[Session | SessionState, list[int]]], all_rows: list[bool] | None = None
                  ) -> list[torch.Tensor | BaseException]:
-        """One step of several sessions in one forward (`BatchForward.run`)."""
-        return self.batch.run(jobs, all_rows)
+        """One step of several sessions in one forward (`BatchForward.run`): per job the logits [V] of its last
+        token ([T, V] where `all_rows`), or the exception that failed it."""
+        flags = all_rows or [False] * len(jobs)
+        return self.batch.run([Job(s.core if isinstance(s, Session) else s, ids, all_rows=f)
+                               for (s, ids), f in zip(jobs, flags, strict=True)])
 
     def begin_step(self, session: Session | None, kv: PagedSessionKV, n: int, busy: list[PagedSessionKV]) -> None:
         """Plan a step of n tokens of `kv` (bringing it back first if parked), parking idle sessions not in
         `busy` when pages run out (CapacityError, having taken nothing, when that cannot help)."""
-        if kv.parked is not None:
-            self.admit(session, kv.unpark, kv.pages_needed(0), busy)
-        self.admit(session, lambda: kv.begin(n), kv.pages_needed(n), busy)
+        self.admission.begin_step(session.core if session is not None else None, kv, n, busy)
 
     # ---- accounting -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
         """Every page is free or held by exactly the sessions that list it (AssertionError otherwise)."""
         self.free_orphans()
-        with self._lock:
+        with self.guard:
             self.pool.allocator.check([s.kv.held_pages for s in self.sessions()])
 
     def stats(self) -> dict[str, Any]:
         self.free_orphans(wait=False)  # stats never wait for a step
-        c = self._counters
+        c = self.counters.as_dict()
         sessions = self.sessions()
         with self.loop.cv:
             depths = self.loop.scheduler.depths()
@@ -332,7 +354,7 @@ class Engine:
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "sessions_open": len(sessions),
-            "sessions_parked": sum(1 for s in sessions if s.state == SessionState.PARKED),
+            "sessions_parked": sum(1 for s in sessions if s.state == SessionStatus.PARKED),
             "kv_pages_used": alloc.used_count,
             "kv_pages_total": alloc.num_pages,
             "kv_page_size": self.pool.page_size,

@@ -54,7 +54,7 @@ class StaticStepKV:
         self.k_pos[n:].fill_(PAD_POSITION)
         self.read_slots[:n].copy_(kv.read_slots)
         self.read_slots[n:].zero_()
-        self.write.copy_(kv._write)
+        self.write.copy_(kv.write_slots)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
         kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)

@@ -6,7 +6,7 @@
     deliver(events)                  # acks to futures, deltas to outboxes: never blocking
 
 Callers (the sync API, asyncio front ends) only `submit` work and `cancel`; both take the loop's lock
-briefly and never wait for a step. A step holds the engine lock from schedule to update, so
+briefly and never wait for a step. A step holds the between-steps guard from schedule to update, so
 out-of-band operations (rewind, snapshot, park, close) always see a session between steps. The loop
 sleeps when there is no work and checks idle sessions' TTL about once a second.
 """
@@ -17,9 +17,10 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from typing import Protocol
 
-from streamserve.config import SchedulerConfig
+from streamserve.engine.guard import BetweenSteps
+from streamserve.engine.metrics import EngineMetrics
 from streamserve.engine.runner import Runner
 from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.streams import Delta, End
@@ -39,19 +40,33 @@ from streamserve.engine.work import (
 )
 from streamserve.errors import ResponseInProgressError, SessionClosedError, StepError
 
-if TYPE_CHECKING:
-    from streamserve.engine.engine import Engine
-
 log = logging.getLogger("streamserve")
 
 IDLE_CHECK_SECONDS = 1.0
 
 
+class LoopOwner(Protocol):
+    """What the loop asks of the engine that owns it, between steps."""
+
+    def free_orphans(self, wait: bool = True) -> None:
+        """Give back the pages of sessions collected without close()."""
+        ...
+
+    def expire_idle(self, now: float | None = None) -> int:
+        """Close the sessions idle past the TTL."""
+        ...
+
+    def session_failed(self, session_id: str, error: BaseException) -> None:
+        """A fault in the session's step: close it (its queue was already taken by the scheduler)."""
+        ...
+
+
 class EngineLoop:
-    def __init__(self, engine: Engine, config: SchedulerConfig | None = None) -> None:
-        self.engine = engine
-        self.scheduler = Scheduler(config)
-        self.runner = Runner(engine)
+    def __init__(self, runner: Runner, scheduler: Scheduler, guard: BetweenSteps, metrics: EngineMetrics,
+                 owner: LoopOwner) -> None:
+        self.runner, self.scheduler, self.guard, self.metrics = runner, scheduler, guard, metrics
+        # weak: the engine owns the loop, whose thread must not keep the engine alive
+        self._owner: weakref.ref[LoopOwner] = weakref.ref(owner)
         self.cv = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stopping = False
@@ -79,7 +94,7 @@ class EngineLoop:
         return n
 
     def drop_session(self, session_id: str, error: BaseException | None = None) -> None:
-        """Fail or end everything queued on a session (it is being closed). Caller holds the engine lock."""
+        """Fail or end everything queued on a session (it is being closed). Caller holds the guard."""
         with self.cv:
             events = self.scheduler.drop_session(session_id, error)
         self._deliver(events)
@@ -102,23 +117,26 @@ class EngineLoop:
             self.cv.notify()
         if self._thread is not None and not self.in_engine_thread():
             self._thread.join(timeout)
-        with self.engine._lock, self.cv:
+        with self.guard, self.cv:
             events = [e for sid in list(self.scheduler.busy_sessions()) for e in self.scheduler.drop_session(sid)]
         self._deliver(events)
 
     # ---- the engine thread ----------------------------------------------------------------------------
-    def _idle(self) -> bool:
+    def idle(self) -> bool:
+        """No work queued and not stopping (the engine thread sleeps)."""
         with self.cv:
             return not self.scheduler.has_work() and not self._stopping
 
-    def _iteration(self) -> bool:
+    def iteration(self) -> bool:
         """Run a step (and the idle-TTL check when due); -> False when the loop is stopping."""
         with self.cv:
             if self._stopping:
                 return False
         if time.monotonic() - self._last_idle_check >= IDLE_CHECK_SECONDS:
             self._last_idle_check = time.monotonic()
-            self._guarded(self.engine.expire_idle)
+            owner = self._owner()
+            if owner is not None:
+                self._guarded(owner.expire_idle)
         self._guarded(self.step)
         return True
 
@@ -130,8 +148,10 @@ class EngineLoop:
 
     def step(self) -> list[Event]:
         """One engine step (normally run by the loop thread)."""
-        with self.engine._lock:
-            self.engine.free_orphans()
+        with self.guard:
+            owner = self._owner()
+            if owner is not None:
+                owner.free_orphans()
             with self.cv:
                 plan = self.scheduler.schedule()
             if plan.empty:
@@ -151,17 +171,15 @@ class EngineLoop:
         return events
 
     def _after_step(self, plan: Plan, out: StepOutput, events: list[Event]) -> None:
-        metrics = self.engine.metrics
         with self.cv:
             depths = self.scheduler.depths()
-        metrics.observe_step(plan, out, events, depths)
+        self.metrics.observe_step(plan, out, events, depths)
+        owner = self._owner()
         for e in events:
             if isinstance(e, SessionFailed):  # a faulted session is closed: its pages come back
-                s = self.engine._sessions.get(e.session_id)
                 log.warning("session %s failed and was closed: %s", e.session_id, e.error)
-                self.engine._counters["sessions_failed_total"] += 1
-                if s is not None:
-                    s._close(drop=False)
+                if owner is not None:
+                    owner.session_failed(e.session_id, e.error)
 
     def _deliver(self, events: list[Event]) -> None:
         for e in events:
@@ -193,12 +211,12 @@ def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
             loop = ref()
             if loop is None:
                 return
-            idle = loop._idle()
+            idle = loop.idle()
             del loop
             if idle:
                 cv.wait(IDLE_CHECK_SECONDS)  # submit() and stop() notify
         loop = ref()
-        if loop is None or not loop._iteration():
+        if loop is None or not loop.iteration():
             return
         del loop
 

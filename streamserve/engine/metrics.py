@@ -7,6 +7,7 @@ Gauges of pool and sessions are read when scraped, so they are never stale.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -14,14 +15,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 from streamserve.engine.work import ChunkAcked, Event, Plan, SessionFailed, StepOutput, TokenProduced
 
 if TYPE_CHECKING:
-    from streamserve.engine.engine import Engine
+    from streamserve.sessions.pool import PageAllocator
 
 LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.5, 1.0, 2.5, 5.0, 10.0)
 TOKEN_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 
 
 class EngineMetrics:
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, pages: PageAllocator, sessions_open: Callable[[], int], sessions_parked: Callable[[], int]
+                 ) -> None:
+        """`pages`: the KV pool's allocator; the two callables count the engine's sessions when scraped."""
         self.registry = r = CollectorRegistry()
         self.step_seconds = Histogram("streamserve_step_seconds", "Wall time of one engine step",
                                       buckets=LATENCY_BUCKETS, registry=r)
@@ -44,13 +47,15 @@ class EngineMetrics:
                               ["drafter", "outcome"], registry=r)
         self.queue_depth = Gauge("streamserve_queue_depth", "Work waiting in the scheduler, by kind", ["kind"],
                                  registry=r)
-        pool = engine.pool.allocator
-        Gauge("streamserve_kv_pages_used", "KV pages in use", registry=r).set_function(lambda: pool.used_count)
-        Gauge("streamserve_kv_pages_total", "KV pages in the pool", registry=r).set_function(lambda: pool.num_pages)
-        Gauge("streamserve_sessions_open", "Open sessions (parked included)",
-              registry=r).set_function(lambda: len(engine.sessions()))
+        Gauge("streamserve_kv_pages_used", "KV pages in use", registry=r).set_function(lambda: pages.used_count)
+        Gauge("streamserve_kv_pages_total", "KV pages in the pool", registry=r).set_function(lambda: pages.num_pages)
+        Gauge("streamserve_sessions_open", "Open sessions (parked included)", registry=r).set_function(sessions_open)
         Gauge("streamserve_sessions_parked", "Sessions whose KV is offloaded to host memory",
-              registry=r).set_function(lambda: sum(1 for s in engine.sessions() if s.kv.parked is not None))
+              registry=r).set_function(sessions_parked)
+
+    def observe_draft(self, drafter: str, proposed: int, accepted: int) -> None:
+        self.drafts.labels(drafter, "proposed").inc(proposed)
+        self.drafts.labels(drafter, "accepted").inc(accepted)
 
     def observe_step(self, plan: Plan, out: StepOutput, events: list[Event], depths: dict[str, int]) -> None:
         self.step_seconds.observe(out.finished - out.started)

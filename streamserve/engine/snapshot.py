@@ -3,12 +3,14 @@
 File format (version 1): `torch.save` of a plain dict of str/int/float/list/tensor (loaded with
 `weights_only=True`, so a file can carry no code): format, version, model fingerprint and name, page
 size, window policy, token ids, timeline, committed KV length, the held pages' keys/values per layer
-`[n, P, KVH, hd]` with their logical page numbers, the last logits, the next chunk seq, the page cap.
+`[n, P, KVH, hd]` with their logical page numbers, the last logits, the next chunk seq, the page cap, and
+the vectors of embedding chunks still kept (`vector_positions` [n] and `vectors` [n, hidden]; absent in
+files written before embedding chunks existed, which read as none).
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -47,6 +49,8 @@ class Snapshot:
     logits_at: int
     next_seq: int
     page_cap: int | None = None
+    vector_positions: list[int] = field(default_factory=list)  # positions whose input was a vector
+    vectors: torch.Tensor | None = None  # [len(vector_positions), hidden] on the host
 
     @property
     def nbytes(self) -> int:
@@ -61,6 +65,7 @@ class Snapshot:
             "kv_length": self.kv_length, "logical_pages": list(self.pages.logical),
             "k": list(self.pages.k), "v": list(self.pages.v),
             "logits": self.logits, "logits_at": self.logits_at, "next_seq": self.next_seq, "page_cap": self.page_cap,
+            "vector_positions": list(self.vector_positions), "vectors": self.vectors,
         }
 
     @classmethod
@@ -76,7 +81,8 @@ class Snapshot:
                        timeline=[ChunkRecord(**r) for r in d["timeline"]], kv_length=int(d["kv_length"]),
                        pages=HostPages([int(j) for j in d["logical_pages"]], list(d["k"]), list(d["v"])),
                        logits=d["logits"], logits_at=int(d["logits_at"]), next_seq=int(d["next_seq"]),
-                       page_cap=d.get("page_cap"))
+                       page_cap=d.get("page_cap"),
+                       vector_positions=[int(p) for p in d.get("vector_positions", [])], vectors=d.get("vectors"))
         except (KeyError, TypeError, ValueError) as e:
             raise SnapshotError(f"damaged snapshot: {e}") from None
 

@@ -12,22 +12,23 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
 import torch
 
 from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.drafters.verify import verify
 from streamserve.engine.snapshot import ChunkRecord
-from streamserve.engine.work import Response
+from streamserve.engine.state import SessionState
+from streamserve.engine.work import Detokenizer, Response
 
-if TYPE_CHECKING:
-    from streamserve.engine.session import Session
+# a reply's detokenizer, given the session's last tokens as context
+DetokenizerFactory = Callable[[list[int]], Detokenizer]
 
 log = logging.getLogger("streamserve")
 
 
-def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftProposal:
+def draft(s: SessionState, r: Response, k: int, context_limit: int | None) -> DraftProposal:
     """Up to k drafted tokens for the reply's next step: fewer near max_tokens or the context's end, and no
     more than fit in the pages a plain step could take (drafting never makes a reply fail for memory).
     A drafter that fails proposes nothing (logged); it never fails the session."""
@@ -44,7 +45,7 @@ def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftPr
         proposal = drafter.propose(s, k, r)
     except Exception:
         log.exception("streamserve: drafter %s failed; drafting nothing this step", drafter.name)
-        drafter.release(s)
+        drafter.release(s.id)
         proposal = DraftProposal([])
     seconds = proposal.seconds if proposal.seconds is not None else time.perf_counter() - t0
     s.spec.observe_drafting(drafter.name, len(proposal.tokens), seconds)
@@ -54,7 +55,7 @@ def draft(s: Session, r: Response, k: int, context_limit: int | None) -> DraftPr
     return proposal
 
 
-def _page_room(s: Session, k: int) -> int:
+def _page_room(s: SessionState, k: int) -> int:
     """The most drafts a verification can carry without more pages than the session's cap or the pool's free
     pages allow beyond what a plain one-token step needs."""
     kv = s.kv
@@ -69,7 +70,8 @@ def _page_room(s: Session, k: int) -> int:
     return 0
 
 
-def accept(s: Session, r: Response, proposal: DraftProposal, logits: torch.Tensor) -> list[int]:
+def accept(s: SessionState, r: Response, proposal: DraftProposal, logits: torch.Tensor,
+           new_detokenizer: DetokenizerFactory) -> list[int]:
     """The target's logits [k+1, V] over [pending, drafts] are in; -> the tokens emitted. The session keeps
     the pending token and the accepted drafts in its KV, the last emitted token becomes pending."""
     assert s.spec is not None
@@ -81,17 +83,19 @@ def accept(s: Session, r: Response, proposal: DraftProposal, logits: torch.Tenso
     stop = next((i for i, t in enumerate(emitted) if t in r.stop_token_ids), None)
     if stop is not None:
         emitted = emitted[:stop + 1]
-    extend_reply(s, r, emitted)
+    extend_reply(s, r, emitted, new_detokenizer)
     s.kv.truncate(len(s.token_ids) - 1)  # the rejected drafts leave the cache
     s.kv.drop_outside_window()
-    s._logits, s._logits_at = None, -1  # the next step runs the new pending token
+    s.trim_vectors()
+    s.keep_logits(None)  # the next step runs the new pending token
     return emitted
 
 
-def extend_reply(s: Session, r: Response, tokens: list[int]) -> None:
+def extend_reply(s: SessionState, r: Response, tokens: list[int], new_detokenizer: DetokenizerFactory) -> None:
     """Generated tokens join the session and the reply's timeline record."""
     if r.produced == 0 and r.detok is None:  # the reply's first token: its text follows the session so far
-        r.detok = s.engine.tokenizer.detokenizer(context=s.token_ids[-8:])
+        h, start = s.token_ids, max(0, len(s.token_ids) - 8)
+        r.detok = new_detokenizer([h[p] for p in range(start, len(h)) if p not in s.vectors])  # ids, no vectors
         s.timeline.append(ChunkRecord("reply", None, len(s.token_ids), len(s.token_ids)))
     s.token_ids.extend(tokens)
     rec = s.timeline[-1]

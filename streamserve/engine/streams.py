@@ -15,13 +15,23 @@ import threading
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from streamserve.engine.work import Response
 from streamserve.errors import StreamserveError
 
-if TYPE_CHECKING:
-    from streamserve.engine.session import Session
+
+class ReplySession(Protocol):
+    """What a reply's stream needs of its session (`session.Session` is one)."""
+
+    @property
+    def token_ids(self) -> list[int]: ...
+
+    def cancel(self) -> None: ...
+
+    def on_engine_thread(self) -> bool:
+        """Whether the caller runs on the engine thread (which must never wait for a reply)."""
+        ...
 
 
 @dataclass
@@ -93,7 +103,7 @@ class ResponseStream:
     or "closed". An engine fault raises a typed error from the iteration instead.
     """
 
-    def __init__(self, session: Session, response: Response) -> None:
+    def __init__(self, session: ReplySession, response: Response) -> None:
         self.session = session
         self._response = response
         self.id = response.id
@@ -173,7 +183,7 @@ class TokenIterator:
         st = self.stream
         if st.finish_reason is None:
             st.session.cancel()
-            if not st.session.engine.loop.in_engine_thread():  # never block the engine on itself
+            if not st.session.on_engine_thread():  # never block the engine on itself
                 with contextlib.suppress(StreamserveError):
                     st.wait()
 

@@ -13,8 +13,8 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
-ChunkKind = Literal["text", "audio", "video"]
-CHUNK_KINDS: tuple[str, ...] = ("text", "audio", "video")
+ChunkKind = Literal["text", "audio", "video", "image", "state"]
+CHUNK_KINDS: tuple[str, ...] = ("text", "audio", "video", "image", "state")  # only "video" is ever shed
 WorkKind = Literal["append", "decode", "verify"]
 FinishReason = Literal["length", "stop", "context", "cancelled", "closed"]
 
@@ -51,6 +51,9 @@ class Chunk:
     done: int = 0  # tokens of it already in the KV cache
     started: float | None = None  # start of the first step that ran part of it
     ticket: Any = None  # how the loop delivers the Ack (a concurrent.futures.Future)
+    # an embedding chunk: its vectors [T, hidden] (a torch tensor on the engine's device, owned by the chunk);
+    # token_ids then holds T placeholder ids. None: a chunk of token ids
+    embeds: Any = None
 
     @property
     def remaining(self) -> int:

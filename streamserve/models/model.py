@@ -197,12 +197,17 @@ class CausalLM(nn.Module):
 
     @torch.inference_mode()
     def forward_batch(self, ids: torch.Tensor, kvs: list[LayerKV],
-                      rows: list[int] | torch.Tensor | None = None) -> torch.Tensor:
+                      rows: list[int] | torch.Tensor | None = None,
+                      embeds: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         """ids [N]: the new tokens of each session of `kvs` in turn (session i's at positions kvs[i].q_pos)
         -> logits [R, V] (fp32) of the tokens at `rows` (R indices; a device tensor keeps a captured graph
-        free of host copies; None: all N)."""
+        free of host copies; None: all N). `embeds` (positions [E] long, vectors [E, D]): input vectors
+        that replace the embeddings of those rows of `ids` (embedding chunks: audio, image, state...),
+        applied right after `embed_tokens`, so a vector equal to `embed_tokens(id)` gives exactly id's step."""
         ops = self.ops
         x = self.embed_tokens(ids)  # [N, D]
+        if embeds is not None:
+            x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         layout = self._layout(kvs, x.dtype)
         for layer in self.layers:
             x = layer(x, kvs, layout, ops)

@@ -11,14 +11,14 @@ from streamserve.engine import Engine
 
 def replies_together(engine: Engine, prompts: Sequence[list[int]], max_tokens: int,
                      session_kws: Sequence[dict[str, Any]] | None = None) -> list[list[int]]:
-    """Open a session per prompt, append it, then queue every reply before the first step (under the
-    engine lock), so they decode batched from the start; -> each session's greedy tokens."""
+    """Open a session per prompt, append it, then queue every reply before the first step (between
+    steps), so they decode batched from the start; -> each session's greedy tokens."""
     kws = session_kws or [{}] * len(prompts)
     sessions = [engine.open_session(**kw) for kw in kws]
     try:
         for s, p in zip(sessions, prompts, strict=True):
             s.append(token_ids=p)
-        with engine._lock:
+        with engine.guard:  # between steps: every reply is queued before the first step runs
             streams = [s.stream(max_tokens=max_tokens, stop_token_ids=()) for s in sessions]
         for st in streams:
             st.wait()

@@ -202,7 +202,7 @@ def test_stale_video_chunks_are_shed_under_overload(engines) -> None:
     engine = engines["qwen3"]
     s = engine.open_session()
     past = time.monotonic() - 5.0
-    with engine._lock:  # the engine is held between steps while the frames queue up, all already late
+    with engine.guard:  # the engine is held between steps while the frames queue up, all already late
         futures = [s.submit_chunk(None, [10 + i, 11 + i], None, None, past, past + 0.2, "video") for i in range(3)]
         text = s.submit_chunk(None, [1, 2], None, None, past, past + 0.2, "text")
     acks = [f.result(timeout=30) for f in futures]

@@ -22,7 +22,7 @@ def small_engine(path, pages: int, **kw) -> Engine:
 def test_a_caller_giving_up_on_an_ack_does_not_cost_other_sessions_theirs(engines) -> None:
     engine = engines["qwen3"]
     a, b = engine.open_session(), engine.open_session()
-    with engine._lock:  # both chunks run in the same step
+    with engine.guard:  # both chunks run in the same step
         fa = a.submit_chunk(None, [1, 2, 3], None, None, None, None, "text")
         fb = b.submit_chunk(None, [4, 5, 6], None, None, None, None, "text")
         assert not fa.cancel()  # too late to cancel: the engine owns it
@@ -64,7 +64,7 @@ def test_sampling_parameters_out_of_any_range_fail_at_the_call(engines) -> None:
 def test_a_reply_behind_a_failed_first_chunk_gets_a_clear_error(checkpoints) -> None:
     engine = small_engine(checkpoints["llama"][0], pages=64)
     s = engine.open_session(page_cap=1)
-    with engine._lock:
+    with engine.guard:
         chunk = s.submit_chunk(None, random_ids(40, seed=4), None, None, None, None, "text")
         reply = s.stream(max_tokens=3)
     with pytest.raises(PageCapError):
@@ -83,7 +83,7 @@ def test_a_refused_rewind_leaves_the_running_reply_alone(engines) -> None:
     next(st)
     with pytest.raises(RewindError):
         s.rewind(to_seq=999)
-    with engine._lock:
+    with engine.guard:
         assert s.state.value == "responding"
     s.cancel()
     assert st.wait() == "cancelled"
@@ -105,10 +105,10 @@ def test_sessions_closed_with_work_queued_are_not_counted_as_failures(engines) -
     failed = engine.stats()["sessions_failed_total"]
     for _ in range(5):
         s = engine.open_session()
-        with engine._lock:
+        with engine.guard:
             s.submit_chunk(None, [1, 2, 3], None, None, None, None, "text")
-            s.closed = True  # closed by another thread between the submission and the step
-            engine._release(s)
+            s.core.closed = True  # closed by another thread between the submission and the step
+            engine.table.remove(s.id)
         engine.loop.step()
     assert engine.stats()["sessions_failed_total"] == failed
     engine.check_integrity()
@@ -117,10 +117,10 @@ def test_sessions_closed_with_work_queued_are_not_counted_as_failures(engines) -
 def test_kept_logits_do_not_pin_the_whole_batch(engines) -> None:
     engine = engines["qwen3"]
     sessions = [engine.open_session() for _ in range(4)]
-    with engine._lock:
+    with engine.guard:
         futures = [s.submit_chunk(None, [1, 2, 3], None, None, None, None, "text") for s in sessions]
     for f in futures:
         f.result(30)
     for s in sessions:
-        assert s._logits.untyped_storage().nbytes() == s._logits.numel() * s._logits.element_size()
+        assert s.core.logits.untyped_storage().nbytes() == s.core.logits.numel() * s.core.logits.element_size()
         s.close()

@@ -150,7 +150,7 @@ def test_snapshot_and_rewind_in_the_middle_of_a_reply(engines) -> None:
         s.append(token_ids=random_ids(20, seed=40))
         reply = s.stream(max_tokens=60, stop_token_ids=())
         got = next(reply).token_ids
-        with engine._lock:  # between two steps: the reply is somewhere in its 60 tokens
+        with engine.guard:  # between two steps: the reply is somewhere in its 60 tokens
             n = len(s.token_ids) - 20
             snap = s.snapshot()
             last = snap.timeline[-1]

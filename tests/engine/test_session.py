@@ -72,7 +72,7 @@ def test_closing_a_session_ends_its_running_reply(engines) -> None:
     s.append(token_ids=[1, 2, 3])
     stream = s.stream(max_tokens=100_000, stop_token_ids=())
     next(stream)
-    with engine._lock:  # between two steps
+    with engine.guard:  # between two steps
         produced = len(s.token_ids) - 3
         s.close()
     rest = list(stream)  # what was produced before the close, then the end
@@ -248,11 +248,11 @@ def test_generate_with_a_full_context_window_of_sliding_attention(engines) -> No
     ids = random_ids(70, seed=13)
     with engine.open_session() as a:
         a.append(token_ids=ids)
-        la = a._logits
+        la = a.core.logits
     with engine.open_session() as b:
         for i in range(0, 70, 7):
             b.append(token_ids=ids[i:i + 7])
-        assert torch.allclose(la, b._logits, atol=1e-5)
+        assert torch.allclose(la, b.core.logits, atol=1e-5)
 
 
 def test_a_dropped_session_is_collected_with_its_memory(engines) -> None:

@@ -129,7 +129,7 @@ def test_rewind_cancel_and_snapshot_mid_speculation_leave_the_session_exact(engi
     verified = engine.stats()["speculative"].get("ngram", {}).get("verifications", 0)
     with engine.open_session(drafter="ngram") as s:
         s.append(token_ids=p)
-        with engine._lock:  # the steps run here, one by one: stop in the middle of the reply, for sure
+        with engine.guard:  # the steps run here, one by one: stop in the middle of the reply, for sure
             st = s.stream(max_tokens=50, stop_token_ids=())
             run_steps(engine, 6)
             assert engine.stats()["speculative"]["ngram"]["verifications"] > verified  # it is speculating
@@ -148,7 +148,7 @@ def test_rewind_cancel_and_snapshot_mid_speculation_leave_the_session_exact(engi
         assert restored.generate(max_tokens=50 - n, stop_token_ids=()) == plain[n:]
     with engine.open_session(drafter="ngram") as s:
         s.append(token_ids=p)
-        with engine._lock:
+        with engine.guard:
             st = s.stream(max_tokens=50, stop_token_ids=())
             run_steps(engine, 4)
             s.cancel()
@@ -195,8 +195,8 @@ def test_a_draft_model_drafter_is_lossless_and_stays_in_step(engines, checkpoint
             if temperature == 0.0:
                 assert more == plain[22:32]
             drafter = engine.drafters.make(draft)[0]
-            with engine._lock:  # catches up lazily, before each proposal: then it holds the real history
-                proposal = drafter.propose(s, 3)
+            with engine.guard:  # catches up lazily, before each proposal: then it holds the real history
+                proposal = drafter.propose(s.core, 3)  # drafters work on the session state
             st = drafter.states[s.id]  # (a windowed session's draft views its last window only)
             assert st.tokens == s.token_ids[st.offset:] and len(proposal.tokens) == 3
             assert st.kv.length == len(s.token_ids) - st.offset  # the drafts left its cache
@@ -226,7 +226,7 @@ def test_drafting_never_changes_what_a_reply_leaves_in_the_session(engines, chec
     with engine.open_session(drafter="ngram") as s, engine.open_session() as other:
         s.append(token_ids=p)
         other.append(token_ids=p)
-        with engine._lock:
+        with engine.guard:
             a, b = s.stream(max_tokens=20, stop_token_ids=()), other.stream(max_tokens=20, stop_token_ids=())
         assert a.wait() == b.wait() == "length" and a.token_ids == b.token_ids == greedy(engine, p, 20)
     monkeypatch.undo()

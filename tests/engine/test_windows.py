@@ -14,7 +14,7 @@ def chunked_logits(session, ids: list[int], chunk: int) -> list[torch.Tensor]:
     out = []
     for i in range(0, len(ids), chunk):
         session.append(token_ids=ids[i:i + chunk])
-        out.append(session._logits)
+        out.append(session.core.logits)
     return out
 
 

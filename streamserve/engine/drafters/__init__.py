@@ -18,17 +18,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from streamserve.engine.drafters.adaptive import SpecController, VerifyCosts
-from streamserve.engine.drafters.base import MAX_DRAFT, Drafter, DraftProposal
+from streamserve.engine.drafters.base import MAX_DRAFT, DraftContext, Drafter, DraftProposal
 from streamserve.engine.drafters.ngram import NgramDrafter
+from streamserve.engine.loading import DEFAULT_MODEL_DIR, resolve_model_path
 from streamserve.errors import InvalidInputError
 
 if TYPE_CHECKING:
-    from streamserve.engine.engine import Engine
+    from streamserve.models import ModelConfig, Tokenizer
+    from streamserve.models.ops import Ops
+    from streamserve.sessions import KVPool
 
 DRAFTER_CHOICES = ("none", "ngram", "auto", "mtp", "draft:PATH")
 
-__all__ = ["DRAFTER_CHOICES", "MAX_DRAFT", "DraftProposal", "Drafter", "DrafterCatalog", "NgramDrafter",
-           "UnknownDrafterError"]
+__all__ = ["DRAFTER_CHOICES", "MAX_DRAFT", "DraftContext", "DraftProposal", "Drafter", "DrafterCatalog",
+           "NgramDrafter", "UnknownDrafterError"]
 
 
 class UnknownDrafterError(InvalidInputError):
@@ -36,12 +39,14 @@ class UnknownDrafterError(InvalidInputError):
 
 
 class DrafterCatalog:
-    """The engine's drafters: the default spec, the drafter objects (one per kind, shared by sessions; their
-    per-session state lives with each session), the measured verification costs, and the totals that
-    `engine.stats()["speculative"]` and the metrics report."""
+    """The engine's drafters: the default spec, the drafter objects (one per kind, shared by sessions; each keeps
+    its per-session state by session id), the measured verification costs, and the totals that
+    `engine.stats()["speculative"]` and the metrics report (`on_observe`: drafter, proposed, accepted)."""
 
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
+    def __init__(self, model_path: Path, config: ModelConfig, tokenizer: Tokenizer, ops: Ops, pool: KVPool,
+                 on_observe: Callable[[str, int, int], None] | None = None) -> None:
+        self.model_path, self.config, self.tokenizer, self.ops, self.pool = model_path, config, tokenizer, ops, pool
+        self.on_observe = on_observe
         self.spec, self.max_draft = "none", MAX_DRAFT
         self.costs = VerifyCosts()  # what a verification of each width costs on this engine (measured)
         self.totals: dict[str, dict[str, int]] = {}  # per drafter: verifications, proposed, accepted
@@ -77,7 +82,7 @@ class DrafterCatalog:
         if spec.startswith("draft:"):
             return [self.draft_model(spec.removeprefix("draft:"))]
         if spec == "mtp":
-            raise UnknownDrafterError(f"drafter 'mtp': {self.engine.config.architecture} has no "
+            raise UnknownDrafterError(f"drafter 'mtp': {self.config.architecture} has no "
                                       "multi-token-prediction heads (none of the supported architectures does); "
                                       "use 'ngram', 'draft:PATH' or 'auto'")
         raise UnknownDrafterError(f"unknown drafter {spec!r}; choose one of {list(DRAFTER_CHOICES)}")
@@ -89,37 +94,33 @@ class DrafterCatalog:
             return self._objects[name]
 
     def forget(self, session_id: str) -> None:
-        """A session was garbage-collected without close(): drafters holding state by its id free it."""
+        """A session was garbage-collected without close(): every drafter frees what it holds for it."""
         for d in list(self._objects.values()):
-            release = getattr(d, "release_id", None)
-            if release is not None:
-                release(session_id)
+            d.release(session_id)
 
     def draft_model(self, path: str) -> Drafter:
-        from streamserve.engine.drafters.model import DraftModelDrafter
-        from streamserve.engine.loading import resolve_model_path
+        from streamserve.engine.drafters.model import DraftModelDrafter  # loads only when a draft model is named
 
         resolved = str(resolve_model_path(path))
-        return self.shared(f"draft:{resolved}", lambda: DraftModelDrafter.load(self.engine, resolved))
+        return self.shared(f"draft:{resolved}", lambda: DraftModelDrafter.load(resolved, self.tokenizer, self.config,
+                                                                               self.ops, self.pool))
 
     def default_draft_path(self) -> Path | None:
         """The draft model "auto" adds: the one the default spec names, else on a GPU the one shipped beside
         the embedded default model."""
-        from streamserve.engine.loading import DEFAULT_MODEL_DIR
-
         if self.spec.startswith("draft:"):
             return Path(self.spec.removeprefix("draft:"))
         shipped = DEFAULT_MODEL_DIR.parent / "default-draft"
-        usable = self.engine.path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists()
-        return shipped if usable and self.engine.device.type == "cuda" else None
+        usable = self.model_path == DEFAULT_MODEL_DIR and (shipped / "config.json").exists()
+        return shipped if usable and self.pool.device.type == "cuda" else None
 
     def observe(self, drafter: str, proposed: int, accepted: int) -> None:
         t = self.totals.setdefault(drafter, {"verifications": 0, "proposed": 0, "accepted": 0})
         t["verifications"] += 1
         t["proposed"] += proposed
         t["accepted"] += accepted
-        self.engine.metrics.drafts.labels(drafter, "proposed").inc(proposed)
-        self.engine.metrics.drafts.labels(drafter, "accepted").inc(accepted)
+        if self.on_observe is not None:
+            self.on_observe(drafter, proposed, accepted)
 
     def stats(self) -> dict[str, dict[str, float]]:
         """Per drafter: verifications, proposed, accepted, acceptance rate, mean accepted length."""

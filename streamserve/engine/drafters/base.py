@@ -1,5 +1,6 @@
-"""What every drafter is: `propose(session, k, reply)` -> up to k tokens that may follow the session (and their
-draft probabilities when the drafter has them), `release(session)` when the session closes."""
+"""What every drafter is: `propose(state, k, reply)` -> up to k tokens that may follow the session (and their
+draft probabilities when the drafter has them), `release(session_id)` when the session closes. A drafter keeps
+its per-session state itself, keyed by session id, and frees it in `release`."""
 
 from __future__ import annotations
 
@@ -9,8 +10,8 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
-    from streamserve.engine.session import Session
     from streamserve.engine.work import Response
+    from streamserve.sessions import PagedSessionKV
 
 MAX_DRAFT = 7  # drafted tokens per verification at most: with the pending token, a step of 8 (a graph width)
 
@@ -22,12 +23,24 @@ class DraftProposal:
     seconds: float | None = None  # time spent drafting them, catching up excluded (None: all of propose)
 
 
+class DraftContext(Protocol):
+    """What a drafter reads of a session (`state.SessionState` is one)."""
+
+    id: str
+    token_ids: list[int]  # the history; `placeholder_id` marks an embedding vector, never a token to draft from
+    revisions: int  # moves when the history is cut (a rewind)
+    placeholder_id: int
+    kv: PagedSessionKV  # its window policy
+
+
 class Drafter(Protocol):
     name: str
 
-    def propose(self, session: Session, k: int, reply: Response | None = None) -> DraftProposal:
+    def propose(self, session: DraftContext, k: int, reply: Response | None = None) -> DraftProposal:
         """Up to k tokens that may follow the session; `reply` gives the sampling parameters (a drafter with
         probabilities draws from its own distribution filtered the same way)."""
         ...
 
-    def release(self, session: Session) -> None: ...
+    def release(self, session_id: str) -> None:
+        """Free what the drafter holds for this session (closed, collected, or its drafter failed)."""
+        ...

@@ -10,6 +10,8 @@ evicted session's draft state is rebuilt on first use — for a windowed session
 (a draft need not be exact, and an endless stream must not be replayed from its start). It never fails a
 session: when its pool is full it frees the least recently used session's draft state; when it still
 cannot draft (pool, context), it proposes nothing and does not try again for RETRY_AFTER tokens.
+The draft model reads token ids only: its view of the history starts after the last embedding vector (the
+session's placeholder id), and while the last token is one it proposes nothing.
 """
 
 from __future__ import annotations
@@ -30,9 +32,9 @@ from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model
 from streamserve.sessions import KVPool, PagedSessionKV
 
 if TYPE_CHECKING:
-    from streamserve.engine.engine import Engine
-    from streamserve.engine.session import Session
+    from streamserve.engine.drafters.base import DraftContext
     from streamserve.engine.work import Response
+    from streamserve.models.ops import Ops
 
 CATCH_UP_CHUNK = 256  # history tokens per draft forward when catching up
 RETRY_AFTER = 64  # tokens of history after a failed proposal before the drafter tries that session again
@@ -59,48 +61,46 @@ class DraftModelDrafter:
         self.failed_at: dict[str, int] = {}  # session id -> history length when drafting last failed
 
     @classmethod
-    def load(cls, engine: Engine, path: str) -> DraftModelDrafter:
+    def load(cls, path: str, tokenizer: Tokenizer, target: ModelConfig, ops: Ops, target_pool: KVPool
+             ) -> DraftModelDrafter:
+        """The draft model at `path` for a target with this tokenizer, config, kernel ops and KV pool (its own
+        pool gets 1/POOL_SHARE of the target pool's bytes, on the same device, in the same dtype)."""
         folder = Path(path)
         cfg = ModelConfig.from_file(folder / "config.json")
         tok = Tokenizer.from_dir(folder)
-        if tok.vocab() != engine.tokenizer.vocab() or cfg.vocab_size != engine.config.vocab_size:
+        if tok.vocab() != tokenizer.vocab() or cfg.vocab_size != target.vocab_size:
             raise DraftTokenizerError(f"the draft model {folder} does not share the target's tokenizer "
-                                      f"(vocabulary {cfg.vocab_size} vs {engine.config.vocab_size}, or different ids): "
+                                      f"(vocabulary {cfg.vocab_size} vs {target.vocab_size}, or different ids): "
                                       "a draft must use exactly the target's tokenizer")
-        model = load_model(folder, cfg, engine.device, engine.dtype, engine.model.ops)
-        per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, engine.pool.page_size,
-                                         engine.dtype)
-        target_bytes = engine.pool.num_pages * KVPool.bytes_per_page(
-            engine.config.num_layers, engine.config.num_kv_heads, engine.config.head_dim, engine.pool.page_size,
-            engine.dtype)
+        dev, dtype, page = target_pool.device, target_pool.dtype, target_pool.page_size
+        model = load_model(folder, cfg, dev, dtype, ops)
+        per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page, dtype)
+        target_bytes = target_pool.num_pages * KVPool.bytes_per_page(
+            target.num_layers, target.num_kv_heads, target.head_dim, page, dtype)
         pages = max(MIN_POOL_PAGES, target_bytes // POOL_SHARE // per_page)
-        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, engine.pool.page_size, engine.dtype,
-                      engine.device)
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page, dtype, dev)
         return cls(f"draft:{folder.name}", model, pool)
 
     # ---- the Drafter interface ------------------------------------------------------------------------
-    def propose(self, session: Session, k: int, reply: Response | None = None) -> DraftProposal:
+    def propose(self, session: DraftContext, k: int, reply: Response | None = None) -> DraftProposal:
         failed = self.failed_at.get(session.id)
         if failed is not None and len(session.token_ids) - failed < RETRY_AFTER:
             return DraftProposal([])
         try:
             return self._propose(session, k, reply)
         except StreamserveError:  # its pool is full even after evicting, or past its context: draft nothing
-            self.release(session)
+            self.release(session.id)
             self.failed_at[session.id] = len(session.token_ids)
             return DraftProposal([])
 
-    def release(self, session: Session) -> None:
-        self.release_id(session.id)
-
-    def release_id(self, session_id: str) -> None:
+    def release(self, session_id: str) -> None:
         self.failed_at.pop(session_id, None)
         st = self.states.pop(session_id, None)
         if st is not None:
             st.kv.release()
 
     # ---- internals ------------------------------------------------------------------------------------
-    def _state(self, session: Session) -> DraftState:
+    def _state(self, session: DraftContext) -> DraftState:
         st = self.states.get(session.id)
         if st is None:
             st = DraftState(PagedSessionKV(self.pool, session.kv.policy, self.model.cfg.max_position_embeddings),
@@ -114,17 +114,22 @@ class DraftModelDrafter:
                 n += 1
             self._cut(st, st.offset + n, session)
             st.revision = session.revisions
+        ph = session.placeholder_id
+        if ph in session.token_ids[st.offset + len(st.tokens):]:  # a vector since: the view starts after it
+            self._start_over(st, session)
         return st
 
-    def _start_over(self, st: DraftState, session: Session) -> None:
+    def _start_over(self, st: DraftState, session: DraftContext) -> None:
         """An empty draft cache viewing the history from its start, or for a windowed session from its last
         window (plus the pending token)."""
         st.kv.release()
         st.kv.length, st.tokens = 0, []
-        pol = session.kv.policy
-        st.offset = 0 if pol.window is None else max(0, len(session.token_ids) - pol.window - pol.sinks - 1)
+        pol, h = session.kv.policy, session.token_ids
+        st.offset = 0 if pol.window is None else max(0, len(h) - pol.window - pol.sinks - 1)
+        last_vector = next((i for i in range(len(h) - 1, st.offset - 1, -1) if h[i] == session.placeholder_id), -1)
+        st.offset = max(st.offset, last_vector + 1)
 
-    def _cut(self, st: DraftState, n: int, session: Session) -> None:
+    def _cut(self, st: DraftState, n: int, session: DraftContext) -> None:
         """Keep history[:n] in the draft cache (starting over where its window already dropped that)."""
         local = n - st.offset
         try:
@@ -156,8 +161,10 @@ class DraftModelDrafter:
         st.tokens += ids
         return logits
 
-    def _propose(self, session: Session, k: int, reply: Response | None) -> DraftProposal:
+    def _propose(self, session: DraftContext, k: int, reply: Response | None) -> DraftProposal:
         h = session.token_ids
+        if not h or h[-1] == session.placeholder_id:  # after a vector: nothing of token ids to draft from
+            return DraftProposal([])
         if session.kv.policy.window is None and len(h) + k > self.model.cfg.max_position_embeddings:
             raise ContextLengthError("past the draft model's context")
         st = self._state(session)

@@ -6,6 +6,10 @@ was followed; each appended token adds max_n entries (amortised O(1) per token f
 lookup tries the longest suffix first. Memory is bounded: past `max_entries` (64k: a few MB) the index is
 rebuilt over the newer half of what it covers. Its first build and a rebuild after a rewind (the session's
 `revisions` counter moves) index the last `REBUILD_TAIL` tokens only, so no step spends long on it.
+
+Embedding vectors sit in the history as the session's placeholder id: an n-gram through one is never
+indexed, a suffix ending in one matches nothing, and a proposal stops before one, so nothing is ever
+proposed from a placeholder or as one. The drafter keeps one index per session id, freed by `release`.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import TYPE_CHECKING
 from streamserve.engine.drafters.base import DraftProposal
 
 if TYPE_CHECKING:
-    from streamserve.engine.session import Session
+    from streamserve.engine.drafters.base import DraftContext
     from streamserve.engine.work import Response
 
 
@@ -23,8 +27,9 @@ REBUILD_TAIL = 8192  # tokens of history indexed again after a rewind
 
 
 class NgramIndex:
-    def __init__(self, max_n: int = 4, max_entries: int = 1 << 16) -> None:
+    def __init__(self, max_n: int = 4, max_entries: int = 1 << 16, placeholder: int | None = None) -> None:
         self.max_n, self.max_entries = max_n, max_entries
+        self.placeholder = placeholder  # an id that breaks the history (an embedding vector's position)
         self.tokens: list[int] = []
         self.offset = 0  # history position of tokens[0] (after a rebuild over the newer half)
         self.follows: dict[tuple[int, ...], int] = {}  # n-gram -> index in `tokens` of what followed it last
@@ -48,6 +53,8 @@ class NgramIndex:
         toks = self.tokens
         i = len(toks)  # the position `token` takes: every n-gram ending just before it is now followed by it
         for n in range(1, min(self.max_n, i) + 1):
+            if toks[i - n] == self.placeholder:  # this n-gram and every longer one run through a vector
+                break
             self.follows[tuple(toks[i - n:i])] = i
         toks.append(token)
 
@@ -57,7 +64,8 @@ class NgramIndex:
         for n in range(min(self.max_n, len(toks)), 0, -1):
             start = self.follows.get(tuple(toks[-n:]))
             if start is not None:
-                return toks[start:start + k]
+                out = toks[start:start + k]
+                return out[:out.index(self.placeholder)] if self.placeholder in out else out
         return []
 
 
@@ -66,13 +74,14 @@ class NgramDrafter:
 
     def __init__(self, max_n: int = 4) -> None:
         self.max_n = max_n
+        self.indexes: dict[str, NgramIndex] = {}  # by session id; used on the engine thread or between steps
 
-    def propose(self, session: Session, k: int, reply: Response | None = None) -> DraftProposal:
-        index = session._drafts.get(self.name)
+    def propose(self, session: DraftContext, k: int, reply: Response | None = None) -> DraftProposal:
+        index = self.indexes.get(session.id)
         if index is None:
-            index = session._drafts[self.name] = NgramIndex(self.max_n)
+            index = self.indexes[session.id] = NgramIndex(self.max_n, placeholder=session.placeholder_id)
         index.sync(session.token_ids, session.revisions)
         return DraftProposal(index.lookup(k))
 
-    def release(self, session: Session) -> None:
-        session._drafts.pop(self.name, None)
+    def release(self, session_id: str) -> None:
+        self.indexes.pop(session_id, None)

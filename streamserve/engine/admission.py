@@ -1,0 +1,71 @@
+"""`Admission`: the KV pool's page budget. Work that needs pages gets them, parking (offloading to host
+memory) the least recently active idle sessions one by one when the pool runs out; when even parking
+every idle session would not free enough, it fails with `CapacityError` at once, having taken nothing and
+parked nobody. A parked session comes back (`unpark`) on its next use."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Collection
+
+from streamserve.engine.counters import Counters
+from streamserve.engine.guard import BetweenSteps
+from streamserve.engine.state import SessionState
+from streamserve.engine.table import SessionTable
+from streamserve.errors import CapacityError
+from streamserve.sessions import KVPool, PagedSessionKV
+
+
+class Admission:
+    def __init__(self, pool: KVPool, table: SessionTable, guard: BetweenSteps, counters: Counters,
+                 queued_sessions: Callable[[], Collection[str]], reclaim: Callable[[], None]) -> None:
+        """`queued_sessions`: the ids of sessions with work queued (parked only when no other is left);
+        `reclaim`: frees collected sessions' pages first (they may be all that is missing)."""
+        self.pool, self.table, self.guard, self.counters = pool, table, guard, counters
+        self.queued_sessions, self.reclaim = queued_sessions, reclaim
+
+    def admit(self, state: SessionState | None, take: Callable[[], None], needed: int,
+              busy: Collection[PagedSessionKV] = ()) -> None:
+        """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking the
+        least recently active idle sessions (never `state`, never one in `busy`: this step's) until it
+        succeeds."""
+        with self.guard:
+            self.reclaim()
+            if needed <= self.pool.allocator.free_count:  # the common case: no search for idle sessions
+                try:
+                    take()
+                    return
+                except CapacityError:
+                    pass
+            step = {id(kv) for kv in busy}
+            queued = self.queued_sessions()
+            idle = [s for s in self.table.states() if s is not state and not s.closed and s.kv.parked is None
+                    and s.kv.page_table and id(s.kv) not in step]
+            if needed > self.pool.allocator.free_count + sum(len(s.kv.page_table) for s in idle):
+                raise CapacityError(f"this needs {needed} KV pages; the pool ({self.pool.num_pages} pages of "
+                                    f"{self.pool.page_size} tokens) has {self.pool.allocator.free_count} free and "
+                                    "not enough idle sessions to park: retry later, close sessions, or raise "
+                                    "kv_memory")
+            idle.sort(key=lambda s: (s.id in queued, s.last_active))
+            while True:
+                try:
+                    take()
+                    return
+                except CapacityError:
+                    if not idle:
+                        raise
+                    idle.pop(0).kv.park()
+                    self.counters.sessions_parked_total += 1
+
+    def unpark(self, state: SessionState, busy: Collection[PagedSessionKV] = ()) -> None:
+        """Bring a parked session's KV back onto the pool (nothing when it is not parked)."""
+        kv = state.kv
+        if kv.parked is not None:
+            self.admit(state, kv.unpark, kv.pages_needed(0), busy)
+
+    def begin_step(self, state: SessionState | None, kv: PagedSessionKV, n: int,
+                   busy: Collection[PagedSessionKV]) -> None:
+        """Plan a step of n tokens of `kv` (bringing it back first if parked), parking idle sessions not in
+        `busy` when pages run out (CapacityError, having taken nothing, when that cannot help)."""
+        if kv.parked is not None:
+            self.admit(state, kv.unpark, kv.pages_needed(0), busy)
+        self.admit(state, lambda: kv.begin(n), kv.pages_needed(n), busy)

@@ -1,0 +1,148 @@
+"""`SessionState`: everything one session is, the part the engine's step operates on.
+
+The user's handle (`session.Session`) validates and submits; the runner, speculation, the drafters, the
+batched forward and the graphs read and change this object through its public attributes and methods,
+and never see the handle. It holds the session's KV (`PagedSessionKV`), its token ids (the one record of
+the session: the tokens not yet in the KV are always `token_ids[kv.length:]`), its timeline, the logits
+kept after the last forward and the position they belong to, the next chunk seq, the sampling generator,
+the revision counter (cuts of the history), the drafting controller and the vectors of embedding chunks.
+
+Embedding chunks: a position whose input was a vector holds `placeholder_id` in `token_ids` (the
+tokenizer's pad id, else its unk id, else 0: never a token a reply samples in practice) and its vector
+[hidden] in `vectors`, a side table by position. The forward embeds the placeholder and then puts the
+vector in its row. Vectors whose position the window dropped are freed (`trim_vectors`), except the sinks'
+and what a rewind may still re-run, so memory stays bounded on an endless stream of embedding chunks.
+Drafters treat `placeholder_id` as a break in the history (they never propose it or draft through it).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+import torch
+
+from streamserve.engine.snapshot import ChunkRecord
+from streamserve.errors import ContextLengthError
+from streamserve.sessions import PagedSessionKV
+
+if TYPE_CHECKING:
+    from streamserve.engine.drafters.adaptive import SpecController
+
+
+class SessionStatus(enum.Enum):
+    OPEN = "open"  # idle between chunks: may be parked under memory pressure
+    RESPONDING = "responding"  # a reply is being generated
+    PARKED = "parked"  # KV offloaded to host memory; restored on the next use
+    CLOSED = "closed"
+
+
+class SessionState:
+    def __init__(self, session_id: str, kv: PagedSessionKV, max_positions: int, device: torch.device,
+                 seed: int | None = None, placeholder_id: int = 0) -> None:
+        self.id = session_id
+        self.kv = kv
+        self.max_positions = max_positions  # the model's context (limits sessions with absolute positions)
+        self.placeholder_id = placeholder_id
+        self.token_ids: list[int] = []  # everything appended or generated, in order (placeholders at vectors)
+        self.timeline: list[ChunkRecord] = []
+        self.vectors: dict[int, torch.Tensor] = {}  # position -> [hidden] vector of an embedding chunk
+        self.logits: torch.Tensor | None = None  # [V] fp32 after the first `logits_at` tokens
+        self.logits_at = -1
+        self.next_seq = 0
+        self.revisions = 0  # counts cuts of the history (rewinds): drafters' indexes rebuild after one
+        self.last_active = time.monotonic()
+        self.closed = False
+        self.spec: SpecController | None = None  # speculative decoding: drafters and draft length
+        self.seeded = seed is not None
+        self.generator = torch.Generator(device=device)
+        if seed is None:
+            self.generator.seed()
+        else:
+            self.generator.manual_seed(seed)
+
+    @property
+    def pending(self) -> list[int]:
+        """The tokens of the session not yet in the KV cache (at most the last generated one, or after a
+        rewind or restore the last kept token)."""
+        return self.token_ids[self.kv.length:]
+
+    def check_context(self, n: int) -> None:
+        """ContextLengthError unless n more tokens fit after the session (absolute positions only)."""
+        if not self.kv.rolling and len(self.token_ids) + n > self.max_positions:
+            raise ContextLengthError(f"appending {n} tokens to a session of {len(self.token_ids)} would exceed the "
+                                     f"model's context of {self.max_positions}; rewind, or open the session with a "
+                                     "window for endless streams")
+
+    def keep_logits(self, logits: torch.Tensor | None) -> None:
+        """The logits [V] after the tokens now in the KV (None: the next step must run a token again)."""
+        self.logits, self.logits_at = logits, (self.kv.length if logits is not None else -1)
+
+    # ---- embedding vectors --------------------------------------------------------------------------
+    def add_vectors(self, start: int, rows: torch.Tensor) -> None:
+        """Record the vectors rows [n, hidden] of positions start .. start + n - 1 (their ids are placeholders)."""
+        for i in range(rows.shape[0]):
+            self.vectors[start + i] = rows[i]
+
+    def vector_rows(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
+        """(position - start, vector [hidden]) of the vector positions in [start, end)."""
+        if not self.vectors:
+            return []
+        return [(p - start, self.vectors[p]) for p in range(start, end) if p in self.vectors]
+
+    def trim_vectors(self) -> None:
+        """Free the vectors a rewind can no longer re-run: those of positions the window dropped (the sinks'
+        stay). A rewind to `to` re-runs position to - 1, which is a sink or at least the oldest kept position."""
+        kv = self.kv
+        if kv.policy.window is None or kv.parked is not None or not self.vectors:
+            return
+        sinks, oldest = kv.policy.sinks, kv.oldest_kept()
+        for p in list(self.vectors):  # in position order: sinks first, then the stream
+            if p >= oldest:
+                break
+            if p >= sinks:
+                del self.vectors[p]
+
+    # ---- cuts of the history ------------------------------------------------------------------------
+    def check_cut(self, to: int) -> None:
+        """RewindError unless the KV can go back to where `to` tokens are kept (the KV must be unparked).
+        The KV keeps all but the last kept token, which runs again to give the logits."""
+        if to < len(self.token_ids):
+            self.kv.check_rewind(min(max(0, to - 1), self.kv.length))
+
+    def cut(self, to: int, renumber: bool) -> None:
+        """Forget everything after the first `to` tokens (after `check_cut`). `renumber`: the next chunk seq
+        follows the last chunk kept (a user's rewind)."""
+        if to == len(self.token_ids):
+            return
+        self.kv.truncate(min(max(0, to - 1), self.kv.length))
+        del self.token_ids[to:]
+        for p in [p for p in self.vectors if p >= to]:
+            del self.vectors[p]
+        self.revisions += 1
+        self.keep_logits(None)
+        self.timeline = [r if r.end <= to else ChunkRecord(r.kind, r.seq, r.start, to, r.capture_time, r.deadline)
+                         for r in self.timeline if r.start < to]
+        if renumber:
+            self.next_seq = max((r.seq for r in self.timeline if r.seq is not None), default=-1) + 1
+        self.last_active = time.monotonic()
+
+    def release(self) -> None:
+        """Give back every KV page and parked copy (close, expiry, orphan reclaim), and the drafters' state."""
+        self.kv.release()
+        self.kv.parked = None
+        self.vectors.clear()
+        for d in self.spec.drafters if self.spec is not None else ():
+            d.release(self.id)
+
+    def load(self, token_ids: list[int], timeline: list[ChunkRecord], kv_length: int, next_seq: int,
+             logits: torch.Tensor | None, logits_at: int, vectors: Mapping[int, torch.Tensor]) -> None:
+        """Take the record of a snapshot (its KV pages are loaded separately)."""
+        self.token_ids = list(token_ids)
+        self.timeline = list(timeline)
+        self.kv.length = kv_length
+        self.next_seq = next_seq
+        self.logits, self.logits_at = logits, logits_at
+        self.vectors = dict(sorted(vectors.items()))
