@@ -44,6 +44,7 @@ from streamserve.config import (
 from streamserve.engine import Engine
 from streamserve.errors import InvalidInputError, StreamserveError
 from streamserve.server import protocol as P
+from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
 from streamserve.server.native import NativeConnection
 from streamserve.server.results import service_error
@@ -89,7 +90,7 @@ class Server:
         self.engine: Engine | None = None
         self.service: SessionService | None = None
         self.server_metrics: ServerMetrics | None = None
-        self.connections: set[NativeConnection] = set()
+        self.connections: set[ProtocolAdapter] = set()  # every protocol's
         self.started = time.monotonic()
         self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
@@ -141,7 +142,7 @@ class Server:
     async def on_shutdown(self, app: web.Application) -> None:
         await asyncio.gather(*(self.say_goodbye(conn) for conn in list(self.connections)))
 
-    async def say_goodbye(self, conn: NativeConnection) -> None:
+    async def say_goodbye(self, conn: ProtocolAdapter) -> None:
         """Tell a connection which sessions close, give it 2 s to read that, close it; cut it if it will not."""
         if self.service is not None:
             self.service.announce_shutdown(conn.ctx)

@@ -4,7 +4,8 @@ It decodes each frame with `protocol.decode_client` (I/O-free), calls the sessio
 the service's neutral results as native msgpack maps. Nothing here waits for the model: the service
 runs blocking work on its executors. Everything sent goes through the connection's `Transport` (one
 bounded queue, one writer, send timeout, read rate limit); when the connection ends, for whatever
-reason, the service cancels its replies and detaches its sessions for a resume.
+reason, the service cancels its replies and detaches its sessions for a resume (server/adapter.py,
+shared by every protocol).
 
 A new wire protocol is a new adapter module beside this one, over the same service and transport.
 """
@@ -18,6 +19,7 @@ from prometheus_client import Counter
 
 from streamserve import __version__
 from streamserve.server import protocol as P
+from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Grant
 from streamserve.server.results import (
     AppendRequest,
@@ -94,36 +96,23 @@ def render(result: Any, request_id: Any = None) -> dict[str, Any]:
     raise TypeError(f"no native rendering for {type(result).__name__}")
 
 
-class NativeConnection:
-    """One native-protocol connection: the read loop, dispatch to the service, and the service's
-    `ResultListener` (results it pushes are rendered and queued on the transport)."""
+class NativeConnection(ProtocolAdapter):
+    """One native-protocol connection: frames decoded and dispatched to the service, results rendered."""
 
     def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter) -> None:
-        self.service, self.transport, self.messages = service, transport, messages
+        super().__init__(service, transport, grant)
+        self.messages = messages
         self.max_frame_bytes = service.config.max_frame_bytes
-        self.ctx = service.connect(self, grant)
         self.bad = 0
-        transport.on_detach(lambda: service.disconnect(self.ctx))
 
-    # ---- ResultListener --------------------------------------------------------------------------------
-    async def push(self, result: Pushed) -> None:
-        await self.transport.send(P.encode(render(result)))
-
-    def push_nowait(self, result: Pushed) -> bool:
-        return self.transport.send_nowait(P.encode(render(result)))
+    def render_pushed(self, result: Pushed) -> list[Frame]:
+        return [P.encode(render(result))]
 
     async def send(self, message: dict[str, Any]) -> None:
         await self.transport.send(P.encode(message))
 
-    # ---- lifecycle -------------------------------------------------------------------------------------
-    async def run(self) -> None:
-        self.transport.start()
-        try:
-            await self.send(render_hello(self.service.info()))
-            async for frame in self.transport.frames():
-                await self.handle(frame)
-        finally:
-            await self.transport.finish()
+    async def greet(self) -> None:
+        await self.send(render_hello(self.service.info()))
 
     async def handle(self, frame: Frame) -> None:
         try:
