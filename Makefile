@@ -9,13 +9,21 @@ PORT   ?= 8000
 PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip --disable-pip-version-check -q
 
+TORCH_SPEC := $(if $(TORCH),$(TORCH),torch==2.13.0)
 ifdef TORCH
 TORCH_INSTALL := $(PIP) install $(TORCH)
 else
 TORCH_INSTALL := $(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 endif
 
-.PHONY: serve test bench install install-dev clean
+# wheel-check: the built wheels in fresh virtual environments; pip runs from .venv into them (no pip of their own
+# to install) with its cache, and without compiling every module up front (the checks compile what they import)
+CHECK_DIR    := $(abspath build/wheel-check)
+CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-compile
+CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
+SMOKE        := $(abspath .ci/wheel_smoke.py)
+
+.PHONY: serve test wheel-check bench install install-dev clean
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/streamserve serve --port $(PORT)
@@ -23,6 +31,27 @@ serve: $(VENV)/.installed
 test: $(VENV)/.installed-dev
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
+	$(MAKE) --no-print-directory wheel-check
+
+# What users install: both distributions built as the index would have them (the sdist, then the wheel from
+# the unpacked sdist: no stale build/ folder can leak into it; tests/test_wheel.py checks their file lists),
+# each wheel installed into a fresh virtual environment (torch first, as above, then the wheel and its dependencies from the
+# index), and run from outside the repository with `python -I`: `streamserve --help`, every module imports,
+# one greedy generation of the packaged default model; the client imports without torch.
+wheel-check: $(VENV)/.installed-dev
+	rm -rf $(CHECK_DIR) && mkdir -p $(CHECK_DIR)
+	$(PY) -m build --no-isolation --outdir $(CHECK_DIR)/dist . >$(CHECK_DIR)/build.log 2>&1 \
+		|| { cat $(CHECK_DIR)/build.log; exit 1; }
+	$(PY) -m build --no-isolation --outdir $(CHECK_DIR)/dist clients/python >>$(CHECK_DIR)/build.log 2>&1 \
+		|| { cat $(CHECK_DIR)/build.log; exit 1; }
+	$(PYTHON) -m venv --without-pip $(CHECK_DIR)/server
+	$(CHECK_SERVER) $(TORCH_SPEC)
+	$(CHECK_SERVER) $(CHECK_DIR)/dist/streamserve-*.whl
+	$(PYTHON) -m venv --without-pip $(CHECK_DIR)/client
+	$(CHECK_CLIENT) $(CHECK_DIR)/dist/streamserve_client-*.whl
+	run=$$(mktemp -d) && cd $$run && $(CHECK_DIR)/server/bin/streamserve --help >/dev/null \
+		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) server && $(CHECK_DIR)/client/bin/python -I $(SMOKE) client \
+		&& cd / && rm -rf $$run
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/decode.py
