@@ -35,9 +35,10 @@ test: $(VENV)/.installed-dev
 
 # What users install: both distributions built as the index would have them (the sdist, then the wheel from
 # the unpacked sdist: no stale build/ folder can leak into it; tests/test_wheel.py checks their file lists),
-# each wheel installed into a fresh virtual environment (torch first, as above, then the wheel and its dependencies from the
-# index), and run from outside the repository with `python -I`: `streamserve --help`, every module imports,
-# one greedy generation of the packaged default model; the client imports without torch.
+# each wheel installed into a fresh virtual environment (torch first, as above, then the wheels and their
+# dependencies from the index), and run from outside the repository with `python -I`: `streamserve --help`,
+# every module imports, one greedy generation of the packaged default model, `streamserve serve` answers the
+# client; the client alone (its own environment) imports without torch.
 wheel-check: $(VENV)/.installed-dev
 	rm -rf $(CHECK_DIR) && mkdir -p $(CHECK_DIR)
 	$(PY) -m build --no-isolation --outdir $(CHECK_DIR)/dist . >$(CHECK_DIR)/build.log 2>&1 \
@@ -46,11 +47,12 @@ wheel-check: $(VENV)/.installed-dev
 		|| { cat $(CHECK_DIR)/build.log; exit 1; }
 	$(PYTHON) -m venv --without-pip $(CHECK_DIR)/server
 	$(CHECK_SERVER) $(TORCH_SPEC)
-	$(CHECK_SERVER) $(CHECK_DIR)/dist/streamserve-*.whl
+	$(CHECK_SERVER) $(CHECK_DIR)/dist/streamserve-*.whl $(CHECK_DIR)/dist/streamserve_client-*.whl
 	$(PYTHON) -m venv --without-pip $(CHECK_DIR)/client
 	$(CHECK_CLIENT) $(CHECK_DIR)/dist/streamserve_client-*.whl
 	run=$$(mktemp -d) && cd $$run && $(CHECK_DIR)/server/bin/streamserve --help >/dev/null \
-		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) server && $(CHECK_DIR)/client/bin/python -I $(SMOKE) client \
+		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) server && $(CHECK_DIR)/server/bin/python -I $(SMOKE) serve \
+		&& $(CHECK_DIR)/client/bin/python -I $(SMOKE) client \
 		&& cd / && rm -rf $$run
 
 bench: $(VENV)/.installed-dev

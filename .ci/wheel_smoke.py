@@ -3,6 +3,7 @@ that holds only those wheels and their dependencies, outside the repository, wit
 source tree can be imported by accident).
 
     python -I wheel_smoke.py server   # the streamserve wheel: every module imports, one greedy generation
+    python -I wheel_smoke.py serve    # `streamserve serve` from the wheel answers the client's wheel
     python -I wheel_smoke.py client   # the streamserve-client wheel: imports without torch
 """
 
@@ -10,8 +11,14 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
+import signal
+import socket
+import subprocess
 import sys
 import sysconfig
+import time
+import urllib.error
+import urllib.request
 from pathlib import Path
 
 SITE = Path(sysconfig.get_paths()["purelib"]).resolve()
@@ -57,6 +64,43 @@ def check_server() -> None:
     print(f"streamserve wheel: {n} modules import; greedy generation from the packaged default model: {text!r}")
 
 
+def wait_until_ready(server: subprocess.Popen[bytes], port: int, timeout: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        assert server.poll() is None and time.monotonic() < deadline, "the server did not become ready"
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/healthz", timeout=2) as r:
+                if r.status == 200:
+                    return
+        except (urllib.error.URLError, OSError):
+            time.sleep(0.2)
+
+
+def check_serve() -> None:
+    import streamserve_client as sc
+
+    with socket.socket() as s:  # a free port (the server binds it right after)
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = [str(Path(sys.executable).parent / "streamserve"), "serve", "--port", str(port), "--kv-memory", "64MiB"]
+    with Path("serve.log").open("w+") as log, subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT) as server:
+        try:
+            wait_until_ready(server, port)
+            with sc.SyncClient(f"ws://127.0.0.1:{port}", timeout=60) as client:
+                session = client.open_session()
+                assert session.append(text="In the beginning").tokens > 0
+                text = "".join(d.text for d in session.respond(max_tokens=8, temperature=0.0))
+                assert session.finish_reason == "length" and text, (session.finish_reason, text)
+            server.send_signal(signal.SIGTERM)
+            assert server.wait(60) == 0, f"the server exited with {server.returncode}"
+        except BaseException:
+            server.kill()
+            log.seek(0)
+            print(log.read()[-4000:], file=sys.stderr)
+            raise
+    print(f"streamserve serve from the wheel answered the client's wheel over /v1/stream: {text!r}")
+
+
 def check_client() -> None:
     import streamserve_client
 
@@ -68,4 +112,4 @@ def check_client() -> None:
 
 
 if __name__ == "__main__":
-    {"server": check_server, "client": check_client}[sys.argv[1]]()
+    {"server": check_server, "serve": check_serve, "client": check_client}[sys.argv[1]]()
