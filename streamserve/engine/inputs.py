@@ -9,6 +9,7 @@ from collections.abc import Sequence
 import torch
 
 from streamserve.errors import (
+    ChunkTooLargeError,
     EmbeddingDtypeError,
     EmbeddingShapeError,
     EmptyAppendError,
@@ -32,7 +33,8 @@ def check_ids(token_ids: Sequence[int] | None, vocab: int) -> list[int]:
     return ids
 
 
-def check_embeds(embeds: object, hidden: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+def check_embeds(embeds: object, hidden: int, device: torch.device, dtype: torch.dtype,
+                 max_rows: int | None = None) -> torch.Tensor:
     """An embedding chunk [T, hidden] of finite floats -> a copy on the engine's device in its dtype (never the
     caller's tensor: the caller may change or free it while the chunk waits). Checked after the cast too, so
     values that overflow the engine's dtype (e.g. 1e6 in fp16) are refused as well."""
@@ -45,6 +47,9 @@ def check_embeds(embeds: object, hidden: int, device: torch.device, dtype: torch
         raise EmbeddingDtypeError(f"embeds must be floating point, got {embeds.dtype}")
     if embeds.shape[0] == 0:
         raise EmptyAppendError("append got an empty chunk of embeddings; send at least one vector")
+    if max_rows is not None and embeds.shape[0] > max_rows:
+        raise ChunkTooLargeError(f"a chunk of {embeds.shape[0]} vectors is over the limit of {max_rows}; "
+                                 "split it into smaller chunks")
     if not bool(torch.isfinite(embeds).all()):
         raise NonFiniteInputError("embeds hold NaN or infinite values")
     out = embeds.detach().to(device=device, dtype=dtype, copy=True)

@@ -133,6 +133,7 @@ class Runner:
             return ItemResult(tokens=tokens)
         if logits is not None:
             s.keep_logits(logits)
+            s.trim_vectors()  # the window may have dropped positions whose vectors no rewind can re-run now
         if isinstance(work, Chunk):
             for c, n in item.parts:
                 start = len(s.token_ids)

@@ -221,8 +221,7 @@ class Session:
         st, e = self.core, self.engine
         vectors = None
         if embeds is not None:  # checked and copied off the engine thread, before anything is taken
-            self._check_chunk_size(int(embeds.shape[0]) if isinstance(embeds, torch.Tensor) and embeds.dim() else 0)
-            vectors = check_embeds(embeds, e.config.hidden_size, e.device, e.dtype)
+            vectors = check_embeds(embeds, e.config.hidden_size, e.device, e.dtype, self.max_chunk_tokens)
         loop = e.loop
         with self._submit_lock:  # seq numbers and first-chunk special tokens follow the submission order
             if seq is not None and (isinstance(seq, bool) or not isinstance(seq, int) or seq < st.next_seq):
