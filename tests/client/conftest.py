@@ -44,6 +44,8 @@ class FakeServer:
         self.lose_appends = False  # appends are not even kept (as if lost with the connection)
         self.hold_requests = False  # stats requests get no answer
         self.hold_replies = False  # a reply sends one delta, then waits
+        self.silent = False  # no hello: the connection is accepted and nothing is said
+        self.unanswered_resumes = 0  # this many resumes get no answer
         self.connected = asyncio.Event()  # set while a client is connected (cleared when it goes)
         self._ws: ServerConnection | None = None
         self._server: Server | None = None
@@ -81,6 +83,9 @@ class FakeServer:
         self.connections += 1
         self._ws = ws
         self.connected.set()
+        if self.silent:
+            await ws.wait_closed()
+            return
         await ws.send(pack(HELLO))
         try:
             async for frame in ws:
@@ -100,6 +105,9 @@ class FakeServer:
             self.sessions[s.id] = s
             await ws.send(pack(self._opened(s, rid, resumed=False)))
         elif kind == "resume":
+            if self.unanswered_resumes > 0:
+                self.unanswered_resumes -= 1
+                return
             s = self.sessions.get(sid)
             if s is None or s.resume_token != m["resume_token"]:
                 await ws.send(pack({"type": "error", "code": "unknown_session", "message": "no such session",

@@ -14,6 +14,7 @@ import pytest
 from conftest import FakeServer
 
 import streamserve_client as sc
+from streamserve_client import channel, handshake
 from streamserve_client.routes import SessionRoute
 
 BOUND_S = 5.0  # every pending call must fail within this after the junk arrives
@@ -188,6 +189,27 @@ async def test_a_reply_running_at_a_drop_ends_with_connection_lost_and_the_sessi
         assert not isinstance(info.value, sc.ProtocolViolationError) and reply.finish_reason == "error"
         fake_server.hold_replies = False
         assert (await asyncio.wait_for(s.append(text="on"), BOUND_S)).tokens == 1
+
+
+@pytest.mark.asyncio
+async def test_a_resume_the_server_never_answers_counts_as_a_broken_connection(fake_server: FakeServer,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(channel, "RESUME_TIMEOUT_S", 0.5)
+    async with sc.connect(fake_server.url) as client:
+        s = await client.open_session()
+        fake_server.unanswered_resumes = 1
+        await client.drop_connection()
+        assert (await asyncio.wait_for(s.append(text="x"), BOUND_S)).tokens == 1
+        assert fake_server.connections == 3 and fake_server.resumes == [s.id]
+
+
+@pytest.mark.asyncio
+async def test_a_server_that_stays_silent_is_refused_in_bounded_time(fake_server: FakeServer,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(handshake, "HELLO_TIMEOUT_S", 0.3)
+    fake_server.silent = True
+    with pytest.raises(sc.ConnectionLostError, match="no hello"):
+        await asyncio.wait_for(sc.connect(fake_server.url).connect(), BOUND_S)
 
 
 @pytest.mark.asyncio

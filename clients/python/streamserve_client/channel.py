@@ -45,6 +45,7 @@ from streamserve_client.routes import Deliver, PendingChunk, RunningReply, Sessi
 
 PERMANENT_CLOSE_CODES = (1008, 1009, 4400)  # the server closed the connection for good: no resume
 MAX_KEPT_ERRORS = 32
+RESUME_TIMEOUT_S = 10.0  # a resume unanswered this long counts as a broken connection
 STALE_REPLY_WAIT_S = 5.0  # how long a new reply waits for the server to end one that failed (its `done`)
 
 
@@ -182,13 +183,15 @@ class Channel:
         """Resume every session on the new connection; -> False if the connection broke meanwhile."""
         for route in list(self._sessions.values()):
             try:
-                reply = await self.request({"type": "resume", "session": route.session_id,
-                                            "resume_token": route.resume_token}, now=True)
+                resume = {"type": "resume", "session": route.session_id, "resume_token": route.resume_token}
+                reply = await asyncio.wait_for(self.request(resume, now=True), RESUME_TIMEOUT_S)
                 server_next = reply.get("next_seq", 0)
                 for seq, chunk in sorted(route.chunks.items()):
                     if seq >= server_next:  # the server never got it (below: it resends the result, or acks later)
                         await self._send_chunk(chunk, now=True)
-            except ConnectionLostError:
+            except (ConnectionLostError, asyncio.TimeoutError):
+                if self._ws is not None:
+                    self._ws.transport.abort()  # a server that does not answer is as good as gone
                 return False
             except StreamserveClientError as e:  # the server refused the resume: this session is gone
                 self._lose(route, e)
@@ -209,12 +212,12 @@ class Channel:
         """Send a message that has no answer of its own (cancel), once connected."""
         data = pack(message)
         ws = await self._socket(now)
+        reader = self._reader  # this connection's
         try:
             await ws.send(data)
         except websockets.ConnectionClosed:
             if not self.reconnect or self._closing or now:
                 raise ConnectionLostError("the connection is closed") from None
-            reader = self._reader
             if reader is not None:
                 await asyncio.wait({reader})  # the reader notices the close, then the supervisor reconnects
             await (await self._socket(False)).send(data)
@@ -302,10 +305,9 @@ class Channel:
     def _lose(self, route: SessionRoute, error: StreamserveClientError | None) -> None:
         if self._sessions.get(route.session_id) is route:
             del self._sessions[route.session_id]
-        route.fail_chunks(error or StreamserveClientError("session closed", code="session_closed"))
-        if error is not None:
-            route.fail_reply(error)
-        route.end_reply()
+        closed = error or StreamserveClientError(f"session {route.session_id} is closed", code="session_closed")
+        route.fail_chunks(closed)
+        route.fail_reply(closed)
         route.on_lost(error)
 
     # ---- routing (the reader) -------------------------------------------------------------------------
@@ -322,6 +324,9 @@ class Channel:
                 fail(fut, from_message(m))
             elif not fut.done():
                 fut.set_result(m)
+            return
+        if rid is not None and kind == "error":  # refusing a request whose caller stopped waiting
+            self._keep_error(from_message(m))
             return
         route = self._sessions.get(m.get("session")) if m.get("session") is not None else None
         if route is None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import websockets
@@ -11,6 +12,7 @@ from streamserve_client.errors import ConnectionLostError, ProtocolViolationErro
 from streamserve_client.protocol import decode
 
 CLOSE_TIMEOUT_S = 2.0  # how long a close waits for the server's closing handshake
+HELLO_TIMEOUT_S = 10.0  # the server speaks first; one that stays silent is not a streamserve
 
 
 async def open_connection(url: str, api_key: str | None, max_frame_bytes: int,
@@ -27,13 +29,16 @@ async def open_connection(url: str, api_key: str | None, max_frame_bytes: int,
                                     code="unauthorized") from None
         raise
     try:
-        hello = decode(await ws.recv())
+        hello = decode(await asyncio.wait_for(ws.recv(), HELLO_TIMEOUT_S))
         if hello["type"] != "hello":
             raise ProtocolViolationError(f"the server spoke first with `{hello['type']}`, not `hello`")
     except websockets.ConnectionClosed as e:
         if e.rcvd is not None and e.rcvd.code == 1013:
             raise ServerBusyError(f"server busy: {e.rcvd.reason}", code="busy") from None
         raise ConnectionLostError(f"the connection closed before the server's hello: {e}") from None
+    except asyncio.TimeoutError:
+        ws.transport.abort()
+        raise ConnectionLostError(f"the server sent no hello within {HELLO_TIMEOUT_S:.0f} s") from None
     except BaseException:
         ws.transport.abort()  # a failed or cancelled handshake leaves no socket behind
         raise
