@@ -45,7 +45,11 @@ class Response:
     async def __anext__(self) -> Delta:
         if not self._started:
             self._started = True
-            await self.session.channel.respond(self.session.id, self.params, self._deliver)
+            try:
+                await self.session.channel.respond(self.session.id, self.params, self._deliver)
+            except BaseException:
+                self.finish_reason = "error"  # refused before it started: iterating again ends at once
+                raise
         if self.finish_reason is not None:
             raise StopAsyncIteration
         while not self._buffer:
