@@ -106,9 +106,10 @@ class BatchForward:
         graphs = self.graphs
         captured = graphs.captured if graphs is not None else 0
         with threads_for(self.device, sum(widths)):
-            if graphs is not None and override is None and graphable(widths):  # embedding steps run eagerly
-                logits = graphs.run(kvs, ids, flags)
-            else:
+            logits = None  # embedding steps (appends) are not graph widths' work: they always run eagerly
+            if graphs is not None and override is None and graphable(widths):
+                logits = graphs.run(kvs, ids, flags)  # None: a window policy graphs do not serve now
+            if logits is None:
                 flat = torch.tensor([t for i in ids for t in i], dtype=torch.long, device=self.device)
                 rows = None if all(flags) else rows_of(widths, flags)
                 logits = (self.model.forward_batch(flat, kvs, rows) if override is None

@@ -8,6 +8,14 @@ policies) one graph is captured the first time and replayed after: the step's id
 copied into the static buffers, the graph runs, the logits are copied out. Nothing in a captured step syncs to
 the host (top-k ids, the rolling base and the split-KV merge all stay on the device).
 
+Window policies are part of a graph's key because attention takes a session's position mode, window and sinks
+as Python constants (`attention`, `attention_rolling`, `rolling_rope`, the batched layout's sink/window
+tensors), so they are baked into a capture; sinks without a window change nothing and are left out of the key
+(`policy_key`). Clients choose windows freely, so graphs serve at most `MAX_GRAPH_POLICIES` distinct
+policies at a time: a step of any other policy runs eagerly (`run` returns None), and an admitted policy
+gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graph runs without it. A flood
+of distinct windows can therefore neither grow the cache past `MAX_GRAPHS` nor force a capture per step.
+
 On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer steps run eagerly, which
 is how the tests check that padding and fixed shapes change no result.
 """
@@ -15,13 +23,14 @@ is how the tests check that padding and fixed shapes change no result.
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
 
 from streamserve.kernels.reference import PagedKeys
 from streamserve.models import CausalLM
-from streamserve.sessions import PagedSessionKV
+from streamserve.sessions import PagedSessionKV, WindowPolicy
 
 log = logging.getLogger("streamserve")
 
@@ -64,7 +73,16 @@ class StaticStepKV:
         return PagedKeys(kf, vf, self.read_slots, self.k_pos)
 
 
-MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first): clients choose windows freely
+MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first)
+MAX_GRAPH_POLICIES = 4  # distinct window policies served from graphs at a time; others run eagerly
+POLICY_IDLE_RUNS = 1000  # graph runs without an admitted policy before a new one may take its place
+
+PolicyKey = tuple[str | None, int | None, int]
+
+
+def policy_key(policy: WindowPolicy) -> PolicyKey:
+    """What a captured step depends on of a session's policy: mode, window, and sinks (only with a window)."""
+    return (policy.mode, policy.window, policy.sinks if policy.window is not None else 0)
 
 
 @dataclass
@@ -99,23 +117,54 @@ class DecodeGraphs:
     def __init__(self, model: CausalLM, capture: bool) -> None:
         self.model, self.capture = model, capture
         self._entries: dict[tuple, _Entry] = {}
+        self._policies: OrderedDict[PolicyKey, int] = OrderedDict()  # admitted policy -> last run, LRU first
+        self.runs = 0  # steps served from graphs (or their static buffers on a CPU)
+        self.created = 0  # entries built: graphs captured, or on a CPU what would have been captured
 
     @property
     def captured(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
 
-    def run(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool]) -> torch.Tensor:
+    def entry_keys(self) -> list[tuple]:
+        """The cached entries' keys (bucket, widths, all_rows, policy keys), least recently used first."""
+        return list(self._entries)
+
+    def _admit(self, policies: set[PolicyKey]) -> bool:
+        """Whether a step of these policies may use graphs: each is admitted already, or takes a free place,
+        or the place of an admitted policy unused for POLICY_IDLE_RUNS runs (whose graphs are dropped)."""
+        new = [p for p in policies if p not in self._policies]
+        for p in new:
+            if len(self._policies) >= MAX_GRAPH_POLICIES:
+                oldest, last = next(iter(self._policies.items()))
+                if self.runs - last < POLICY_IDLE_RUNS or oldest in policies:
+                    return False
+                del self._policies[oldest]
+                for key in [k for k in self._entries if oldest in k[3]]:
+                    del self._entries[key]
+            self._policies[p] = self.runs
+        for p in policies:
+            self._policies[p] = self.runs
+            self._policies.move_to_end(p)
+        return True
+
+    def run(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool]) -> torch.Tensor | None:
         """The logits of a planned step (after `kv.begin`) of the sessions `kvs` over `ids` (`graphable`
         widths): [R, V], for each session its last token, or all its tokens where `all_rows` (draft
-        verification). The caller commits or aborts each session's step."""
+        verification); None when the step's window policies are not served from graphs (run it eagerly).
+        The caller commits or aborts each session's step."""
         widths = tuple(len(i) for i in ids)
         assert graphable(list(widths))
+        policies = tuple(policy_key(kv.policy) for kv in kvs)
+        if not self._admit(set(policies)):
+            return None
+        self.runs += 1
         bucket = bucket_for(max(kv.k_pos.shape[0] for kv in kvs))
-        key = (bucket, widths, tuple(all_rows), tuple(kv.policy for kv in kvs))
+        key = (bucket, widths, tuple(all_rows), policies)
         entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order
         if entry is None:
             if len(self._entries) >= MAX_GRAPHS:
                 self._entries.pop(next(iter(self._entries)))
+            self.created += 1
             dev = kvs[0].pool.device
             entry = _Entry([StaticStepKV(kv, bucket, w) for kv, w in zip(kvs, widths, strict=True)],
                            torch.zeros(sum(widths), dtype=torch.long, device=dev),

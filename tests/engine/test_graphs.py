@@ -6,7 +6,8 @@ import pytest
 from helpers import greedy, random_ids
 
 from streamserve import Engine
-from streamserve.engine.graphs import bucket_for
+from streamserve.engine.graphs import MAX_GRAPH_POLICIES, MAX_GRAPHS, bucket_for, policy_key
+from streamserve.sessions import WindowPolicy
 from streamserve.tools.batched import replies_together
 
 
@@ -29,8 +30,8 @@ def test_fixed_shape_decode_equals_plain_decode(checkpoints, engines, kernels, k
     assert outs[0] == outs[1]
     # the steps went through the fixed-shape path, at widths 1 and 4; 50..90 keys (or a 28-key window)
     # fall in at most two buckets: the shapes stay fixed
-    widths = {key[1] for key in graphed.graphs._entries}
-    assert widths == {(1,), (4,)} and len(graphed.graphs._entries) <= 4  # 4: the pending reply token + 3
+    widths = {key[1] for key in graphed.graphs.entry_keys()}
+    assert widths == {(1,), (4,)} and len(graphed.graphs.entry_keys()) <= 4  # 4: the pending reply token + 3
     graphed.check_integrity()
 
 
@@ -74,7 +75,7 @@ def test_batched_fixed_shape_decode_equals_sessions_alone(checkpoints, engines, 
     prompts = [random_ids(20 + 7 * i, seed=70 + i) for i in range(batch)]
     alone = [greedy(engines["qwen3_moe"], p, 12, **kw) for p, kw in zip(prompts, kws, strict=True)]
     assert replies_together(graphed, prompts, 12, kws) == alone
-    shapes = {key[1] for key in graphed.graphs._entries}
+    shapes = {key[1] for key in graphed.graphs.entry_keys()}
     assert (1,) * batch in shapes  # the batched decode steps went through the fixed-shape path
     assert graphed.stats()["kv_pages_used"] == 0
     graphed.shutdown()
@@ -96,3 +97,44 @@ def test_captured_batched_graphs_replay_the_same_tokens_on_cuda(checkpoints, bat
             assert engine.graphs is not None and engine.graphs.captured >= 1
         engine.shutdown()
     assert outs[0] == outs[1]
+
+
+def test_a_flood_of_distinct_windows_cannot_grow_the_graph_cache(checkpoints, engines) -> None:
+    """Clients choose windows: graphs serve at most MAX_GRAPH_POLICIES policies at a time, the rest run eagerly
+    (same tokens), so cycling windows neither grows the cache nor builds (captures) an entry per step."""
+    path = checkpoints["qwen3_moe"][0]
+    graphed = Engine.from_pretrained(path, device="cpu", cuda_graphs="on", kv_memory="32MiB")
+    prompt = random_ids(12, seed=90)
+    for i in range(3 * MAX_GRAPH_POLICIES):
+        kw = {"window": 20 + i, "sinks": 4}
+        with graphed.open_session(**kw) as s:
+            s.append(token_ids=prompt)
+            out = s.generate(max_tokens=4, stop_token_ids=())
+        if i % 4 == 0 or i == 3 * MAX_GRAPH_POLICIES - 1:
+            assert out == greedy(engines["qwen3_moe"], prompt, 4, **kw)
+    g = graphed.graphs
+    assert len(g.entry_keys()) <= MAX_GRAPHS and len({p for k in g.entry_keys() for p in k[3]}) <= MAX_GRAPH_POLICIES
+    assert g.created <= MAX_GRAPH_POLICIES  # one decode shape per admitted policy, built once
+    # sinks without a window change no captured computation: such sessions share entries
+    assert policy_key(WindowPolicy(sinks=0)) == policy_key(WindowPolicy(sinks=4))
+    assert policy_key(WindowPolicy(window=20, sinks=0)) != policy_key(WindowPolicy(window=20, sinks=4))
+    graphed.check_integrity()
+    graphed.shutdown()
+
+
+def test_embedding_steps_never_take_the_graph_path(checkpoints, engines) -> None:
+    import torch
+
+    path = checkpoints["qwen3_moe"][0]
+    graphed = Engine.from_pretrained(path, device="cpu", cuda_graphs="on", kv_memory="32MiB")
+    ids = random_ids(10, seed=91)
+    with torch.no_grad():
+        vec = graphed.model.embed_tokens(torch.tensor(ids[4:])).clone()
+    with graphed.open_session() as s:
+        s.append(token_ids=ids[:4])
+        s.append(embeds=vec, kind="audio")  # 6 vectors: a graph width, run eagerly
+        assert not any(k[1] == (6,) for k in graphed.graphs.entry_keys())
+        s.rewind(to=8)  # the reply re-runs position 7, a vector: eagerly too
+        out = s.generate(max_tokens=5, stop_token_ids=())
+    assert out == greedy(engines["qwen3_moe"], ids[:8], 5)
+    graphed.shutdown()
