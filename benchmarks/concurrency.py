@@ -32,7 +32,7 @@ import sys
 import time
 
 from streamserve import Engine
-from streamserve.config import SchedulerConfig
+from streamserve.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from streamserve.engine.session import Session
 from streamserve.errors import SessionClosedError
 
@@ -144,15 +144,18 @@ async def run_level(engine: Engine, words: list[str], n: int, seconds: float, fl
         "append_p99_ms": round(pct(rec["append"], 0.99) * ms, 2),
         "missed_deadlines": int(sum(rec["missed"])),
         "missed_share": round(sum(rec["missed"]) / max(1, len(rec["missed"])), 4),
-        "ttft_p50_ms": round(pct(rec["ttft"], 0.5) * ms, 2), "ttft_p99_ms": round(pct(rec["ttft"], 0.99) * ms, 2),
-        "itl_p50_ms": round(pct(rec["itl"], 0.5) * ms, 2), "itl_p99_ms": round(pct(rec["itl"], 0.99) * ms, 2),
+        **({"ttft_p50_ms": round(pct(rec["ttft"], 0.5) * ms, 2), "ttft_p99_ms": round(pct(rec["ttft"], 0.99) * ms, 2),
+            "itl_p50_ms": round(pct(rec["itl"], 0.5) * ms, 2), "itl_p99_ms": round(pct(rec["itl"], 0.99) * ms, 2)}
+           if replies else {}),
         "steps": steps, "tokens_per_step": round(tokens / max(1, steps), 2),
     }
 
 
 def flood_case(words: list[str], step_tokens: int, seconds: float) -> dict[str, object]:
     """N = FLOOD_SESSIONS alone, then with the flood, on one engine with `step_tokens` per step."""
-    engine = Engine.from_pretrained("default", kv_memory="1GiB", scheduler=SchedulerConfig(step_tokens=step_tokens))
+    # min_append_tokens (default 32) is a floor under every step's append budget: lowered with the budget here
+    engine = Engine.from_pretrained("default", kv_memory="1GiB", scheduler=SchedulerConfig(
+        step_tokens=step_tokens, min_append_tokens=min(step_tokens, SCHEDULER_DEFAULTS.min_append_tokens)))
     asyncio.run(run_level(engine, words, 2, 0.5))  # warm-up
     alone = asyncio.run(run_level(engine, words, FLOOD_SESSIONS, seconds, replies=False))
     flooded = asyncio.run(run_level(engine, words, FLOOD_SESSIONS, seconds, flood=True, replies=False))
