@@ -158,6 +158,14 @@ class PagedSessionKV:
             raise RewindError(f"cannot rewind to {to}: the window already dropped tokens a query there would "
                               f"see (the oldest kept non-sink position is {self.oldest_kept()})")
 
+    def can_rewind(self, to: int) -> bool:
+        """Whether `check_rewind(to)` passes."""
+        try:
+            self.check_rewind(to)
+        except RewindError:
+            return False
+        return True
+
     def oldest_kept(self) -> int:
         P, sink_pages = self.pool.page_size, (self.policy.sinks + self.pool.page_size - 1) // self.pool.page_size
         rest = [j for j in self.page_table if j >= sink_pages]

@@ -10,8 +10,8 @@ the revision counter (cuts of the history), the drafting controller and the vect
 Embedding chunks: a position whose input was a vector holds `placeholder_id` in `token_ids` (the
 tokenizer's pad id, else its unk id, else 0: never a token a reply samples in practice) and its vector
 [hidden] in `vectors`, a side table by position. The forward embeds the placeholder and then puts the
-vector in its row. Vectors whose position the window dropped are freed (`trim_vectors`), except the sinks'
-and what a rewind may still re-run, so memory stays bounded on an endless stream of embedding chunks.
+vector in its row. Vectors of positions no rewind can run again (the window dropped what they need) are
+freed (`trim_vectors`), so memory stays bounded on an endless stream of embedding chunks.
 Drafters treat `placeholder_id` as a break in the history (they never propose it or draft through it).
 """
 
@@ -93,17 +93,21 @@ class SessionState:
         return [(p - start, self.vectors[p]) for p in range(start, end) if p in self.vectors]
 
     def trim_vectors(self) -> None:
-        """Free the vectors a rewind can no longer re-run: those of positions the window dropped (the sinks'
-        stay). A rewind to `to` re-runs position to - 1, which is a sink or at least the oldest kept position."""
+        """Free the vectors no rewind can run again. A rewind keeping `keep` tokens in the KV runs position
+        `keep` again; the KV allows that for every position up to the end of the sink pages, then (pages
+        leave the window oldest first) for every position from some point on. So past the sink pages the
+        vectors are freed in position order up to the first one a rewind can still reach."""
         kv = self.kv
         if kv.policy.window is None or kv.parked is not None or not self.vectors:
             return
-        sinks, oldest = kv.policy.sinks, kv.oldest_kept()
-        for p in list(self.vectors):  # in position order: sinks first, then the stream
-            if p >= oldest:
+        page = kv.pool.page_size
+        sink_end = -(-kv.policy.sinks // page) * page  # positions in sink pages: held for ever
+        for p in list(self.vectors):  # in position order
+            if p <= sink_end:
+                continue
+            if p >= kv.length or kv.can_rewind(p):
                 break
-            if p >= sinks:
-                del self.vectors[p]
+            del self.vectors[p]
 
     # ---- cuts of the history ------------------------------------------------------------------------
     def check_cut(self, to: int) -> None:

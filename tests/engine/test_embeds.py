@@ -89,8 +89,19 @@ def test_windows_and_sinks_and_bounded_vectors(engines, positions) -> None:
         for a, b in zip(feed(engine, ref, ids, cuts, set()), feed(engine, s, ids, cuts, vec), strict=True):
             assert_same(a, b)
         assert s.generate(max_tokens=6, stop_token_ids=()) == ref.generate(max_tokens=6, stop_token_ids=())
-        # the window dropped most positions: only the sinks' vectors and what a rewind may re-run are kept
-        assert all(p < 4 or p >= s.kv.oldest_kept() for p in s.core.vectors)
+        # the window dropped most positions; every position a rewind can still run again keeps its vector
+        reachable = [t for t in range(1, len(s)) if s.kv.can_rewind(min(t - 1, s.kv.length))]
+        vector_positions = {p for i, (a, b) in enumerate(itertools.pairwise([0, *cuts, 90])) if i in vec
+                            for p in range(a, b)}
+        assert all(t - 1 in s.core.vectors for t in reachable if t - 1 in vector_positions)
+        assert len(s.core.vectors) < len(vector_positions) // 2
+        targets = sorted({reachable[-1], reachable[len(reachable) // 2], 17, 15, 3} & set(reachable), reverse=True)
+        assert 17 in targets  # keeps 16 in the KV: the first position after the sink page, run again
+        for t in targets:  # deepest last: each rewind cuts what the next one keeps
+            s.rewind(to=t)
+            ref.rewind(to=t)
+            assert s.generate(max_tokens=3, stop_token_ids=()) == ref.generate(max_tokens=3, stop_token_ids=())
+            assert_same(s.core.logits, ref.core.logits)
     if positions == "rolling":  # an endless stream of embedding chunks keeps host memory bounded
         with engine.open_session(**kw) as s:
             for i in range(40):
