@@ -280,3 +280,27 @@ def test_window_plus_sinks_is_capped_by_the_context(engines) -> None:
     with pytest.raises(InvalidInputError, match="context"):
         engine.open_session(window=limit, sinks=4)
     engine.open_session(window=limit - 4, sinks=4).close()
+
+
+def test_the_draft_model_is_never_fed_a_placeholder(default_engine) -> None:
+    from streamserve.engine.loading import DEFAULT_MODEL_DIR
+
+    engine = default_engine
+    spec = f"draft:{DEFAULT_MODEL_DIR.parent / 'default-draft'}"
+    ids = engine.tokenizer.encode("In the beginning God created the heaven and the earth. And the earth was")
+    with engine.open_session(drafter="none") as ref:
+        ref.append(token_ids=ids)
+        expected = ref.generate(max_tokens=12, stop_token_ids=())
+    drafter = engine.drafters.make(spec)[0]
+    with engine.open_session(drafter=spec) as s:
+        s.append(token_ids=ids[:6])
+        s.append(embeds=vectors(engine, ids[6:12]), kind="audio")
+        with engine.guard:  # the last token is a vector: nothing of token ids to draft from
+            assert drafter.propose(s.core, 3).tokens == []
+        s.append(token_ids=ids[12:])
+        assert s.generate(max_tokens=12, stop_token_ids=()) == expected
+        with engine.guard:
+            drafter.propose(s.core, 3)
+            st = drafter.states[s.id]
+            assert st.offset >= 12 and s.core.placeholder_id not in st.tokens  # its view starts after the vectors
+    assert s.id not in drafter.states
