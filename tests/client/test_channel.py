@@ -16,6 +16,7 @@ from conftest import FakeServer
 import streamserve_client as sc
 from streamserve_client import channel, handshake
 from streamserve_client.routes import SessionRoute
+from streamserve_client.session import MAX_BUFFERED_DELTAS
 
 BOUND_S = 5.0  # every pending call must fail within this after the junk arrives
 
@@ -189,6 +190,21 @@ async def test_a_reply_running_at_a_drop_ends_with_connection_lost_and_the_sessi
         assert not isinstance(info.value, sc.ProtocolViolationError) and reply.finish_reason == "error"
         fake_server.hold_replies = False
         assert (await asyncio.wait_for(s.append(text="on"), BOUND_S)).tokens == 1
+
+
+@pytest.mark.asyncio
+async def test_a_reader_that_falls_behind_gets_merged_deltas_in_bounded_memory(fake_server: FakeServer) -> None:
+    async with sc.connect(fake_server.url) as client:
+        s = await client.open_session()
+        reply = s.respond(max_tokens=1000)
+        first = await asyncio.wait_for(reply.__anext__(), BOUND_S)
+        while fake_server.sessions[s.id].tokens < 1000 or not any(
+                m["type"] == "respond" for m in fake_server.received):
+            await asyncio.sleep(0.01)
+        await asyncio.sleep(0.2)  # everything has arrived; nothing has been read
+        rest = [d async for d in reply]
+        assert len(rest) <= MAX_BUFFERED_DELTAS + 1 and reply.finish_reason == "length"
+        assert first.text + "".join(d.text for d in rest) == "a" * 1000 and len(reply.token_ids) == 1000
 
 
 @pytest.mark.asyncio
