@@ -208,6 +208,22 @@ async def test_a_reader_that_falls_behind_gets_merged_deltas_in_bounded_memory(f
 
 
 @pytest.mark.asyncio
+async def test_resuming_a_session_this_client_holds_ends_the_older_handles_calls(fake_server: FakeServer) -> None:
+    async with sc.connect(fake_server.url) as client:
+        old = await client.open_session()
+        fake_server.hold_acks = True
+        pending = asyncio.create_task(old.append(text="x"))
+        while not any(m["type"] == "append" for m in fake_server.received):
+            await asyncio.sleep(0.01)
+        new = await client.resume_session(old.id, old.resume_token)
+        with pytest.raises(sc.UnknownSessionError) as info:
+            await asyncio.wait_for(pending, BOUND_S)
+        assert info.value.code == "session_moved" and old.closed and not new.closed
+        fake_server.hold_acks = False
+        assert (await asyncio.wait_for(new.append(text="y"), BOUND_S)).seq == 1
+
+
+@pytest.mark.asyncio
 async def test_a_resume_the_server_never_answers_counts_as_a_broken_connection(fake_server: FakeServer,
                                                                              monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(channel, "RESUME_TIMEOUT_S", 0.5)

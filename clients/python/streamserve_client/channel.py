@@ -37,6 +37,7 @@ from streamserve_client.errors import (
     InvalidInputError,
     ProtocolViolationError,
     StreamserveClientError,
+    UnknownSessionError,
     from_message,
 )
 from streamserve_client.handshake import open_connection
@@ -283,6 +284,10 @@ class Channel:
         """Route the session's messages here; `on_lost` is told when it ends (None: closed by the client)."""
         if self._dead is not None:
             raise self._dead.copy()
+        previous = self._sessions.get(session_id)
+        if previous is not None:  # resumed again by this client: the older handle's calls end, never hang
+            self._lose(previous, UnknownSessionError("this client resumed the session again; use the newer handle",
+                                                     code="session_moved"))
         self._sessions[session_id] = SessionRoute(session_id, resume_token, on_lost)
 
     def detach(self, session_id: str, error: StreamserveClientError | None = None) -> None:
