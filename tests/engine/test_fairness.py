@@ -96,9 +96,8 @@ async def flood(session: Session, stop: asyncio.Event) -> int:
     return acked
 
 
-@pytest.mark.asyncio
-async def test_a_flood_of_long_chunks_makes_no_talking_session_miss_a_deadline_it_met_without_it(
-        engine: Engine) -> None:
+async def both_phases(engine: Engine) -> tuple[list[int], list[int]]:
+    """-> missed deadlines per talking session: alone, then with the flood."""
     alone = await run_talkers(engine, seed=1)
     flooder = engine.open_session(window=1024)  # rolling positions: an endless stream within bounded memory
     stop = asyncio.Event()
@@ -107,8 +106,21 @@ async def test_a_flood_of_long_chunks_makes_no_talking_session_miss_a_deadline_i
     with_flood = await run_talkers(engine, seed=1)
     stop.set()
     assert await flooding >= 1  # it was running all along (3,000 tokens queued), and made progress too
+    return alone, with_flood
 
-    met_alone = [i for i, m in enumerate(alone) if m == 0]
-    assert len(met_alone) >= TALKERS // 2, f"the workload alone missed deadlines: {alone} (machine overloaded?)"
-    assert [with_flood[i] for i in met_alone] == [0] * len(met_alone), (
-        f"missed deadlines per session without the flood {alone}, with it {with_flood}")
+
+@pytest.mark.asyncio
+async def test_a_flood_of_long_chunks_makes_no_talking_session_miss_a_deadline_it_met_without_it(
+        engine: Engine) -> None:
+    # One more try of both phases when the first misses: on a 2-core machine shared with other work, the OS can
+    # stall the engine thread for longer than the 120 ms of margin a chunk has here. A scheduler that lets the
+    # flood through fails both tries by far (the earliest-deadline-first one missed 12 of 12 in every session).
+    runs = []
+    for _ in range(2):
+        alone, with_flood = await both_phases(engine)
+        runs.append(f"without the flood {alone}, with it {with_flood}")
+        met_alone = [i for i, m in enumerate(alone) if m == 0]
+        # (most sessions must meet their deadlines alone, or the comparison would say little)
+        if len(met_alone) >= TALKERS // 2 and all(with_flood[i] == 0 for i in met_alone):
+            return
+    pytest.fail("missed deadlines per session: " + "; then ".join(runs))
