@@ -10,7 +10,9 @@ source tree can be imported by accident).
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import pkgutil
+import re
 import signal
 import socket
 import subprocess
@@ -30,17 +32,27 @@ def installed(module: object) -> Path:
     return path
 
 
-def import_every_module(package: object, prefix: str) -> int:
-    """Import every module the wheel holds; a missing project module fails, a missing optional third-party
-    package (an extra that is not installed) does not."""
-    count = 0
+def optional_imports(distribution: str) -> set[str]:
+    """The import names of the distribution's extras (`pip install streamserve[dev]`), which a plain
+    install lacks; a module that needs anything else must find it installed."""
+    names = set()
+    for requirement in importlib.metadata.requires(distribution) or []:
+        if "extra ==" in requirement:
+            names.add(re.split(r"[\s;<>=!~\[(]", requirement, maxsplit=1)[0].lower().replace("-", "_"))
+    return names
+
+
+def import_every_module(package: object, prefix: str, distribution: str) -> int:
+    """Import every module the wheel holds: a module or dependency missing from the wheel fails; only the
+    optional extras' packages may be absent."""
+    optional, count = optional_imports(distribution), 0
     for info in pkgutil.walk_packages(package.__path__, prefix):  # type: ignore[attr-defined]
         if info.name.endswith(".__main__"):
             continue  # `python -m` entry points run on import
         try:
             installed(importlib.import_module(info.name))
         except ModuleNotFoundError as e:
-            if (e.name or "").split(".")[0] == "streamserve":
+            if (e.name or "").split(".")[0] not in optional:
                 raise
             print(f"  {info.name}: needs {e.name} (an optional extra)")
         count += 1
@@ -52,7 +64,7 @@ def check_server() -> None:
     from streamserve import Engine
 
     installed(streamserve)
-    n = import_every_module(streamserve, "streamserve.")
+    n = import_every_module(streamserve, "streamserve.", "streamserve")
     with Engine.from_pretrained("default", device="cpu", kv_memory="64MiB") as engine:
         replies = []
         for _ in range(2):
@@ -105,7 +117,7 @@ def check_client() -> None:
     import streamserve_client
 
     installed(streamserve_client)
-    n = import_every_module(streamserve_client, "streamserve_client.")
+    n = import_every_module(streamserve_client, "streamserve_client.", "streamserve-client")
     heavy = sorted(m for m in ("torch", "streamserve") if m in sys.modules)
     assert not heavy, f"the client imported {heavy}"
     print(f"streamserve-client wheel: {n} modules import, without torch")
