@@ -53,19 +53,20 @@ class Admission:
                 except CapacityError:
                     if not idle:
                         raise
-                    idle.pop(0).kv.park()
+                    idle.pop(0).park()
                     self.counters.sessions_parked_total += 1
 
     def unpark(self, state: SessionState, busy: Collection[PagedSessionKV] = ()) -> None:
         """Bring a parked session's KV back onto the pool (nothing when it is not parked)."""
         kv = state.kv
         if kv.parked is not None:
-            self.admit(state, kv.unpark, kv.pages_needed(0), busy)
+            self.admit(state, state.unpark, kv.pages_needed(0), busy)
 
     def begin_step(self, state: SessionState | None, kv: PagedSessionKV, n: int,
                    busy: Collection[PagedSessionKV]) -> None:
         """Plan a step of n tokens of `kv` (bringing it back first if parked), parking idle sessions not in
         `busy` when pages run out (CapacityError, having taken nothing, when that cannot help)."""
         if kv.parked is not None:
-            self.admit(state, kv.unpark, kv.pages_needed(0), busy)
+            self.admit(state, state.unpark if state is not None and state.kv is kv else kv.unpark,
+                       kv.pages_needed(0), busy)
         self.admit(state, lambda: kv.begin(n), kv.pages_needed(n), busy)

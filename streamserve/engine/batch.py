@@ -32,8 +32,9 @@ CPU_SMALL_STEP_TOKENS = 64
 
 @dataclass
 class Job:
-    """One session's part of a step: `ids` run after its committed tokens; `vectors` (row in `ids`, vector
-    [hidden]) replace those rows' embeddings; `all_rows`: keep the logits of every row (draft verification)."""
+    """One session's part of a step: `ids` run after its committed tokens; `vectors` (first row in `ids`,
+    vectors [n, hidden] or one vector [hidden]) replace those rows' embeddings; `all_rows`: keep the logits of
+    every row (draft verification)."""
 
     state: SessionState
     ids: list[int]
@@ -128,16 +129,18 @@ class BatchForward:
 
 def _flat_vectors(widths: list[int], vectors: list[list[tuple[int, torch.Tensor]]], device: torch.device
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-session (row, vector) lists -> (rows [R] in the flat step, vectors [R, hidden]) for the model."""
+    """Per-session (first row, vectors [n, hidden] or [hidden]) lists -> (rows [R] in the flat step, vectors
+    [R, hidden]) for the model."""
     rows: list[int] = []
     values: list[torch.Tensor] = []
     start = 0
     for w, vs in zip(widths, vectors, strict=True):
         for r, v in vs:
-            rows.append(start + r)
-            values.append(v)
+            block = v if v.dim() == 2 else v[None]
+            rows.extend(range(start + r, start + r + block.shape[0]))
+            values.append(block)
         start += w
-    return torch.tensor(rows, dtype=torch.long, device=device), torch.stack(values)
+    return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(values)
 
 
 @contextlib.contextmanager

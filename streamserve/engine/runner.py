@@ -81,8 +81,8 @@ class Runner:
         if isinstance(item.work, Chunk):
             row = len(s.token_ids) - s.kv.length
             for c, n in item.parts:
-                if c.embeds is not None:
-                    job.vectors += [(row + i, c.embeds[c.done + i]) for i in range(n)]
+                if c.embeds is not None:  # this part's rows of the chunk, as one block
+                    job.vectors.append((row, c.embeds[c.done:c.done + n]))
                 row += n
         return job
 

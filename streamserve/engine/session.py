@@ -345,7 +345,7 @@ class Session:
         """Offload the KV to host memory and give its pages back; the next use brings it back."""
         self._check_open()
         with self.engine.guard:
-            self.kv.park()
+            self.core.park()
 
     def snapshot(self, path: str | Path | None = None) -> Snapshot | Path:
         """Everything the session is, copied to host memory (-> Snapshot), or written to `path` (-> Path),

@@ -45,6 +45,7 @@ class SessionState:
         self.id = session_id
         self.kv = kv
         self.max_positions = max_positions  # the model's context (limits sessions with absolute positions)
+        self.device = device
         self.placeholder_id = placeholder_id
         self.token_ids: list[int] = []  # everything appended or generated, in order (placeholders at vectors)
         self.timeline: list[ChunkRecord] = []
@@ -109,6 +110,16 @@ class SessionState:
                 break
             del self.vectors[p]
 
+    def park(self) -> None:
+        """Offload the KV and the vectors to host memory; the KV's pages go back to the pool."""
+        self.kv.park()
+        self.vectors = _moved(self.vectors, torch.device("cpu"))
+
+    def unpark(self) -> None:
+        """Bring a parked KV (CapacityError: nothing taken) and the vectors back to the device."""
+        self.kv.unpark()
+        self.vectors = _moved(self.vectors, self.device)
+
     # ---- cuts of the history ------------------------------------------------------------------------
     def check_cut(self, to: int) -> None:
         """RewindError unless the KV can go back to where `to` tokens are kept (the KV must be unparked).
@@ -150,3 +161,11 @@ class SessionState:
         self.next_seq = next_seq
         self.logits, self.logits_at = logits, logits_at
         self.vectors = dict(sorted(vectors.items()))
+
+
+def _moved(vectors: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:
+    """The vectors by position on `device`, moved in one copy ([n, hidden] stacked)."""
+    if not vectors or next(iter(vectors.values())).device == device:
+        return vectors
+    block = torch.stack(list(vectors.values())).to(device)
+    return {p: block[i] for i, p in enumerate(vectors)}
