@@ -171,14 +171,15 @@ class Scheduler:
                 return (2, -deficit[sid], *self._priority(head))
             return (0 if demand[sid] <= share else 1, 0, *self._priority(head))
 
-        order = sorted(heads, key=lambda sid: (deficit[sid] <= 0, by_need(sid)))
+        need = {sid: by_need(sid) for sid in heads}
+        order = sorted(heads, key=lambda sid: (deficit[sid] <= 0, need[sid]))
         running = order[:self.limits.max_batch - len(plan.items)]  # owed sessions get the free slots first
         took = dict.fromkeys(running, 0)
         for sid in running:  # 4a: what earlier steps owe
             n = min(max(deficit[sid], 0), share, demand[sid], budget)
             took[sid] += n
             budget -= n
-        for sid in sorted(running, key=by_need):  # 4b: the rest by need
+        for sid in sorted(running, key=need.__getitem__):  # 4b: the rest by need
             n = min(demand[sid] - took[sid], budget)
             took[sid] += n
             budget -= n
