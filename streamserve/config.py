@@ -84,6 +84,30 @@ class ServerConfig:
         "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
                 "client cannot jump the queue by claiming a 0 ms deadline"})
 
+    def __post_init__(self) -> None:
+        import math
+
+        from streamserve.errors import InvalidInputError
+
+        optional = ("max_pages_per_connection", "max_queued_tokens_per_connection")  # None: no quota
+        counts = ("max_frame_bytes", "max_chunk_tokens", "max_sessions_per_connection", "max_sessions",
+                  "max_connections", "max_reply_tokens", "max_window", *optional)
+        for name in counts:
+            v = getattr(self, name)
+            if v is None and name in optional:
+                continue
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
+        for name, low in (("messages_per_second", None), ("bytes_per_second", None), ("resume_ttl", 0.0),
+                          ("min_deadline_ms", 0.0)):
+            v = getattr(self, name)
+            ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            if not ok or (v <= 0 if low is None else v < low):
+                raise InvalidInputError(f"{name} must be a finite number {'> 0' if low is None else '>= 0'}, "
+                                        f"got {v!r}")
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise InvalidInputError(f"port must be an integer from 0 to 65535, got {self.port!r}")
+
 
 @dataclass(frozen=True)
 class SchedulerConfig:

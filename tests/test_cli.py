@@ -95,3 +95,16 @@ def test_serve_starts_answers_and_stops_gracefully_on_sigterm(tmp_path: Path) ->
     finally:
         if proc.poll() is None:
             proc.kill()
+
+
+def test_server_limits_that_cannot_work_are_refused_up_front() -> None:
+    """A zero rate would divide by zero on every connection's first frame; a zero count would refuse everyone."""
+    from streamserve.config import ServerConfig
+    from streamserve.errors import InvalidInputError
+
+    for bad in ({"messages_per_second": 0.0}, {"bytes_per_second": -1.0}, {"messages_per_second": float("nan")},
+                {"max_connections": 0}, {"max_frame_bytes": 0}, {"max_pages_per_connection": 0},
+                {"resume_ttl": -1.0}, {"min_deadline_ms": float("inf")}, {"port": 70000}):
+        with pytest.raises(InvalidInputError):
+            ServerConfig(**bad)  # type: ignore[arg-type]
+    ServerConfig(max_pages_per_connection=None, max_queued_tokens_per_connection=None, resume_ttl=0.0, port=0)

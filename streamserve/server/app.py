@@ -61,6 +61,8 @@ Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 def resolve_api_key(config: ServerConfig) -> str | None:
     """--api-key, else the first line of --api-key-file, else STREAMSERVE_API_KEY, else none."""
     if config.api_key is not None:
+        if not config.api_key.strip():  # it would let in anyone offering an empty credential
+            raise InvalidInputError("the API key given is empty")
         return config.api_key
     if config.api_key_file is not None:
         try:
@@ -224,10 +226,15 @@ class Server:
             return unauthorized()
         offered = split_protocols(request.headers.get("Sec-WebSocket-Protocol"))[1]
         # compress=False: no permessage-deflate (media frames do not compress; it costs CPU and memory per
-        # connection). protocols: echo a non-secret protocol the client offered, never a key.
+        # connection). protocols: echo a non-secret protocol the client offered, never a key. The handshake
+        # sees only the non-secret ones: aiohttp logs the client's whole list when none overlaps.
+        headers = request.headers.copy()
+        headers.popall("Sec-WebSocket-Protocol", None)
+        if offered:
+            headers["Sec-WebSocket-Protocol"] = ", ".join(offered)
         ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, heartbeat=20.0, compress=False,
                                    protocols=tuple(offered))
-        await ws.prepare(request)
+        await ws.prepare(request.clone(headers=headers))
         if self.service is None or self.server_metrics is None:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"the model is still loading; retry shortly")
             return ws

@@ -57,6 +57,7 @@ class SessionRegistry:
         self.engine, self.resume_ttl = engine, resume_ttl
         self.max_per_owner, self.max_chunk_tokens, self.max_total = max_per_owner, max_chunk_tokens, max_total
         self._entries: dict[str, Entry] = {}
+        self._opening: list[Any] = []  # the owner of each open in flight
         self._lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -71,27 +72,38 @@ class SessionRegistry:
             return list(self._entries.values())
 
     def open(self, owner: Any, sampling: dict[str, Any] | None, reserved_pages: int = 0, **session_kw: Any) -> Entry:
-        """A new session held by `owner` (blocking: run it off the event loop)."""
+        """A new session held by `owner` (blocking: run it off the event loop). Opens in flight count against
+        both limits, so opens running in several threads at once cannot pass them."""
         with self._lock:
-            if sum(1 for e in self._entries.values() if e.owner is owner) >= self.max_per_owner:
+            if self._held(owner) >= self.max_per_owner:
                 raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit); close "
                                            "one or open another connection")
             evict = None
-            if len(self._entries) >= self.max_total:
+            if len(self._entries) + len(self._opening) >= self.max_total:
                 detached = [e for e in self._entries.values() if e.owner is None]
                 if not detached:
                     raise TooManySessionsError(f"the server holds {self.max_total} sessions (its limit); retry later")
                 evict = min(detached, key=lambda e: e.detached_at or 0.0)
                 del self._entries[evict.session.id]
-        if evict is not None:
-            evict.session.close()  # the oldest detached session makes room
-        s = self.engine.open_session(**session_kw)
-        s.max_chunk_tokens = self.max_chunk_tokens
-        entry = Entry(s, secrets.token_urlsafe(32), owner, sampling=dict(sampling or {}),
-                      reserved_pages=reserved_pages)
-        with self._lock:
-            self._entries[s.id] = entry
+            self._opening.append(owner)
+        entry = None
+        try:
+            if evict is not None:
+                evict.session.close()  # the oldest detached session makes room
+            s = self.engine.open_session(**session_kw)
+            s.max_chunk_tokens = self.max_chunk_tokens
+            entry = Entry(s, secrets.token_urlsafe(32), owner, sampling=dict(sampling or {}),
+                          reserved_pages=reserved_pages)
+        finally:
+            with self._lock:
+                self._opening.remove(owner)
+                if entry is not None:
+                    self._entries[entry.session.id] = entry
         return entry
+
+    def _held(self, owner: Any) -> int:
+        """Sessions `owner` holds or is opening (under the lock)."""
+        return sum(1 for e in self._entries.values() if e.owner is owner) + sum(1 for o in self._opening if o is owner)
 
     def get(self, owner: Any, session_id: str) -> Entry:
         """The session `owner` holds under this id; SessionNotFoundError for anything else."""
@@ -115,8 +127,7 @@ class SessionRegistry:
                                            f"{self.resume_ttl:g}s detached, or never existed; open a new one")
             if not hmac.compare_digest(e.resume_token.encode(), token.encode()):
                 raise ResumeTokenError("the resume token does not match this session")
-            mine = sum(1 for x in self._entries.values() if x.owner is owner)
-            if e.owner is not owner and mine >= self.max_per_owner:
+            if e.owner is not owner and self._held(owner) >= self.max_per_owner:
                 raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit)")
             previous = e.owner if e.owner is not owner else None
             e.owner, e.detached_at = owner, None

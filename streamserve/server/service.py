@@ -182,12 +182,30 @@ class SessionService:
         ctx.grant.claim_open()
         ctx.opening_pages += pages
         entry = None
+        opening = asyncio.ensure_future(self.run_engine(self.registry.open, ctx, sampling, reserved_pages=pages, **kw))
         try:
-            entry = await self.run_engine(self.registry.open, ctx, sampling, reserved_pages=pages, **kw)
+            entry = await asyncio.shield(opening)  # the engine thread goes on if this call is cancelled...
+        except asyncio.CancelledError:
+            opening.add_done_callback(self.abandoned)  # ...and the session it makes, nobody's, is closed
+            raise
         finally:
             ctx.opening_pages -= pages
             ctx.grant.opened(entry.session.id if entry is not None else None)
         return self.opened(entry, resumed=False)
+
+    def abandoned(self, opening: asyncio.Future) -> None:
+        """An open whose caller was cancelled finished: close the session nobody will hear of."""
+        if opening.cancelled() or opening.exception() is not None:
+            return
+        entry = opening.result()
+        self.registry.remove(entry.session.id)
+        self.spawn(self.close_session(entry.session))
+
+    async def close_session(self, session: Session) -> None:
+        try:
+            await self.run_engine(session.close)
+        except Exception:  # e.g. the executor is already shut down: the engine's shutdown frees everything
+            log.exception("streamserve: closing an abandoned session failed")
 
     def opened(self, e: Entry, resumed: bool) -> Opened:
         s = e.session

@@ -10,8 +10,9 @@ same for every protocol:
   aborted (a client that stops reading cannot hold memory or tasks for ever);
 - frames read are rate limited in messages AND bytes per second (token buckets with bursts of twice the
   rate): over the rate, the read loop waits, so TCP slows the client down;
-- `finish()` flushes what is queued (bounded wait), stops the writer and runs the detach callbacks
-  once, whatever ended the connection.
+- `finish()` runs the detach callbacks once, whatever ended the connection, flushes what is queued
+  (bounded wait) and stops the writer; from then on frames are dropped and no producer waits (one
+  waiting on the full queue then is released), so nothing can hang on a connection that is gone.
 """
 
 from __future__ import annotations
@@ -121,10 +122,11 @@ class Transport:
     def __init__(self, channel: Channel, limiter: RateLimiter, queue_size: int = OUTGOING_QUEUE,
                  send_timeout: float = SEND_TIMEOUT) -> None:
         self.channel, self.limiter, self.send_timeout = channel, limiter, send_timeout
-        self.outgoing: asyncio.Queue[Frame | None] = asyncio.Queue(queue_size)
+        self.outgoing: asyncio.Queue[Frame] = asyncio.Queue(queue_size)
         self.writer: asyncio.Task | None = None
         self.detach_callbacks: list[Callable[[], Any]] = []
-        self.finished = False
+        self.finished = False  # finish() began: the detach callbacks ran
+        self.stopped = False  # the writer is gone: frames are dropped
 
     def start(self) -> None:
         if self.writer is None:
@@ -133,15 +135,19 @@ class Transport:
     async def frames(self) -> AsyncIterator[Frame]:
         """The client's frames, each after the rate limiter lets it through."""
         async for frame in self.channel.receive():
-            await self.limiter.wait(len(frame))
+            await self.limiter.wait(len(frame.encode()) if isinstance(frame, str) else len(frame))
             yield frame
 
     async def send(self, frame: Frame) -> None:
-        """Queue a frame; waits while the queue is full (the client reads slowly)."""
-        await self.outgoing.put(frame)
+        """Queue a frame; waits while the queue is full (the client reads slowly). Dropped once the writer
+        is gone."""
+        if not self.stopped:
+            await self.outgoing.put(frame)
 
     def send_nowait(self, frame: Frame) -> bool:
-        """Best effort, never waits: False when the client is so far behind that the queue is full."""
+        """Best effort, never waits: False when the client is so far behind that the queue is full (or gone)."""
+        if self.stopped:
+            return False
         try:
             self.outgoing.put_nowait(frame)
             return True
@@ -152,7 +158,12 @@ class Transport:
         """Wait until the writer has sent everything queued (asyncio.TimeoutError after `timeout`)."""
         await asyncio.wait_for(self.outgoing.join(), timeout)
 
-    async def close(self, code: int, reason: str) -> None:
+    async def close(self, code: int, reason: str, flush_timeout: float = 2.0) -> None:
+        """The closing handshake, after what is queued (bounded wait): the frames that explain a close reach
+        the client before it."""
+        if self.writer is not None and not self.stopped:
+            with contextlib.suppress(asyncio.TimeoutError):
+                await self.drain(flush_timeout)
         await self.channel.close(code, reason)
 
     def abort(self) -> None:
@@ -163,7 +174,8 @@ class Transport:
         self.detach_callbacks.append(callback)
 
     async def finish(self) -> None:
-        """The connection ended: run the detach callbacks, flush what is queued (bounded), stop the writer."""
+        """The connection ended: run the detach callbacks, flush what is queued (bounded), stop the writer,
+        release any producer still waiting on the full queue."""
         if self.finished:
             return
         self.finished = True
@@ -172,22 +184,25 @@ class Transport:
                 callback()
             except Exception:  # one failing callback must not keep the others from freeing what they hold
                 log.exception("streamserve: a detach callback failed")
-        if self.writer is None:
-            return
-        with contextlib.suppress(asyncio.QueueFull):
-            self.outgoing.put_nowait(None)
-        try:
-            await asyncio.wait_for(asyncio.shield(self.writer), FINISH_TIMEOUT)
-        except (asyncio.TimeoutError, asyncio.CancelledError, Exception):
+        if self.writer is not None:
+            with contextlib.suppress(asyncio.TimeoutError):  # a client that does not read: stop anyway
+                await asyncio.wait_for(asyncio.shield(self.outgoing.join()), FINISH_TIMEOUT)
             self.writer.cancel()
+            await asyncio.wait({self.writer})  # raises neither the writer's error nor its cancellation
+            if not self.writer.cancelled() and self.writer.exception() is not None:
+                log.error("streamserve: a connection's writer failed", exc_info=self.writer.exception())
+        self.stopped = True
+        while not self.outgoing.empty():  # each frame taken wakes one waiting producer, whose frame is taken next
+            while not self.outgoing.empty():
+                self.outgoing.get_nowait()
+                self.outgoing.task_done()
+            await asyncio.sleep(0)
 
     async def write_loop(self) -> None:
         while True:
             frame = await self.outgoing.get()
             try:
-                if frame is None:
-                    return
-                if not self.channel.closed:  # else drain: nobody can receive it any more
+                if not self.channel.closed:  # else drop it: nobody can receive it any more
                     try:
                         await asyncio.wait_for(self.channel.send(frame), self.send_timeout)
                     except asyncio.TimeoutError:

@@ -92,6 +92,20 @@ async def test_the_key_in_the_subprotocol_list_is_accepted_and_never_echoed(keye
 
 
 @module_loop
+async def test_a_key_offered_as_the_only_subprotocol_is_never_logged(keyed: RunningServer,
+                                                                    caplog: pytest.LogCaptureFixture) -> None:
+    """With no other protocol to echo, aiohttp warns that the client's protocols do not overlap, listing
+    them: the key must not be among what reaches the log."""
+    with caplog.at_level(logging.DEBUG):
+        ws = await connect(keyed, subprotocols=[f"streamserve-key.{KEY}"])  # type: ignore[list-item]
+        assert ws.subprotocol is None
+        assert (await ask(ws, {"type": "stats", "id": 1}))["type"] == "stats"
+        await ws.close()
+    server_side = [r.getMessage() for r in caplog.records if not r.name.startswith("websockets")]  # not the client's
+    assert not any(KEY in line for line in server_side)  # before the fix: aiohttp's warning listed it
+
+
+@module_loop
 async def test_client_secrets_from_the_openai_sdk_authenticate_one_session(keyed: RunningServer) -> None:
     secret = await mint(keyed)
     ws = await connect(keyed, subprotocols=["realtime", f"openai-insecure-api-key.{secret}"])
@@ -224,6 +238,9 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path: Path, monkey
     (tmp_path / "empty").write_text("\n")
     with pytest.raises(InvalidInputError, match="empty"):
         resolve_api_key(ServerConfig(api_key_file=str(tmp_path / "empty")))
+    for blank in ("", "  "):  # an empty key would let in anyone offering an empty credential
+        with pytest.raises(InvalidInputError, match="empty"):
+            resolve_api_key(ServerConfig(api_key=blank))
 
 
 @module_loop

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import math
+import threading
+import time
 from collections.abc import AsyncIterator
 
 import msgpack
@@ -15,7 +17,8 @@ from serving import RunningServer, default_engine, engine_paused
 
 import streamserve_client as sc
 from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
-from streamserve.server.results import ChunkResult
+from streamserve.server.auth import Grant
+from streamserve.server.results import ChunkResult, OpenRequest
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PAGES, QUEUED, FLOOR_MS = 50, 100, 2000.0
@@ -142,3 +145,48 @@ async def test_a_resume_renders_the_neutral_results_it_kept(limited: RunningServ
     await ws2.send(msgpack.packb({"type": "close", "id": 3, "session": sid}))
     await recv(ws2, type="closed")
     await ws2.close()
+
+
+async def test_an_open_cancelled_while_the_engine_opens_leaves_no_session_behind(
+        limited: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handler is cancelled (a shutdown, a dropped request) while the engine thread opens the session: the
+    session it makes is closed, not left in the registry under a connection that is gone (pages held for ever,
+    never reaped)."""
+    service = limited.server.service
+    assert service is not None
+    entered, release, opened = threading.Event(), threading.Event(), threading.Event()
+    made: list = []
+    real_open = service.registry.open
+
+    def slow_open(*args: object, **kw: object) -> object:
+        entered.set()
+        release.wait(10)
+        try:
+            made.append(real_open(*args, **kw))  # type: ignore[arg-type]
+            return made[-1]
+        finally:
+            opened.set()
+
+    monkeypatch.setattr(service.registry, "open", slow_open)
+    ctx = service.connect(NullListener(), Grant())
+    task = asyncio.create_task(service.open(ctx, OpenRequest(window=32)))
+    await asyncio.to_thread(entered.wait, 10)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    release.set()
+    await asyncio.to_thread(opened.wait, 10)
+    session = made[0].session
+    deadline = time.monotonic() + 10
+    while not session.closed and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert session.closed and service.registry.find(session.id) is None
+    assert service.registry.owned(ctx) == [] and service.reserved_pages(ctx) == 0
+
+
+class NullListener:
+    async def push(self, result: object) -> None:
+        pass
+
+    def push_nowait(self, result: object) -> bool:
+        return True

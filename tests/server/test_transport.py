@@ -28,7 +28,7 @@ class MemoryChannel(Channel):
             yield frame
 
     async def close(self, code: int, reason: str) -> None:
-        self.is_closed = True
+        self.is_closed, self.sent_before_close = True, list(self.sent)
 
     def abort(self) -> None:
         self.aborted = True
@@ -77,3 +77,60 @@ async def test_finish_flushes_what_is_queued() -> None:
         await t.send(bytes([i]))
     await t.finish()
     assert channel.sent == [bytes([i]) for i in range(5)] and t.writer is not None and t.writer.done()
+
+
+@pytest.mark.asyncio
+async def test_a_producer_waiting_on_a_full_queue_is_released_when_the_connection_ends(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chunk's result being pushed to a connection that is ending must not wait for ever (a leaked task):
+    once the writer is gone, waiting producers are released and later frames are dropped."""
+    monkeypatch.setattr("streamserve.server.transport.FINISH_TIMEOUT", 0.2)
+    t = Transport(MemoryChannel(stall=True), RateLimiter(100.0, 1e6), queue_size=1, send_timeout=60.0)
+    t.start()
+    await t.send(b"a")  # the writer stalls on it
+    await t.send(b"b")  # the queue is full
+    blocked = asyncio.create_task(t.send(b"c"))
+    await asyncio.sleep(0.05)
+    assert not blocked.done()
+    await t.finish()  # the writer cannot flush within FINISH_TIMEOUT: it is stopped
+    await asyncio.wait_for(blocked, 1.0)
+    await asyncio.wait_for(t.send(b"d"), 1.0)  # after the end: dropped, never waits
+    assert not t.send_nowait(b"e")
+
+
+@pytest.mark.asyncio
+async def test_finish_with_a_full_queue_does_not_wait_out_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client left (the channel is closed) with the queue full: the writer drops what is queued and stops
+    at once, instead of idling until FINISH_TIMEOUT."""
+    monkeypatch.setattr("streamserve.server.transport.FINISH_TIMEOUT", 3.0)
+    channel = MemoryChannel()
+    t = Transport(channel, RateLimiter(100.0, 1e6), queue_size=2)
+    for frame in (b"a", b"b"):
+        await t.send(frame)  # queued before the writer starts: the queue is full
+    channel.is_closed = True
+    t.start()
+    t0 = time.monotonic()
+    await t.finish()
+    assert time.monotonic() - t0 < 1.0 and channel.sent == []
+
+
+@pytest.mark.asyncio
+async def test_text_frames_are_rate_limited_by_their_bytes() -> None:
+    frame = "é" * 500  # 1000 bytes in UTF-8: 3 frames are 3000 bytes at 1000 bytes/s, a burst of 2000
+    t = Transport(MemoryChannel([frame] * 3), RateLimiter(messages_per_second=1000.0, bytes_per_second=1000.0))
+    t0 = time.monotonic()
+    assert len([f async for f in t.frames()]) == 3
+    assert time.monotonic() - t0 > 0.8
+
+
+@pytest.mark.asyncio
+async def test_a_close_comes_after_the_frames_queued_before_it() -> None:
+    """The error that explains a close (too many malformed messages) must reach the client before the close."""
+    channel = MemoryChannel()
+    t = Transport(channel, RateLimiter(100.0, 1e6))
+    t.start()
+    for i in range(3):
+        await t.send(bytes([i]))
+    await t.close(4400, "too many malformed messages")
+    assert channel.sent_before_close == [bytes([i]) for i in range(3)]
+    await t.finish()
