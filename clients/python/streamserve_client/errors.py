@@ -77,13 +77,14 @@ class ProtocolViolationError(ConnectionLostError):
 _FAMILIES: dict[str, type[StreamserveClientError]] = {
     **dict.fromkeys(("invalid_input", "bad_message", "empty_append", "token_out_of_range", "context_length_exceeded",
                      "session_page_cap", "invalid_rewind", "chunk_too_large", "response_in_progress",
-                     "frame_too_large", "chat_template_error"), InvalidInputError),
+                     "frame_too_large", "chat_template_error", "window_too_large", "unknown_drafter",
+                     "embedding_shape", "embedding_dtype", "non_finite_input"), InvalidInputError),
     **dict.fromkeys(("unknown_session", "session_closed", "invalid_resume_token", "session_moved"),
                     UnknownSessionError),
-    **dict.fromkeys(("capacity_exceeded", "too_many_sessions"), CapacityError),
+    **dict.fromkeys(("capacity_exceeded", "too_many_sessions", "quota_exceeded"), CapacityError),
     "unsupported_modality": UnsupportedModalityError,
     "step_failed": StepFailedError,
-    "unauthorized": UnauthorizedError,
+    **dict.fromkeys(("unauthorized", "client_secret_used"), UnauthorizedError),
 }
 
 
