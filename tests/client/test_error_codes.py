@@ -5,10 +5,9 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+import streamserve
 import streamserve_client as sc
 import streamserve_client.errors as ce
-
-import streamserve
 from streamserve.errors import StreamserveError
 
 # raised while loading a model or by offline tools, never sent over the wire; internal_error is the base on purpose
@@ -32,7 +31,8 @@ def all_codes() -> set[str]:
 def test_every_server_error_code_is_a_typed_client_error() -> None:
     codes = all_codes() - NEVER_SENT
     assert {"quota_exceeded", "window_too_large", "client_secret_used", "embedding_shape"} <= codes
-    untyped = sorted(c for c in codes if type(ce.from_message({"code": c, "message": "m"})) is sc.StreamserveClientError)
+    untyped = sorted(c for c in codes
+                     if type(ce.from_message({"code": c, "message": "m"})) is sc.StreamserveClientError)
     assert not untyped, f"codes the client maps to no family: {untyped}"
 
 
