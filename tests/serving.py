@@ -64,7 +64,7 @@ async def serve(config: ServerConfig, load: Callable[[], Engine] | None = None) 
 @contextlib.contextmanager
 def engine_paused(engine: Engine) -> Iterator[None]:
     """Hold the engine between steps: chunks submitted meanwhile cannot run until the block ends."""
-    with engine._lock:
+    with engine.guard:  # the engine's public "between steps" lock
         yield
 
 

@@ -235,6 +235,9 @@ class Server:
         ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, heartbeat=20.0, compress=False,
                                    protocols=tuple(offered))
         await ws.prepare(request.clone(headers=headers))
+        if self.load_error is not None:  # permanent until the operator acts: not "retry shortly"
+            await ws.close(code=P.CLOSE_INTERNAL, message=b"the model failed to load (see the server log)")
+            return ws
         if self.service is None or self.server_metrics is None:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"the model is still loading; retry shortly")
             return ws

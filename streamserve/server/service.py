@@ -340,8 +340,11 @@ class SessionService:
         return Closed(session_id, "client")
 
     def stats(self, ctx: ClientContext) -> Stats:
+        """Server-wide figures need the API key, as on /healthz and /metrics; a client secret (one session) sees
+        the model and its own connection only."""
         st = self.engine.stats()
-        return Stats({k: st[k] for k in STATS_KEYS}, len(self.registry.owned(ctx)), self.reserved_pages(ctx),
+        keys = STATS_KEYS if ctx.grant.secret is None else ("model",)
+        return Stats({k: st[k] for k in keys}, len(self.registry.owned(ctx)), self.reserved_pages(ctx),
                      ctx.queued_tokens)
 
     # ---- lifecycle -----------------------------------------------------------------------------------

@@ -135,6 +135,21 @@ async def test_client_secrets_from_the_openai_sdk_authenticate_one_session(keyed
 
 
 @module_loop
+async def test_a_client_secret_sees_its_own_connection_in_stats_not_the_server(keyed: RunningServer) -> None:
+    """Server-wide figures need the API key (/healthz, /metrics): `stats` on a secret's connection is its own."""
+    secret = await mint(keyed)
+    ws = await connect(keyed, subprotocols=["realtime", f"openai-insecure-api-key.{secret}"])
+    await ask(ws, {"type": "open", "id": 1})
+    stats = await ask(ws, {"type": "stats", "id": 2})
+    await ws.close()
+    assert stats["connection_sessions"] == 1 and stats["model"] == "default"
+    assert not {"sessions_open", "kv_pages_used", "steps", "queued_tokens"} & set(stats)
+    ws = await connect(keyed, additional_headers={"Authorization": f"Bearer {KEY}"})
+    assert "sessions_open" in await ask(ws, {"type": "stats", "id": 3})
+    await ws.close()
+
+
+@module_loop
 async def test_an_expired_secret_is_refused(keyed: RunningServer) -> None:
     secret = await mint(keyed, seconds=10)
     for record in keyed.server.auth.secrets.values():
@@ -222,6 +237,12 @@ async def test_a_load_failure_is_not_described_to_clients() -> None:
     try:
         await asyncio.wait_for(server.ready.wait(), 30)
         assert await http(f"http://127.0.0.1:{port}/healthz") == (503, {"status": "failed"})
+        # a failed load is not "still loading, retry shortly" (1013, which clients retry for ever)
+        ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/stream")
+        with pytest.raises(websockets.ConnectionClosed) as info:
+            await ws.recv()
+        assert info.value.rcvd is not None and info.value.rcvd.code == 1011
+        assert "secret" not in info.value.rcvd.reason
     finally:
         await runner.cleanup()
 
