@@ -64,8 +64,10 @@ class SessionRegistry:
         return len(self._entries)
 
     def owned(self, owner: Any) -> list[Entry]:
+        """The sessions `owner` holds; one the engine closed (a failed step, its idle TTL) no longer counts,
+        though the reaper takes its entry out only later."""
         with self._lock:
-            return [e for e in self._entries.values() if e.owner is owner]
+            return [e for e in self._entries.values() if e.owner is owner and not e.session.closed]
 
     def all(self) -> list[Entry]:
         with self._lock:
@@ -103,7 +105,8 @@ class SessionRegistry:
 
     def _held(self, owner: Any) -> int:
         """Sessions `owner` holds or is opening (under the lock)."""
-        return sum(1 for e in self._entries.values() if e.owner is owner) + sum(1 for o in self._opening if o is owner)
+        held = sum(1 for e in self._entries.values() if e.owner is owner and not e.session.closed)
+        return held + sum(1 for o in self._opening if o is owner)
 
     def get(self, owner: Any, session_id: str) -> Entry:
         """The session `owner` holds under this id; SessionNotFoundError for anything else."""

@@ -18,7 +18,7 @@ from serving import RunningServer, default_engine, engine_paused
 import streamserve_client as sc
 from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
 from streamserve.server.auth import Grant
-from streamserve.server.results import ChunkResult, OpenRequest
+from streamserve.server.results import ChunkResult, OpenRequest, QuotaExceededError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PAGES, QUEUED, FLOOR_MS = 50, 100, 2000.0
@@ -190,3 +190,23 @@ class NullListener:
 
     def push_nowait(self, result: object) -> bool:
         return True
+
+
+async def test_a_session_the_engine_closed_gives_its_quota_back_at_once(limited: RunningServer) -> None:
+    """A session failing in the engine (or closed by its idle TTL) is gone for the client at once: its pages
+    and its place among the connection's sessions come back then, not when the reaper next runs."""
+    service = limited.server.service
+    assert service is not None
+    ctx = service.connect(NullListener(), Grant())
+    need = windowed_pages(limited, 32, 4)
+    held = [await service.open(ctx, OpenRequest(window=32, sinks=4)) for _ in range(PAGES // need)]
+    with pytest.raises(QuotaExceededError):
+        await service.open(ctx, OpenRequest(window=32, sinks=4))
+    entry = service.registry.find(held[0].session)
+    assert entry is not None
+    await asyncio.to_thread(entry.session.close)  # what the engine does to a session whose step failed
+    assert service.reserved_pages(ctx) == (len(held) - 1) * need
+    again = await service.open(ctx, OpenRequest(window=32, sinks=4))
+    for opened in (*held[1:], again):
+        await service.close(ctx, opened.session)
+    service.disconnect(ctx)
