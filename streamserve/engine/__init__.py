@@ -2,5 +2,6 @@
 
 from streamserve.engine.engine import Engine
 from streamserve.engine.session import Session
+from streamserve.engine.state import SessionStatus
 
-__all__ = ["Engine", "Session"]
+__all__ = ["Engine", "Session", "SessionStatus"]
