@@ -11,6 +11,9 @@
    way in (the window is full by then), and the stateless/persistent ratio at the last turn.
 2. A stream of --stream tokens through one session with window 1024, sinks 4, in 64-token chunks: KV
    pages held and the one-token step time at 1k tokens and at the end.
+3. Embedding chunks: 64-position chunks appended as token ids and as their `embed_tokens` vectors (the
+   same computation; the vectors are checked and copied at the call), interleaved, median ms each; then
+   a windowed stream of --stream positions of 64-vector chunks: the vectors a session keeps stay bounded.
 The last line printed is one JSON object with every figure.
 """
 
@@ -84,6 +87,34 @@ def stream(engine: Engine, total: int, window: int = 1024, sinks: int = 4) -> di
     return out
 
 
+def embedding_chunks(engine: Engine, total: int, rounds: int = 30) -> dict:
+    g = torch.Generator().manual_seed(2)
+    ids = torch.randint(10, 4000, (64,), generator=g).tolist()
+    with torch.no_grad():
+        vectors = engine.model.embed_tokens(torch.tensor(ids)).clone()  # [64, hidden]
+    times: dict[str, list[float]] = {"ids": [], "vectors": []}
+    for _ in range(rounds):  # interleaved: both see the same machine load
+        for kind in times:
+            with engine.open_session() as s:
+                s.append(token_ids=ids[:8])
+                t0 = time.perf_counter()
+                if kind == "ids":
+                    s.append(token_ids=ids)
+                else:
+                    s.append(embeds=vectors, kind="audio")
+                times[kind].append(time.perf_counter() - t0)
+    out = {f"append_64_{k}_ms": round(1e3 * statistics.median(v), 3) for k, v in times.items()}
+    out["vectors_over_ids"] = round(out["append_64_vectors_ms"] / out["append_64_ids_ms"], 3)
+    kept = 0
+    with engine.open_session(window=1024, sinks=4) as s:
+        while len(s.token_ids) < total:
+            s.append(embeds=vectors, kind="audio")
+            kept = max(kept, len(s.core.vectors))
+        out["stream_positions"] = len(s.token_ids)
+    out["stream_vectors_kept_max"] = kept  # bounded by sinks + window + a page + a chunk
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sessions", type=int, default=8)
@@ -120,6 +151,8 @@ def main() -> None:
             print(f"stateless: {res['stateless_turn_ms']}", file=sys.stderr)
     res["stream"] = stream(engine, args.stream)
     print(f"stream: {res['stream']}", file=sys.stderr)
+    res["embedding_chunks"] = embedding_chunks(engine, args.stream, 8 if args.quick else 30)
+    print(f"embedding chunks: {res['embedding_chunks']}", file=sys.stderr)
     print(json.dumps(res))
 
 
