@@ -304,3 +304,24 @@ def test_the_draft_model_is_never_fed_a_placeholder(default_engine) -> None:
             st = drafter.states[s.id]
             assert st.offset >= 12 and s.core.placeholder_id not in st.tokens  # its view starts after the vectors
     assert s.id not in drafter.states
+
+
+def test_a_dropped_session_frees_its_vectors_and_its_ngram_index(engines) -> None:
+    import gc
+    import weakref
+
+    engine = engines["qwen3"]
+    used = engine.stats()["kv_pages_used"]
+    s = engine.open_session(drafter="ngram")
+    x = vectors(engine, random_ids(20, seed=15, vocab=250))
+    s.append(embeds=x, kind="image")
+    s.append(token_ids=random_ids(20, seed=15, vocab=250))
+    s.generate(max_tokens=8, stop_token_ids=())
+    ngram = engine.drafters.make("ngram")[0]
+    sid, state = s.id, weakref.ref(s.core)
+    assert sid in ngram.indexes and len(s.core.vectors) == 20
+    del s
+    gc.collect()
+    engine.check_integrity()  # reclaims what collected sessions held, between steps
+    assert state() is None and sid not in ngram.indexes
+    assert engine.stats()["kv_pages_used"] == used
