@@ -45,7 +45,7 @@ class ServerConfig:
         "help": "address to listen on; 127.0.0.1 serves this machine only (use 0.0.0.0 to serve others, "
                 "ideally with --api-key)"})
     port: int = field(default=8000, metadata={"help": "TCP port (0: any free port, printed at start)"})
-    api_key: str | None = field(default=None, metadata={
+    api_key: str | None = field(default=None, repr=False, metadata={
         "help": "require this key ('Authorization: Bearer KEY', or the WebSocket subprotocol "
                 "'openai-insecure-api-key.KEY' / 'streamserve-key.KEY' for browsers) on every endpoint but "
                 "/healthz; prefer --api-key-file or STREAMSERVE_API_KEY (a command line is visible to every "

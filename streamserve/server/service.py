@@ -250,17 +250,21 @@ class SessionService:
         deadline = None if req.deadline_ms is None else now + self.floor_ms(req.deadline_ms) / 1e3
         kw = {"text": req.text, "token_ids": req.token_ids, "seq": req.seq, "capture_time": now,
               "deadline": deadline, "kind": req.kind or "text"}
-        await ctx.pending_acks.acquire()  # too many in flight: the adapter stops reading until acks go out
+        ctx.queued_tokens += n_tokens  # taken at the check: appends running at once count each other
+        acquired = False
         try:
+            await ctx.pending_acks.acquire()  # too many in flight: the adapter stops reading until acks go out
+            acquired = True
             if long_text:  # tokenizing it on the event loop would stall every connection
                 fut = await asyncio.get_running_loop().run_in_executor(self.tokenize_executor,
                                                                        lambda: s.submit_chunk(**kw))
             else:
                 fut = s.submit_chunk(**kw)
         except BaseException:
-            ctx.pending_acks.release()
+            ctx.queued_tokens -= n_tokens
+            if acquired:
+                ctx.pending_acks.release()
             raise
-        ctx.queued_tokens += n_tokens
         self.spawn(self.finish_chunk(ctx, s.id, req, n_tokens, fut))
 
     async def count_tokens(self, req: AppendRequest, long_text: bool) -> int:

@@ -254,6 +254,7 @@ def test_the_api_key_comes_from_a_file_or_the_environment(tmp_path: Path, monkey
     assert resolve_api_key(ServerConfig(api_key_file=str(key_file))) == "from-the-file"
     assert resolve_api_key(ServerConfig()) == "from-the-env"
     assert resolve_api_key(ServerConfig(api_key="given")) == "given"
+    assert "given" not in repr(ServerConfig(api_key="given"))  # a config in a log or traceback shows no key
     with pytest.raises(InvalidInputError, match="cannot read"):
         resolve_api_key(ServerConfig(api_key_file=str(tmp_path / "missing")))
     (tmp_path / "empty").write_text("\n")

@@ -18,7 +18,7 @@ from serving import RunningServer, default_engine, engine_paused
 import streamserve_client as sc
 from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
 from streamserve.server.auth import Grant
-from streamserve.server.results import ChunkResult, OpenRequest, QuotaExceededError
+from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, QuotaExceededError
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PAGES, QUEUED, FLOOR_MS = 50, 100, 2000.0
@@ -209,4 +209,25 @@ async def test_a_session_the_engine_closed_gives_its_quota_back_at_once(limited:
     again = await service.open(ctx, OpenRequest(window=32, sinks=4))
     for opened in (*held[1:], again):
         await service.close(ctx, opened.session)
+    service.disconnect(ctx)
+
+
+async def test_appends_running_at_once_cannot_pass_the_queued_token_cap_together(limited: RunningServer) -> None:
+    """The service is protocol-neutral: an adapter may run appends concurrently. Long texts are tokenized off the
+    event loop, so each append's check must count the tokens of the others still being tokenized."""
+    service = limited.server.service
+    assert service is not None
+    ctx = service.connect(NullListener(), Grant())
+    sid = (await service.open(ctx, OpenRequest(window=60, sinks=4))).session
+    text = " righteousness" * 40  # over 512 characters (tokenized on the executor), 40 tokens
+    with engine_paused(limited.engine):  # nothing is acked meanwhile
+        outcomes = await asyncio.gather(*(service.append(ctx, sid, AppendRequest(text=text)) for _ in range(3)),
+                                        return_exceptions=True)
+        assert sum(isinstance(o, QuotaExceededError) for o in outcomes) == 1, outcomes
+        assert ctx.queued_tokens == 80 <= QUEUED
+    deadline = time.monotonic() + 30
+    while ctx.queued_tokens and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert ctx.queued_tokens == 0
+    await service.close(ctx, sid)
     service.disconnect(ctx)
