@@ -186,7 +186,7 @@ class Transport:
                 log.exception("streamserve: a detach callback failed")
         if self.writer is not None:
             with contextlib.suppress(asyncio.TimeoutError):  # a client that does not read: stop anyway
-                await asyncio.wait_for(asyncio.shield(self.outgoing.join()), FINISH_TIMEOUT)
+                await asyncio.wait_for(self.outgoing.join(), FINISH_TIMEOUT)
             self.writer.cancel()
             await asyncio.wait({self.writer})  # raises neither the writer's error nor its cancellation
             if not self.writer.cancelled() and self.writer.exception() is not None:
