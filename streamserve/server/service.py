@@ -24,7 +24,7 @@ from typing import Any
 from streamserve.config import SAMPLING_DEFAULTS, SCHEDULER_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
 from streamserve.engine import Engine, Session
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
-from streamserve.errors import ChunkTooLargeError, InvalidInputError
+from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError
 from streamserve.server.auth import Grant
 from streamserve.server.registry import Entry, SessionRegistry
 from streamserve.server.results import (
@@ -73,6 +73,7 @@ class ClientContext:
         self.pending_acks = asyncio.Semaphore(MAX_PENDING_ACKS)
         self.queued_tokens = 0  # submitted, not acked yet, over all its sessions
         self.opening_pages = 0  # reserved by opens still in flight
+        self.gone = False  # the connection ended (service.disconnect)
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)
@@ -120,6 +121,7 @@ class SessionService:
 
     def disconnect(self, ctx: ClientContext) -> None:
         """The connection ended: its reply forwarders stop, its sessions wait for a resume."""
+        ctx.gone = True
         for t in list(ctx.tasks):
             t.cancel()
         self.registry.detach_all(ctx)
@@ -185,6 +187,10 @@ class SessionService:
         opening = asyncio.ensure_future(self.run_engine(self.registry.open, ctx, sampling, reserved_pages=pages, **kw))
         try:
             entry = await asyncio.shield(opening)  # the engine thread goes on if this call is cancelled...
+            if ctx.gone:  # the connection ended meanwhile: nobody can use or resume this session
+                self.abandon(entry)
+                entry = None
+                raise SessionClosedError("this connection closed while the session was opening")
         except asyncio.CancelledError:
             opening.add_done_callback(self.abandoned)  # ...and the session it makes, nobody's, is closed
             raise
@@ -194,10 +200,12 @@ class SessionService:
         return self.opened(entry, resumed=False)
 
     def abandoned(self, opening: asyncio.Future) -> None:
-        """An open whose caller was cancelled finished: close the session nobody will hear of."""
-        if opening.cancelled() or opening.exception() is not None:
-            return
-        entry = opening.result()
+        """An open whose caller was cancelled finished."""
+        if not opening.cancelled() and opening.exception() is None:
+            self.abandon(opening.result())
+
+    def abandon(self, entry: Entry) -> None:
+        """Close a session nobody will hear of (its open's caller is gone)."""
         self.registry.remove(entry.session.id)
         self.spawn(self.close_session(entry.session))
 

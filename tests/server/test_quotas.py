@@ -17,6 +17,7 @@ from serving import RunningServer, default_engine, engine_paused
 
 import streamserve_client as sc
 from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
+from streamserve.errors import SessionClosedError
 from streamserve.server.auth import Grant
 from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, QuotaExceededError
 
@@ -182,6 +183,36 @@ async def test_an_open_cancelled_while_the_engine_opens_leaves_no_session_behind
         await asyncio.sleep(0.05)
     assert session.closed and service.registry.find(session.id) is None
     assert service.registry.owned(ctx) == [] and service.reserved_pages(ctx) == 0
+
+
+async def test_a_connection_that_ends_while_its_open_runs_leaves_the_session_detached(
+        limited: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    """An adapter that reads on while an open runs (the service is protocol-neutral) may end its connection
+    first: the session the open then makes must not stay held by a connection that is gone (never reaped)."""
+    service = limited.server.service
+    assert service is not None
+    entered, release = threading.Event(), threading.Event()
+    real_open = service.registry.open
+
+    def slow_open(*args: object, **kw: object) -> object:
+        entered.set()
+        release.wait(10)
+        return real_open(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service.registry, "open", slow_open)
+    ctx = service.connect(NullListener(), Grant())
+    task = asyncio.create_task(service.open(ctx, OpenRequest(window=32)))
+    await asyncio.to_thread(entered.wait, 10)
+    before = {e.session.id for e in service.registry.all()}
+    service.disconnect(ctx)  # the connection ends meanwhile
+    release.set()
+    with pytest.raises(SessionClosedError):  # nobody hears of it: the session is closed, not left held
+        await task
+    assert not [e for e in service.registry.all() if e.owner is ctx or e.session.id not in before]
+    deadline = time.monotonic() + 10
+    while limited.engine.stats()["sessions_open"] > len(before) and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    assert limited.engine.stats()["sessions_open"] <= len(before)
 
 
 class NullListener:
