@@ -90,7 +90,6 @@ class Engine:
                            self.dtype, self.device)
         self.placeholder_id = placeholder_id(tokenizer, cfg.vocab_size)
         self.guard = BetweenSteps()  # held by every step and by out-of-band operations: between steps
-        self._lock = self.guard  # the name tests and tools used before `guard`
         self.counters = Counters()
         self.table = SessionTable()  # weak: a session dropped without close() is collected, its pages reclaimed
         self.metrics = EngineMetrics(self.pool.allocator, lambda: len(self.table.handles()),
