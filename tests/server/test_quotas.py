@@ -8,6 +8,7 @@ import math
 import threading
 import time
 from collections.abc import AsyncIterator
+from typing import Any
 
 import msgpack
 import pytest
@@ -17,9 +18,12 @@ from serving import RunningServer, default_engine, engine_paused
 
 import streamserve_client as sc
 from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
+from streamserve.engine import Session
 from streamserve.errors import SessionClosedError
 from streamserve.server.auth import Grant
+from streamserve.server.registry import Entry
 from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, QuotaExceededError
+from streamserve.server.service import SessionService
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 PAGES, QUEUED, FLOOR_MS = 50, 100, 2000.0
@@ -148,6 +152,38 @@ async def test_a_resume_renders_the_neutral_results_it_kept(limited: RunningServ
     await ws2.close()
 
 
+class HeldOpens:
+    """The registry's open waits in its engine thread until `release`; what it made is in `made`."""
+
+    def __init__(self, service: SessionService, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.entered, self.release, self.done = threading.Event(), threading.Event(), threading.Event()
+        self.made: list[Entry] = []
+        real_open = service.registry.open
+
+        def held_open(*args: Any, **kw: Any) -> Entry:
+            self.entered.set()
+            self.release.wait(10)
+            try:
+                self.made.append(real_open(*args, **kw))
+                return self.made[-1]
+            finally:
+                self.done.set()
+
+        monkeypatch.setattr(service.registry, "open", held_open)
+
+    async def session_after_release(self) -> Session:
+        self.release.set()
+        await asyncio.to_thread(self.done.wait, 10)
+        return self.made[0].session
+
+
+async def closed_soon(session: Session) -> bool:
+    deadline = time.monotonic() + 10
+    while not session.closed and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    return session.closed
+
+
 async def test_an_open_cancelled_while_the_engine_opens_leaves_no_session_behind(
         limited: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """The handler is cancelled (a shutdown, a dropped request) while the engine thread opens the session: the
@@ -155,64 +191,33 @@ async def test_an_open_cancelled_while_the_engine_opens_leaves_no_session_behind
     never reaped)."""
     service = limited.server.service
     assert service is not None
-    entered, release, opened = threading.Event(), threading.Event(), threading.Event()
-    made: list = []
-    real_open = service.registry.open
-
-    def slow_open(*args: object, **kw: object) -> object:
-        entered.set()
-        release.wait(10)
-        try:
-            made.append(real_open(*args, **kw))  # type: ignore[arg-type]
-            return made[-1]
-        finally:
-            opened.set()
-
-    monkeypatch.setattr(service.registry, "open", slow_open)
+    held = HeldOpens(service, monkeypatch)
     ctx = service.connect(NullListener(), Grant())
     task = asyncio.create_task(service.open(ctx, OpenRequest(window=32)))
-    await asyncio.to_thread(entered.wait, 10)
+    await asyncio.to_thread(held.entered.wait, 10)
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    release.set()
-    await asyncio.to_thread(opened.wait, 10)
-    session = made[0].session
-    deadline = time.monotonic() + 10
-    while not session.closed and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert session.closed and service.registry.find(session.id) is None
+    session = await held.session_after_release()
+    assert await closed_soon(session) and service.registry.find(session.id) is None
     assert service.registry.owned(ctx) == [] and service.reserved_pages(ctx) == 0
 
 
-async def test_a_connection_that_ends_while_its_open_runs_leaves_the_session_detached(
+async def test_an_open_that_ends_after_its_connection_closes_the_session_it_made(
         limited: RunningServer, monkeypatch: pytest.MonkeyPatch) -> None:
     """An adapter that reads on while an open runs (the service is protocol-neutral) may end its connection
     first: the session the open then makes must not stay held by a connection that is gone (never reaped)."""
     service = limited.server.service
     assert service is not None
-    entered, release = threading.Event(), threading.Event()
-    real_open = service.registry.open
-
-    def slow_open(*args: object, **kw: object) -> object:
-        entered.set()
-        release.wait(10)
-        return real_open(*args, **kw)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(service.registry, "open", slow_open)
+    held = HeldOpens(service, monkeypatch)
     ctx = service.connect(NullListener(), Grant())
     task = asyncio.create_task(service.open(ctx, OpenRequest(window=32)))
-    await asyncio.to_thread(entered.wait, 10)
-    before = {e.session.id for e in service.registry.all()}
+    await asyncio.to_thread(held.entered.wait, 10)
     service.disconnect(ctx)  # the connection ends meanwhile
-    release.set()
-    with pytest.raises(SessionClosedError):  # nobody hears of it: the session is closed, not left held
+    session = await held.session_after_release()
+    with pytest.raises(SessionClosedError):  # nobody hears of it
         await task
-    assert not [e for e in service.registry.all() if e.owner is ctx or e.session.id not in before]
-    deadline = time.monotonic() + 10
-    while limited.engine.stats()["sessions_open"] > len(before) and time.monotonic() < deadline:
-        await asyncio.sleep(0.05)
-    assert limited.engine.stats()["sessions_open"] <= len(before)
+    assert await closed_soon(session) and service.registry.find(session.id) is None
 
 
 class NullListener:
