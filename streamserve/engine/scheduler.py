@@ -16,17 +16,17 @@ during a reply enters the KV after the reply ends. Each step (`schedule`):
    counter (tokens it is owed; negative when it took more than its shares):
    a. Sessions owed tokens by earlier steps go first and take what they are owed (no more than one share).
       Those are sessions that got less than their share, or found no slot in the batch (`max_batch`).
-   b. The rest goes by need. First sessions whose queued chunks fit in a share and can still make their
-      deadline, then other chunks that can still make it, each group earliest deadline first (a chunk
-      waiting longer than `max_wait` is ordered as if due now: nothing starves); then chunks already
-      past their deadline, the session owed the most first. So a small chunk finishes in the first step
-      that starts after it is queued, even behind a long chunk due earlier, and a session flooding the
-      engine with long chunks, which soon fall behind their deadlines, takes only what others leave.
-   c. A session still appending after the step gains one share and is charged what it took; its deficit
-      stays within one share either way. So a big chunk gets at least a share in every three steps
-      whatever the others send (it never waits behind more than its own excess), and one that took what
-      nobody else wanted is ranked behind the others when late chunks compete for the rest. A session
-      whose queued chunks are all in forgets its deficit: idle time banks nothing.
+   b. The rest goes by need. First sessions whose queued chunks fit in a share, then the other sessions,
+      each group earliest deadline first (late chunks first: a session that fell behind catches up; a
+      chunk waiting longer than `max_wait` is ordered as if due now: nothing starves); last the sessions
+      in debt, the least indebted first. So a small chunk finishes in the first step that starts after
+      it is queued, even behind a long chunk due earlier, and a session flooding the engine with long
+      chunks takes only what the others leave once it has had its share.
+   c. A session still appending after the step gains one share and is charged what it took. Credit is
+      capped at one share (no session is owed more); debt at one step's budget, so a session that took
+      whole steps while others waited repays it over the next steps it contends: over time each gets
+      its share. A big chunk in debt still gets leftovers, and once its debt is repaid its share again.
+      A session whose queued chunks are all in forgets its deficit: idle time banks nothing.
 
 `update` applies the runner's output and returns the events for callers (acks, deltas, done, errors).
 """
@@ -161,15 +161,14 @@ class Scheduler:
         if not heads:
             self._deficit.clear()
             return
-        share = max(1, budget // len(heads))
+        share, floor = max(1, budget // len(heads)), budget
         deficit = {sid: self._deficit.get(sid, 0) for sid in heads}
         demand = {sid: self._demand(sid) for sid in heads}
 
         def by_need(sid: str) -> tuple[int, int, float, float]:
-            head = heads[sid]
-            if head.deadline < now:  # late already: another step of lateness matters less than fairness here
-                return (2, -deficit[sid], *self._priority(head))
-            return (0 if demand[sid] <= share else 1, 0, *self._priority(head))
+            if deficit[sid] < 0:  # it took more than its shares while others waited: they go first
+                return (2, -deficit[sid], *self._priority(heads[sid]))
+            return (0 if demand[sid] <= share else 1, 0, *self._priority(heads[sid]))
 
         need = {sid: by_need(sid) for sid in heads}
         order = sorted(heads, key=lambda sid: (deficit[sid] <= 0, need[sid]))
@@ -184,7 +183,7 @@ class Scheduler:
             took[sid] += n
             budget -= n
         # 4c: sessions with chunks still queued (and those that found no slot) carry their deficit
-        self._deficit = {sid: max(-share, min(share, deficit[sid] + share - took.get(sid, 0)))
+        self._deficit = {sid: max(-floor, min(share, deficit[sid] + share - took.get(sid, 0)))
                          for sid in heads if took.get(sid, 0) < demand[sid]}
         for sid in running:
             if took[sid]:
