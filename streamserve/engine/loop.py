@@ -99,6 +99,11 @@ class EngineLoop:
             events = self.scheduler.drop_session(session_id, error)
         self._deliver(events)
 
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The engine thread (None before the first submission; it ends when the loop stops or is collected)."""
+        return self._thread
+
     def in_engine_thread(self) -> bool:
         return self._thread is not None and threading.current_thread() is self._thread
 

@@ -112,6 +112,16 @@ class ResponseStream:
         self.text = ""
 
     @property
+    def finished(self) -> bool:
+        """Whether the engine has ended the reply (its end may still wait unread in the stream)."""
+        return self._response.finished
+
+    @property
+    def unread(self) -> int:
+        """Items waiting to be read: at most one (merged) delta, then the end."""
+        return len(self._response.outbox)
+
+    @property
     def usage(self) -> dict[str, int]:
         return {"completion_tokens": self._response.produced, "session_tokens": len(self.session.token_ids)}
 

@@ -28,8 +28,9 @@ def chunks_of(ids: list[int], sizes: tuple[int, ...] = (20, 3, 7)) -> list[list[
     return out
 
 
+@pytest.mark.asyncio
 @pytest.mark.parametrize("arch", ["qwen3_moe", "llama", "qwen3"])
-def test_concurrent_sessions_each_get_the_tokens_they_get_alone(engines, arch: str) -> None:
+async def test_concurrent_sessions_each_get_the_tokens_they_get_alone(engines, arch: str) -> None:
     engine = engines[arch]
     prompts = [random_ids(n, seed=200 + n) for n in (5, 9, 14, 23, 31, 40)]
     windows = [None, None, 16, None, None, 24]  # rolling sessions among absolute ones
@@ -47,47 +48,41 @@ def test_concurrent_sessions_each_get_the_tokens_they_get_alone(engines, arch: s
         finally:
             s.close()
 
-    async def main() -> list[list[int]]:
-        return await asyncio.gather(*(one(p, w) for p, w in zip(prompts, windows, strict=True)))
-
     steps = engine.loop.steps
-    assert asyncio.run(main()) == alone
+    assert await asyncio.gather(*(one(p, w) for p, w in zip(prompts, windows, strict=True))) == alone
     one_by_one = sum(len(chunks_of(p)) + 12 for p in prompts)  # steps if nothing ran together
     assert engine.loop.steps - steps < one_by_one  # sessions shared steps
     assert engine.stats()["kv_pages_used"] == 0
     engine.check_integrity()
 
 
-def test_cancel_ends_a_long_stream_within_one_step_and_close_frees_everything(engines) -> None:
+@pytest.mark.asyncio
+async def test_cancel_ends_a_long_stream_within_one_step_and_close_frees_everything(engines) -> None:
     engine = engines["qwen3"]
-
-    async def main() -> tuple[int, str | None]:
-        s = engine.open_session(window=24)  # rolling positions: this reply would never end by itself
-        other = engine.open_session()
-        await s.append_async(token_ids=random_ids(10, seed=3))
-        await other.append_async(token_ids=random_ids(10, seed=4))
-        stream = s.stream(max_tokens=1_000_000, stop_token_ids=())
-        background = other.stream(max_tokens=200, stop_token_ids=())  # keeps the engine busy meanwhile
-        n = 0
-        async for _ in stream:
-            n += 1
-            if n == 5:
-                before = engine.loop.steps
-                s.cancel()
-        after = engine.loop.steps
-        background.cancel()
-        background.wait()
-        s.close()
-        other.close()
-        return after - before, stream.finish_reason
-
-    steps, reason = asyncio.run(main())
-    assert reason == "cancelled" and steps <= 1
+    s = engine.open_session(window=24)  # rolling positions: this reply would never end by itself
+    other = engine.open_session()
+    await s.append_async(token_ids=random_ids(10, seed=3))
+    await other.append_async(token_ids=random_ids(10, seed=4))
+    stream = s.stream(max_tokens=1_000_000, stop_token_ids=())
+    background = other.stream(max_tokens=200, stop_token_ids=())  # keeps the engine busy meanwhile
+    n = 0
+    async for _ in stream:
+        n += 1
+        if n == 5:
+            before = engine.loop.steps
+            s.cancel()
+    after = engine.loop.steps
+    background.cancel()
+    background.wait()
+    s.close()
+    other.close()
+    assert stream.finish_reason == "cancelled" and after - before <= 1
     assert engine.stats()["kv_pages_used"] == 0
     engine.check_integrity()
 
 
-def test_a_fault_in_one_session_leaves_the_others_unchanged(engines, monkeypatch) -> None:
+@pytest.mark.asyncio
+async def test_a_fault_in_one_session_leaves_the_others_unchanged(engines, monkeypatch) -> None:
     engine = engines["qwen3_moe"]
     prompts = [random_ids(16, seed=300 + i) for i in range(3)]
     alone = [greedy(engine, p, 10) for p in prompts]
@@ -120,10 +115,7 @@ def test_a_fault_in_one_session_leaves_the_others_unchanged(engines, monkeypatch
             s.close()
         return got
 
-    async def main() -> list[list[int] | BaseException]:
-        return await asyncio.gather(*(one(i) for i in range(3)))
-
-    out = asyncio.run(main())
+    out = await asyncio.gather(*(one(i) for i in range(3)))
     assert isinstance(out[1], StepError) and "injected" in str(out[1])
     assert out[0] == alone[0] and out[2] == alone[2]
     monkeypatch.setattr(model, "forward_batch", real)
@@ -131,7 +123,8 @@ def test_a_fault_in_one_session_leaves_the_others_unchanged(engines, monkeypatch
     engine.check_integrity()
 
 
-def test_bad_input_fails_at_the_call(engines) -> None:
+@pytest.mark.asyncio
+async def test_bad_input_fails_at_the_call(engines) -> None:
     engine = engines["qwen3"]
     s = engine.open_session()
     with pytest.raises(InvalidInputError, match="appended"):
@@ -158,11 +151,8 @@ def test_bad_input_fails_at_the_call(engines) -> None:
     with pytest.raises(SessionClosedError):
         s.stream()
 
-    async def closed_append() -> None:
-        await s.append_async(token_ids=[1])
-
     with pytest.raises(SessionClosedError):
-        asyncio.run(closed_append())
+        await s.append_async(token_ids=[1])
 
 
 def test_stop_strings_end_the_reply_before_them(engines) -> None:
@@ -189,10 +179,9 @@ def test_acks_time_each_chunk_and_a_slow_consumer_never_blocks_the_engine(engine
     b.append(token_ids=random_ids(8, seed=6))
     assert len(b.generate(max_tokens=5, stop_token_ids=())) == 5  # served while a's reply piles up
     deadline = time.monotonic() + 60
-    while not unread._response.finished and time.monotonic() < deadline:
+    while unread.unread < 2 and time.monotonic() < deadline:  # the reply's end is delivered
         time.sleep(0.01)
-    time.sleep(0.05)  # the end is delivered right after `finished` is set
-    assert len(unread._response.outbox) == 2  # 40 unread deltas merged into one, then the end
+    assert unread.finished and unread.unread == 2  # 40 unread deltas merged into one, then the end
     assert unread.wait() == "length" and len(unread.token_ids) == 40
     a.close()
     b.close()
@@ -263,7 +252,8 @@ def test_an_engine_nobody_uses_is_collected_with_its_thread(checkpoints) -> None
     with engine.open_session() as s:
         s.append(token_ids=[1, 2, 3])
         s.generate(max_tokens=2)
-    thread = engine.loop._thread
+    thread = engine.loop.thread
+    assert thread is not None and thread.is_alive()
     ref = weakref.ref(engine)
     del engine, s
     deadline = time.monotonic() + 10
@@ -273,23 +263,20 @@ def test_an_engine_nobody_uses_is_collected_with_its_thread(checkpoints) -> None
     assert ref() is None and not thread.is_alive()
 
 
-def test_pipelined_chunks_share_steps_and_change_nothing(engines) -> None:
+@pytest.mark.asyncio
+async def test_pipelined_chunks_share_steps_and_change_nothing(engines) -> None:
     engine = engines["qwen3_moe"]
     prompt = random_ids(45, seed=21)
     expected = greedy(engine, prompt, 10)
     parts = chunks_of(prompt, (4, 9, 1, 6))
-
-    async def main() -> tuple[list, list[int], int]:
-        s = engine.open_session()
-        steps = engine.loop.steps
-        acks = await asyncio.gather(*(s.append_chunk_async(token_ids=p) for p in parts))  # all in flight at once
-        used = engine.loop.steps - steps
-        got = [t async for d in s.stream(max_tokens=10, stop_token_ids=()) for t in d.token_ids]
-        timeline = [(r.seq, r.start, r.end) for r in s.timeline if r.kind == "input"]
-        s.close()
-        return [a.seq for a in acks], got, used, timeline  # type: ignore[return-value]
-
-    seqs, got, used, timeline = asyncio.run(main())
+    s = engine.open_session()
+    steps = engine.loop.steps
+    acks = await asyncio.gather(*(s.append_chunk_async(token_ids=p) for p in parts))  # all in flight at once
+    used = engine.loop.steps - steps
+    got = [t async for d in s.stream(max_tokens=10, stop_token_ids=()) for t in d.token_ids]
+    timeline = [(r.seq, r.start, r.end) for r in s.timeline if r.kind == "input"]
+    s.close()
+    seqs = [a.seq for a in acks]
     assert got == expected and seqs == list(range(len(parts)))
     assert used < len(parts)  # several chunks per step
     ends = list(itertools.accumulate(len(p) for p in parts))
