@@ -154,7 +154,8 @@ class PagedSessionKV:
         P = self.pool.page_size
         first = self.policy.first_needed(to)
         needed = range(first // P, (to + P - 1) // P) if to > first else range(0)
-        if any(j not in self.page_table for j in needed):
+        held = self.page_table if self.parked is None else set(self.parked.logical)  # parked: checked as is
+        if any(j not in held for j in needed):
             raise RewindError(f"cannot rewind to {to}: the window already dropped tokens a query there would "
                               f"see (the oldest kept non-sink position is {self.oldest_kept()})")
 
@@ -168,7 +169,7 @@ class PagedSessionKV:
 
     def oldest_kept(self) -> int:
         P, sink_pages = self.pool.page_size, (self.policy.sinks + self.pool.page_size - 1) // self.pool.page_size
-        rest = [j for j in self.page_table if j >= sink_pages]
+        rest = [j for j in (self.page_table if self.parked is None else self.parked.logical) if j >= sink_pages]
         return min(rest) * P if rest else self.length
 
     def truncate(self, to: int) -> None:

@@ -102,7 +102,7 @@ class BatchForward:
         [hidden]) embeddings that replace those rows'. The caller commits or aborts."""
         widths = [len(i) for i in ids]
         flags = all_rows or [False] * len(ids)
-        override = _flat_vectors(widths, vectors, self.device) if vectors and any(vectors) else None
+        override = flat_vectors(widths, vectors, self.device) if vectors and any(vectors) else None
         t0 = time.perf_counter()
         graphs = self.graphs
         captured = graphs.captured if graphs is not None else 0
@@ -127,10 +127,11 @@ class BatchForward:
         return out
 
 
-def _flat_vectors(widths: list[int], vectors: list[list[tuple[int, torch.Tensor]]], device: torch.device
-                  ) -> tuple[torch.Tensor, torch.Tensor]:
+def flat_vectors(widths: list[int], vectors: list[list[tuple[int, torch.Tensor]]], device: torch.device
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-session (first row, vectors [n, hidden] or [hidden]) lists -> (rows [R] in the flat step, vectors
-    [R, hidden]) for the model."""
+    [R, hidden] on `device`) for the model. A vector may be on the host: a parked session's are, and the step
+    gathered them before its admission brought the session back."""
     rows: list[int] = []
     values: list[torch.Tensor] = []
     start = 0
@@ -138,7 +139,7 @@ def _flat_vectors(widths: list[int], vectors: list[list[tuple[int, torch.Tensor]
         for r, v in vs:
             block = v if v.dim() == 2 else v[None]
             rows.extend(range(start + r, start + r + block.shape[0]))
-            values.append(block)
+            values.append(block.to(device))  # a no-op unless the vector is on the host
         start += w
     return torch.tensor(rows, dtype=torch.long, device=device), torch.cat(values)
 

@@ -230,8 +230,10 @@ class Engine:
                 raise SnapshotError(f"damaged snapshot: {len(snap.token_ids)} tokens for a KV of {snap.kv_length}")
             vectors = self._snapshot_vectors(snap)
             self.admission.admit(s.core, lambda: s.kv.load_host(snap.pages), len(snap.pages.logical))
+            # copies: the caller keeps the Snapshot and may change or reuse its tensors
             s.core.load(snap.token_ids, snap.timeline, snap.kv_length, snap.next_seq,
-                        None if snap.logits is None else snap.logits.to(self.device), snap.logits_at, vectors)
+                        None if snap.logits is None else snap.logits.to(self.device, copy=True), snap.logits_at,
+                        vectors)
         except BaseException:
             s.close()  # a failed restore leaves nothing behind
             raise
@@ -247,7 +249,9 @@ class Engine:
                 or len(set(pos)) != len(pos) or not all(0 <= p < len(snap.token_ids) for p in pos)):
             raise SnapshotError(f"damaged snapshot: vectors for positions {pos[:4]}... do not fit "
                                 f"[{len(pos)}, {hidden}] in a session of {len(snap.token_ids)} tokens")
-        rows = vec.to(device=self.device, dtype=self.dtype)
+        rows = vec.to(device=self.device, dtype=self.dtype, copy=True)  # never the caller's tensor
+        if not bool(torch.isfinite(rows).all()):
+            raise SnapshotError("damaged snapshot: its vectors hold NaN or infinite values")
         return {p: rows[i] for i, p in enumerate(pos)}
 
     def get_session(self, session_id: str) -> Session:

@@ -13,7 +13,8 @@ as Python constants (`attention`, `attention_rolling`, `rolling_rope`, the batch
 tensors), so they are baked into a capture; sinks without a window change nothing and are left out of the key
 (`policy_key`). Clients choose windows freely, so graphs serve at most `MAX_GRAPH_POLICIES` distinct
 policies at a time: a step of any other policy runs eagerly (`run` returns None), and an admitted policy
-gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graph runs without it. A flood
+gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graphable steps without it
+(steps refused for their policy count too, or policies of sessions long gone would hold their places for ever). A flood
 of distinct windows can therefore neither grow the cache past `MAX_GRAPHS` nor force a capture per step.
 
 On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer steps run eagerly, which
@@ -75,7 +76,7 @@ class StaticStepKV:
 
 MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first)
 MAX_GRAPH_POLICIES = 4  # distinct window policies served from graphs at a time; others run eagerly
-POLICY_IDLE_RUNS = 1000  # graph runs without an admitted policy before a new one may take its place
+POLICY_IDLE_RUNS = 1000  # graphable steps without an admitted policy before a new one may take its place
 
 PolicyKey = tuple[str | None, int | None, int]
 
@@ -118,7 +119,7 @@ class DecodeGraphs:
         self.model, self.capture = model, capture
         self._entries: dict[tuple, _Entry] = {}
         self._policies: OrderedDict[PolicyKey, int] = OrderedDict()  # admitted policy -> last run, LRU first
-        self.runs = 0  # steps served from graphs (or their static buffers on a CPU)
+        self.runs = 0  # graphable steps seen (served from graphs, or refused for their policies)
         self.created = 0  # entries built: graphs captured, or on a CPU what would have been captured
 
     @property
@@ -131,17 +132,19 @@ class DecodeGraphs:
 
     def _admit(self, policies: set[PolicyKey]) -> bool:
         """Whether a step of these policies may use graphs: each is admitted already, or takes a free place,
-        or the place of an admitted policy unused for POLICY_IDLE_RUNS runs (whose graphs are dropped)."""
+        or the place of an admitted policy unused for POLICY_IDLE_RUNS graphable steps (whose graphs are
+        dropped). A refused step changes nothing."""
         new = [p for p in policies if p not in self._policies]
-        for p in new:
-            if len(self._policies) >= MAX_GRAPH_POLICIES:
-                oldest, last = next(iter(self._policies.items()))
-                if self.runs - last < POLICY_IDLE_RUNS or oldest in policies:
-                    return False
-                del self._policies[oldest]
-                for key in [k for k in self._entries if oldest in k[3]]:
+        if new:
+            free = MAX_GRAPH_POLICIES - len(self._policies)
+            idle = [p for p, last in self._policies.items()  # least recently used first
+                    if p not in policies and self.runs - last >= POLICY_IDLE_RUNS]
+            if len(new) > free + len(idle):
+                return False
+            for old in idle[:max(0, len(new) - free)]:
+                del self._policies[old]
+                for key in [k for k in self._entries if old in k[3]]:
                     del self._entries[key]
-            self._policies[p] = self.runs
         for p in policies:
             self._policies[p] = self.runs
             self._policies.move_to_end(p)
@@ -155,9 +158,9 @@ class DecodeGraphs:
         widths = tuple(len(i) for i in ids)
         assert graphable(list(widths))
         policies = tuple(policy_key(kv.policy) for kv in kvs)
+        self.runs += 1  # every graphable step counts, served or not: admitted policies nobody uses age out
         if not self._admit(set(policies)):
             return None
-        self.runs += 1
         bucket = bucket_for(max(kv.k_pos.shape[0] for kv in kvs))
         key = (bucket, widths, tuple(all_rows), policies)
         entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order

@@ -173,8 +173,8 @@ class Runner:
         assert rec.kind == "input" and rec.seq == chunk.seq
         try:
             if rec.start < len(s.token_ids):
-                self.admission.unpark(s)
                 s.check_cut(rec.start)
+                self.admission.unpark(s)
             s.cut(rec.start, renumber=False)
         except RewindError:
             error.args = (f"{error} ({chunk.done} of its {len(chunk.token_ids)} tokens had entered the session and "

@@ -275,18 +275,22 @@ class Session:
         stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
                              else check_ids(list(stop_token_ids), self.engine.config.vocab_size))
         check_seed(seed)
-        loop = self.engine.loop
-        with loop.cv:
-            queued = loop.scheduler.queued_chunks(self.id)
-        if not self.core.token_ids and not queued:
-            raise InvalidInputError("a reply needs at least one appended token first")
-        if seed is None:  # one draw of the session's generator seeds the reply (a seeded session repeats too)
-            seed = int(torch.randint(0, MAX_SEED, (1,), generator=self.core.generator,
-                                   device=self.engine.device))
-        r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
-                     Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(),
-                     seeded=self.seeded or seed is not None)
-        self.engine.loop.submit(r)
+        loop, gen = self.engine.loop, self.core.generator
+        with loop.cv:  # the draw and the submission under one hold: a refused reply takes no draw
+            if not self.core.token_ids and not loop.scheduler.queued_chunks(self.id):
+                raise InvalidInputError("a reply needs at least one appended token first")
+            drawn = gen.get_state() if seed is None else None
+            seeded = self.seeded or seed is not None
+            if seed is None:  # one draw of the session's generator seeds the reply (a seeded session repeats too)
+                seed = int(torch.randint(0, MAX_SEED, (1,), generator=gen, device=self.engine.device))
+            r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
+                         Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(), seeded=seeded)
+            try:
+                loop.submit(r)
+            except BaseException:
+                if drawn is not None:
+                    gen.set_state(drawn)
+                raise
         self.last_active = r.arrival
         return ResponseStream(self, r)
 
@@ -334,8 +338,8 @@ class Session:
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(st.token_ids):
             raise RewindError(f"cannot rewind to {to!r}: the session holds positions 0..{len(st.token_ids)}")
         if to < len(st.token_ids):
+            st.check_cut(to)  # before the unpark: a refused rewind leaves a parked session parked
             self.engine.admission.unpark(st)
-            st.check_cut(to)
         with loop.cv:  # every check passed: a reply in progress ends here (in the next step)
             loop.scheduler.cancel(self.id)
         st.cut(to, renumber=True)

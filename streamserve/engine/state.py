@@ -8,8 +8,9 @@ kept after the last forward and the position they belong to, the next chunk seq,
 the revision counter (cuts of the history), the drafting controller and the vectors of embedding chunks.
 
 Embedding chunks: a position whose input was a vector holds `placeholder_id` in `token_ids` (the
-tokenizer's pad id, else its unk id, else 0: never a token a reply samples in practice) and its vector
-[hidden] in `vectors`, a side table by position. The forward embeds the placeholder and then puts the
+tokenizer's pad id, else the model's last id: `engine.placeholder_id`) and its vector [hidden] in
+`vectors`, a side table by position. Which positions are vectors is known from that table alone (a real
+token equal to the placeholder id is just a token). The forward embeds the placeholder and then puts the
 vector in its row. Vectors of positions no rewind can run again (the window dropped what they need) are
 freed (`trim_vectors`), so memory stays bounded on an endless stream of embedding chunks.
 Drafters treat `placeholder_id` as a break in the history (they never propose it or draft through it).
@@ -103,11 +104,14 @@ class SessionState:
             return
         page = kv.pool.page_size
         sink_end = -(-kv.policy.sinks // page) * page  # positions in sink pages: held for ever
-        for p in list(self.vectors):  # in position order
+        free = []
+        for p in self.vectors:  # in position order; stops at the first one kept (no walk over the table)
             if p <= sink_end:
                 continue
             if p >= kv.length or kv.can_rewind(p):
                 break
+            free.append(p)
+        for p in free:
             del self.vectors[p]
 
     def park(self) -> None:
@@ -122,8 +126,9 @@ class SessionState:
 
     # ---- cuts of the history ------------------------------------------------------------------------
     def check_cut(self, to: int) -> None:
-        """RewindError unless the KV can go back to where `to` tokens are kept (the KV must be unparked).
-        The KV keeps all but the last kept token, which runs again to give the logits."""
+        """RewindError unless the KV can go back to where `to` tokens are kept (parked or not: a refused cut
+        must not bring a parked session back). The KV keeps all but the last kept token, which runs again to
+        give the logits."""
         if to < len(self.token_ids):
             self.kv.check_rewind(min(max(0, to - 1), self.kv.length))
 

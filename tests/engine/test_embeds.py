@@ -24,6 +24,7 @@ from streamserve.errors import (
     EmptyAppendError,
     InvalidInputError,
     NonFiniteInputError,
+    RewindError,
     SnapshotError,
 )
 
@@ -325,3 +326,53 @@ def test_a_dropped_session_frees_its_vectors_and_its_ngram_index(engines) -> Non
     engine.check_integrity()  # reclaims what collected sessions held, between steps
     assert state() is None and sid not in ngram.indexes
     assert engine.stats()["kv_pages_used"] == used
+
+
+def test_a_steps_vectors_are_moved_to_its_device() -> None:
+    """A parked session's vectors wait on the host; a step that gathered one before its admission brought the
+    session back still feeds the model vectors on the step's device (on a GPU: no device mismatch)."""
+    from streamserve.engine.batch import flat_vectors
+
+    host = torch.arange(8.0).view(2, 4)
+    rows, values = flat_vectors([1, 3], [[(0, host[0])], [(1, host)]], torch.device("meta"))
+    assert rows.device.type == "meta" and values.device.type == "meta" and tuple(values.shape) == (3, 4)
+
+
+def test_a_refused_rewind_leaves_a_parked_session_parked(engines) -> None:
+    """Bringing a parked session back takes pages (and may park others): a rewind the window refuses must not."""
+    engine = engines["qwen3"]
+    ids = random_ids(200, seed=17, vocab=250)
+    with engine.open_session(window=16, sinks=4) as s:
+        s.append(embeds=vectors(engine, ids[:100]), kind="audio")
+        s.append(token_ids=ids[100:])
+        s.park()
+        used = engine.pool.allocator.used_count
+        with pytest.raises(RewindError):
+            s.rewind(to=30)  # the window dropped what that needs
+        assert s.pages_held == 0 and s.kv.parked is not None and engine.pool.allocator.used_count == used
+        s.rewind(to=195)  # a reachable point: brought back and cut
+        assert s.pages_held > 0 and len(s) == 195
+        assert s.generate(max_tokens=4, stop_token_ids=()) == greedy(engine, ids[:195], 4, window=16, sinks=4)
+    engine.check_integrity()
+
+
+def test_a_restored_session_does_not_share_the_snapshots_tensors(engines) -> None:
+    """The caller keeps its Snapshot: changing its tensors after a restore changes nothing in the session; and
+    a snapshot whose vectors are not finite is refused."""
+    engine = engines["qwen3"]
+    ids = random_ids(12, seed=18, vocab=250)
+    expected = greedy(engine, ids, 5)
+    with engine.open_session() as s:
+        s.append(token_ids=ids[:4])
+        s.append(embeds=vectors(engine, ids[4:]), kind="image")
+        snap = s.snapshot()
+    with engine.restore(snap) as r, engine.restore(snap) as r2:
+        snap.vectors.fill_(7.0)
+        snap.logits.fill_(0.0)
+        assert r.generate(max_tokens=5, stop_token_ids=()) == expected  # samples from the restored logits
+        r2.rewind(to=10)  # runs position 9 (a vector) again
+        assert r2.generate(max_tokens=3, stop_token_ids=()) == greedy(engine, ids[:10], 3)
+    snap.vectors[0, 0] = float("nan")
+    with pytest.raises(SnapshotError, match="finite"):
+        engine.restore(snap)
+    engine.check_integrity()

@@ -138,3 +138,27 @@ def test_embedding_steps_never_take_the_graph_path(checkpoints, engines) -> None
         out = s.generate(max_tokens=5, stop_token_ids=())
     assert out == greedy(engines["qwen3_moe"], ids[:8], 5)
     graphed.shutdown()
+
+
+def test_policies_of_sessions_long_gone_give_their_places_up(checkpoints, engines, monkeypatch) -> None:
+    """Steps refused for their policy age the admitted ones too: once the sessions that filled the places are
+    gone, a new policy gets graphs after POLICY_IDLE_RUNS steps (it was refused for ever when only graph
+    runs counted, and none ran)."""
+    from streamserve.engine import graphs as graphs_module
+
+    monkeypatch.setattr(graphs_module, "POLICY_IDLE_RUNS", 5)
+    path = checkpoints["qwen3_moe"][0]
+    graphed = Engine.from_pretrained(path, device="cpu", cuda_graphs="on", kv_memory="32MiB")
+    prompt = random_ids(12, seed=92)
+    for i in range(MAX_GRAPH_POLICIES):  # fill every place, then leave
+        with graphed.open_session(window=30 + i, sinks=4) as s:
+            s.append(token_ids=prompt)
+            s.generate(max_tokens=2, stop_token_ids=())
+    kw = {"window": 50, "sinks": 4}
+    with graphed.open_session(**kw) as s:
+        s.append(token_ids=prompt)
+        out = s.generate(max_tokens=12, stop_token_ids=())
+    assert out == greedy(engines["qwen3_moe"], prompt, 12, **kw)
+    served = {p for k in graphed.graphs.entry_keys() for p in k[3]}
+    assert policy_key(WindowPolicy(**kw)) in served and len(served) <= MAX_GRAPH_POLICIES
+    graphed.shutdown()

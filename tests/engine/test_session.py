@@ -12,6 +12,7 @@ from streamserve.errors import (
     ContextLengthError,
     EmptyAppendError,
     InvalidInputError,
+    ResponseInProgressError,
     SessionClosedError,
     StepError,
     TokenOutOfRangeError,
@@ -111,6 +112,43 @@ def test_session_seed_makes_a_whole_session_reproducible(engines) -> None:
             return a + s.generate(max_tokens=6, temperature=1.0, stop_token_ids=())
 
     assert run() == run()
+
+
+def test_a_refused_reply_takes_no_draw_of_the_sessions_seed(engines) -> None:
+    """A seeded session repeats even when a reply was refused on the way (the refused one drew no seed)."""
+    engine = engines["qwen3"]
+
+    def run(refuse: bool) -> list[int]:
+        with engine.open_session(seed=11) as s:
+            s.append(token_ids=random_ids(8, seed=16))
+            s.generate(max_tokens=3, temperature=1.0, stop_token_ids=())
+            if refuse:
+                with engine.guard:  # the first reply is still queued: the second is refused
+                    first = s.stream(max_tokens=2, stop_token_ids=())
+                    with pytest.raises(ResponseInProgressError):
+                        s.stream(max_tokens=2)
+                first.wait()
+            else:
+                s.stream(max_tokens=2, stop_token_ids=()).wait()
+            s.rewind(to=8)
+            return s.generate(max_tokens=8, temperature=1.0, stop_token_ids=())
+
+    assert run(refuse=True) == run(refuse=False)
+
+
+def test_only_seeded_replies_draft_by_acceptance_alone(engines) -> None:
+    """`Response.seeded` (fixed draft costs, so a seeded reply repeats) is for seeded sessions or replies;
+    any other reply drafts by measured costs."""
+    engine = engines["qwen3"]
+    for session_seed, reply_seed, seeded in ((None, None, False), (None, 5, True), (3, None, True)):
+        with engine.open_session(seed=session_seed) as s:
+            s.append(token_ids=[1, 2, 3])
+            with engine.guard:  # the reply stays queued while we look at it
+                st = s.stream(max_tokens=2, seed=reply_seed, stop_token_ids=())
+                with engine.loop.cv:
+                    r = engine.loop.scheduler.open_response(s.id)
+            assert r is not None and r.seeded is seeded
+            st.wait()
 
 
 def test_special_tokens_only_on_the_first_text_chunk(tmp_path) -> None:
