@@ -118,8 +118,8 @@ class SchedulerConfig:
                 "bounds the inter-token latency of replies while chunks are being appended, and how long a chunk "
                 "that arrives during a step waits for it (keep two steps within a chunk's deadline budget). "
                 "Appends share what decoding leaves by deficit round-robin: each appending session gets an "
-                "equal share, small chunks finish in one step, the rest goes to on-time chunks by deadline, "
-                "then to late ones (a session flooding long chunks falls behind and takes what is left)"})
+                "equal share, small chunks finish in one step, the rest goes by deadline, and sessions that took "
+                "more than their shares while others waited come last (a flood of long chunks takes what is left)"})
     max_batch: int = field(default=64, metadata={"help": "sessions in one engine step at most"})
     min_append_tokens: int = field(default=32, metadata={
         "help": "tokens of every step kept for queued chunks, however many sessions are answering"})
