@@ -119,7 +119,7 @@ class SchedulerConfig:
                 "that arrives during a step waits for it (keep two steps within a chunk's deadline budget). "
                 "Appends share what decoding leaves by deficit round-robin: each appending session gets an "
                 "equal share, small chunks finish in one step, the rest goes by deadline, and sessions that took "
-                "more than their shares while others waited come last (a flood of long chunks takes what is left)"})
+                "more than their shares come last (a flood of long chunks takes what the others leave)"})
     max_batch: int = field(default=64, metadata={"help": "sessions in one engine step at most"})
     min_append_tokens: int = field(default=32, metadata={
         "help": "tokens of every step kept for queued chunks, however many sessions are answering"})

@@ -24,9 +24,10 @@ during a reply enters the KV after the reply ends. Each step (`schedule`):
       chunks takes only what the others leave once it has had its share.
    c. A session still appending after the step gains one share and is charged what it took. Credit is
       capped at one share (no session is owed more); debt at one step's budget, so a session that took
-      whole steps while others waited repays it over the next steps it contends: over time each gets
-      its share. A big chunk in debt still gets leftovers, and once its debt is repaid its share again.
-      A session whose queued chunks are all in forgets its deficit: idle time banks nothing.
+      whole steps (leftovers count) yields to the others in the next steps it contends with them: over
+      time each gets its share. A big chunk in debt still gets leftovers, and its share again once the
+      debt is repaid. A session whose queued chunks are all in forgets its deficit: idle time banks
+      nothing.
 
 `update` applies the runner's output and returns the events for callers (acks, deltas, done, errors).
 """
@@ -166,7 +167,7 @@ class Scheduler:
         demand = {sid: self._demand(sid) for sid in heads}
 
         def by_need(sid: str) -> tuple[int, int, float, float]:
-            if deficit[sid] < 0:  # it took more than its shares while others waited: they go first
+            if deficit[sid] < 0:  # it took more than its shares (leftovers count): the others go first
                 return (2, -deficit[sid], *self._priority(heads[sid]))
             return (0 if demand[sid] <= share else 1, 0, *self._priority(heads[sid]))
 
