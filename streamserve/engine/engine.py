@@ -362,7 +362,8 @@ class Engine:
             "kv_pages_total": alloc.num_pages,
             "kv_page_size": self.pool.page_size,
             "kv_bytes": alloc.used_count * per_page,
-            "kv_parked_bytes": sum(s.kv.parked.nbytes for s in sessions if s.kv.parked is not None),
+            # read once: the engine thread may bring a session back between a check and a use
+            "kv_parked_bytes": sum(p.nbytes for p in [s.kv.parked for s in sessions] if p is not None),
             **c,
             "prefill_tokens_per_s": c["prefill_tokens"] / c["prefill_seconds"] if c["prefill_seconds"] else 0.0,
             "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,

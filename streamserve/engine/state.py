@@ -84,9 +84,28 @@ class SessionState:
 
     # ---- embedding vectors --------------------------------------------------------------------------
     def add_vectors(self, start: int, rows: torch.Tensor) -> None:
-        """Record the vectors rows [n, hidden] of positions start .. start + n - 1 (their ids are placeholders)."""
+        """Record the vectors rows [n, hidden] of positions start .. start + n - 1 (their ids are placeholders).
+        The table holds views of the chunk's block; those kept for ever get storage of their own."""
         for i in range(rows.shape[0]):
             self.vectors[start + i] = rows[i]
+        self._own_kept(start)
+
+    def _kept_until(self) -> int:
+        """Vectors at positions up to this one are never trimmed (-1: none are kept for ever). With a window:
+        the positions in the sink pages; without one nothing is trimmed, and a chunk's block is kept whole."""
+        if self.kv.policy.window is None:
+            return -1
+        page = self.kv.pool.page_size
+        return -(-self.kv.policy.sinks // page) * page
+
+    def _own_kept(self, start: int = 0) -> None:
+        """Give the vectors kept for ever (from `start` on) storage of their own: a view would pin the whole
+        block it came from (a chunk of any length, or everything parked or restored with it) for ever."""
+        end = self._kept_until()
+        for p in range(start, end + 1):
+            v = self.vectors.get(p)
+            if v is not None and v.untyped_storage().nbytes() > v.numel() * v.element_size():
+                self.vectors[p] = v.clone()
 
     def vector_rows(self, start: int, end: int) -> list[tuple[int, torch.Tensor]]:
         """(position - start, vector [hidden]) of the vector positions in [start, end)."""
@@ -102,8 +121,7 @@ class SessionState:
         kv = self.kv
         if kv.policy.window is None or kv.parked is not None or not self.vectors:
             return
-        page = kv.pool.page_size
-        sink_end = -(-kv.policy.sinks // page) * page  # positions in sink pages: held for ever
+        sink_end = self._kept_until()  # positions in sink pages: held for ever
         free = []
         for p in self.vectors:  # in position order; stops at the first one kept (no walk over the table)
             if p <= sink_end:
@@ -118,11 +136,13 @@ class SessionState:
         """Offload the KV and the vectors to host memory; the KV's pages go back to the pool."""
         self.kv.park()
         self.vectors = _moved(self.vectors, torch.device("cpu"))
+        self._own_kept()
 
     def unpark(self) -> None:
         """Bring a parked KV (CapacityError: nothing taken) and the vectors back to the device."""
         self.kv.unpark()
         self.vectors = _moved(self.vectors, self.device)
+        self._own_kept()
 
     # ---- cuts of the history ------------------------------------------------------------------------
     def check_cut(self, to: int) -> None:
@@ -166,6 +186,7 @@ class SessionState:
         self.next_seq = next_seq
         self.logits, self.logits_at = logits, logits_at
         self.vectors = dict(sorted(vectors.items()))
+        self._own_kept()
 
 
 def _moved(vectors: dict[int, torch.Tensor], device: torch.device) -> dict[int, torch.Tensor]:

@@ -74,3 +74,26 @@ def test_a_request_that_can_never_fit_parks_nobody(small: Engine) -> None:
         c.append(token_ids=random_ids(90, seed=49))
     assert small.stats()["sessions_parked"] == 0
     small.check_integrity()
+
+
+def test_stats_never_trip_over_a_session_brought_back_meanwhile(engines, monkeypatch) -> None:
+    """stats() runs on other threads while the engine unparks sessions: a session parked when stats checks
+    it and back on the pool when stats reads its host pages must not raise (AttributeError on None)."""
+    from streamserve.sessions import PagedSessionKV
+
+    engine = engines["qwen3"]
+    with engine.open_session() as s:
+        s.append(token_ids=[1, 2, 3])
+        s.park()
+        host, reads = s.kv.parked, iter(range(1_000_000))
+
+        def parked(kv: PagedSessionKV):  # the engine thread unparks it right after stats' second look
+            if kv is not s.kv:
+                return kv.__dict__.get("parked")
+            return None if next(reads) == 2 else host
+
+        monkeypatch.setattr(PagedSessionKV, "parked", property(parked, lambda kv, v: kv.__dict__.update(parked=v)),
+                            raising=False)
+        stats = engine.stats()
+        monkeypatch.undo()
+        assert stats["sessions_parked"] == 1

@@ -376,3 +376,30 @@ def test_a_restored_session_does_not_share_the_snapshots_tensors(engines) -> Non
     with pytest.raises(SnapshotError, match="finite"):
         engine.restore(snap)
     engine.check_integrity()
+
+
+def held_rows(session) -> int:
+    """Rows of vector storage the session's table keeps alive (a view pins its whole block)."""
+    storages = {v.untyped_storage().data_ptr(): v.untyped_storage().nbytes() for v in session.core.vectors.values()}
+    row = session.core.vectors[next(iter(session.core.vectors))].numel() * 4
+    return sum(storages.values()) // row
+
+
+def test_vectors_kept_for_ever_do_not_pin_their_chunk(engines) -> None:
+    """The sink positions' vectors stay for ever; as views they kept the whole chunk (or the whole parked or
+    restored block) they came from alive for ever, so host memory grew with the first chunk's length."""
+    engine = engines["qwen3"]
+    assert engine.dtype == torch.float32
+    kw = dict(window=16, sinks=4)
+    bound = 2 * (16 + 4 + engine.pool.page_size + 1)
+    with engine.open_session(**kw) as s:
+        s.append(embeds=vectors(engine, random_ids(300, seed=19, vocab=250)), kind="audio")
+        s.append(token_ids=random_ids(40, seed=20, vocab=250))
+        assert held_rows(s) <= bound
+        s.append(embeds=vectors(engine, random_ids(100, seed=21, vocab=250)), kind="audio")
+        s.park()  # parking moves every vector into one block
+        s.append(token_ids=random_ids(40, seed=22, vocab=250))
+        assert held_rows(s) <= bound
+        with engine.restore(s.snapshot()) as r:  # a restore loads them as one block too
+            r.append(token_ids=random_ids(40, seed=23, vocab=250))
+            assert held_rows(r) <= bound
