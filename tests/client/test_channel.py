@@ -11,7 +11,7 @@ from typing import Any
 
 import msgpack
 import pytest
-from conftest import FakeServer
+from fake_server import FakeServer
 
 import streamserve_client as sc
 from streamserve_client import channel, handshake
@@ -245,10 +245,7 @@ async def test_a_server_that_stays_silent_is_refused_in_bounded_time(fake_server
 
 
 @pytest.mark.asyncio
-async def test_a_server_that_does_not_speak_first_with_hello_is_refused(fake_server: FakeServer,
-                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    import conftest
-
-    monkeypatch.setattr(conftest, "HELLO", {"type": "hello", "protocol": "one"})
+async def test_a_server_that_does_not_speak_first_with_hello_is_refused(fake_server: FakeServer) -> None:
+    fake_server.hello = {"type": "hello", "protocol": "one"}
     with pytest.raises(sc.ProtocolViolationError):
         await asyncio.wait_for(sc.connect(fake_server.url).connect(), BOUND_S)
