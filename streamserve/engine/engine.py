@@ -336,10 +336,17 @@ class Engine:
 
     # ---- accounting -----------------------------------------------------------------------------------
     def check_integrity(self) -> None:
-        """Every page is free or held by exactly the sessions that list it (AssertionError otherwise)."""
-        self.free_orphans()
+        """AssertionError unless every page is free or held by exactly the sessions that list it, the drafters
+        hold state for open sessions only, and each session's vectors sit at placeholder positions it holds."""
         with self.guard:
-            self.pool.allocator.check([s.kv.held_pages for s in self.sessions()])
+            sessions = [s for s in self.sessions() if not s.closed]  # held: none of them is collected meanwhile
+            self.free_orphans()  # every session not listed was collected: what it held is reclaimed now
+            self.pool.allocator.check([s.kv.held_pages for s in sessions])
+            self.drafters.check_integrity({s.id for s in sessions})
+            for s in sessions:
+                st = s.core
+                assert all(p < len(st.token_ids) and st.token_ids[p] == st.placeholder_id for p in st.vectors), (
+                    f"session {s.id} holds vectors at positions that are not its placeholders")
 
     def stats(self) -> dict[str, Any]:
         self.free_orphans(wait=False)  # stats never wait for a step

@@ -321,7 +321,8 @@ class Session:
         self._check_open()
         if (to is None) == (to_seq is None):
             raise RewindError("rewind takes exactly one of to= or to_seq=")
-        with self.engine.guard:  # never in the middle of another thread's step
+        # never in the middle of another thread's step, nor of a submission (which reads the seq it renumbers)
+        with self.engine.guard, self._submit_lock:
             return self._rewind(to, to_seq)
 
     def _rewind(self, to: int | None, to_seq: int | None) -> int:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 from helpers import greedy, random_ids
 
 from streamserve import Engine
@@ -97,3 +98,25 @@ def test_stats_never_trip_over_a_session_brought_back_meanwhile(engines, monkeyp
         stats = engine.stats()
         monkeypatch.undo()
         assert stats["sessions_parked"] == 1
+
+
+def test_the_leak_checker_sees_drafter_state_and_vectors_of_no_open_session(engines) -> None:
+    """check_integrity counts more than pages: drafter state kept for a session that is gone, and vectors at
+    positions that are not the session's placeholders, are leaks too."""
+    from streamserve.engine.drafters.ngram import NgramIndex
+
+    engine = engines["qwen3"]
+    ngram = engine.drafters.make("ngram")[0]
+    with engine.open_session(drafter="ngram") as s:
+        s.append(token_ids=random_ids(20, seed=24, vocab=250))
+        s.generate(max_tokens=6, stop_token_ids=())
+        engine.check_integrity()
+        ngram.indexes["a-session-long-closed"] = NgramIndex()
+        with pytest.raises(AssertionError, match="drafter"):
+            engine.check_integrity()
+        del ngram.indexes["a-session-long-closed"]
+        s.core.vectors[3] = torch.zeros(engine.config.hidden_size)
+        with pytest.raises(AssertionError, match="vectors"):
+            engine.check_integrity()
+        del s.core.vectors[3]
+    engine.check_integrity()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import time
 
 import pytest
 import torch
@@ -309,3 +310,31 @@ def test_a_dropped_session_is_collected_with_its_memory(engines) -> None:
     assert engine.stats()["sessions_open"] == before and kv() is None
     assert engine.stats()["kv_pages_used"] == used
     engine.check_integrity()
+
+
+def test_an_append_racing_a_rewind_never_gets_a_seq_behind_a_later_one(engines, monkeypatch) -> None:
+    """A rewind renumbers the next chunk seq; an append submitted meanwhile (after the rewind's check for queued
+    chunks) kept its old seq, and the next append got a smaller one: seqs on the timeline went backwards."""
+    import threading
+
+    engine = engines["qwen3"]
+    with engine.open_session() as s:
+        for i in range(3):
+            s.append(token_ids=[1 + i, 2 + i])
+        acks, real = [], engine.admission.unpark
+
+        def racing_unpark(state, busy=()):  # another thread appends in the middle of the rewind
+            t = threading.Thread(target=lambda: acks.append(s.append_chunk(token_ids=[9])))
+            t.start()
+            t.join(1.0)
+            return real(state, busy)
+
+        monkeypatch.setattr(engine.admission, "unpark", racing_unpark)
+        s.rewind(to_seq=0)
+        monkeypatch.undo()
+        deadline = time.monotonic() + 30
+        while not acks and time.monotonic() < deadline:
+            time.sleep(0.01)
+        later = s.append_chunk(token_ids=[7])
+        seqs = [r.seq for r in s.timeline if r.kind == "input"]
+        assert acks and acks[0].seq < later.seq and seqs == sorted(seqs) and len(set(seqs)) == len(seqs)

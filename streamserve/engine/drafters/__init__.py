@@ -98,6 +98,12 @@ class DrafterCatalog:
         for d in list(self._objects.values()):
             d.release(session_id)
 
+    def check_integrity(self, open_ids: set[str]) -> None:
+        """AssertionError unless every drafter holds state for open sessions only (and its pages add up)."""
+        for d in list(self._objects.values()):
+            stale = d.held() - open_ids
+            assert not stale, f"drafter {d.name} still holds state for closed sessions {sorted(stale)[:4]}"
+
     def draft_model(self, path: str) -> Drafter:
         from streamserve.engine.drafters.model import DraftModelDrafter  # loads only when a draft model is named
 

@@ -1,6 +1,6 @@
 """What every drafter is: `propose(state, k, reply)` -> up to k tokens that may follow the session (and their
 draft probabilities when the drafter has them), `release(session_id)` when the session closes. A drafter keeps
-its per-session state itself, keyed by session id, and frees it in `release`."""
+its per-session state itself, keyed by session id, frees it in `release`, and says whose it holds (`held`)."""
 
 from __future__ import annotations
 
@@ -43,4 +43,8 @@ class Drafter(Protocol):
 
     def release(self, session_id: str) -> None:
         """Free what the drafter holds for this session (closed, collected, or its drafter failed)."""
+        ...
+
+    def held(self) -> set[str]:
+        """The ids of the sessions it holds state for (a leak checker compares them with the open ones)."""
         ...

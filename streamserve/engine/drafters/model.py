@@ -99,6 +99,11 @@ class DraftModelDrafter:
         if st is not None:
             st.kv.release()
 
+    def held(self) -> set[str]:
+        """(Also checks that every page of its own pool is free or held by exactly one session's draft KV.)"""
+        self.pool.allocator.check([st.kv.held_pages for st in self.states.values()])
+        return set(self.states) | set(self.failed_at)
+
     # ---- internals ------------------------------------------------------------------------------------
     def _state(self, session: DraftContext) -> DraftState:
         st = self.states.get(session.id)

@@ -85,3 +85,6 @@ class NgramDrafter:
 
     def release(self, session_id: str) -> None:
         self.indexes.pop(session_id, None)
+
+    def held(self) -> set[str]:
+        return set(self.indexes)
