@@ -323,6 +323,7 @@ class Session:
             raise RewindError("rewind takes exactly one of to= or to_seq=")
         # never in the middle of another thread's step, nor of a submission (which reads the seq it renumbers)
         with self.engine.guard, self._submit_lock:
+            self._check_open()
             return self._rewind(to, to_seq)
 
     def _rewind(self, to: int | None, to_seq: int | None) -> int:
@@ -348,17 +349,17 @@ class Session:
 
     def park(self) -> None:
         """Offload the KV to host memory and give its pages back; the next use brings it back."""
-        self._check_open()
-        with self.engine.guard:
+        with self.engine.guard:  # checked under the guard: a close on another thread runs under it too
+            self._check_open()
             self.core.park()
 
     def snapshot(self, path: str | Path | None = None) -> Snapshot | Path:
         """Everything the session is, copied to host memory (-> Snapshot), or written to `path` (-> Path),
         the vectors of its embedding chunks included. The session itself goes on unchanged;
         `engine.restore(...)` makes a new session from it."""
-        self._check_open()
         st, e = self.core, self.engine
         with e.guard:
+            self._check_open()  # under the guard: a session closed meanwhile has no pages to copy
             pages = self.kv.parked if self.kv.parked is not None else self.kv.to_host()
             positions = list(st.vectors)
             vectors = torch.stack([st.vectors[p] for p in positions]).cpu().clone() if positions else None

@@ -338,3 +338,31 @@ def test_an_append_racing_a_rewind_never_gets_a_seq_behind_a_later_one(engines, 
         later = s.append_chunk(token_ids=[7])
         seqs = [r.seq for r in s.timeline if r.kind == "input"]
         assert acks and acks[0].seq < later.seq and seqs == sorted(seqs) and len(set(seqs)) == len(seqs)
+
+
+def test_snapshot_and_park_racing_a_close_fail_cleanly(engines) -> None:
+    """A close on another thread between the open check and the guard: the snapshot copied a released KV (a
+    snapshot whose restore fails at its first step) and park parked a closed session."""
+    import threading
+
+    engine = engines["qwen3"]
+    for op in ("snapshot", "park"):
+        s = engine.open_session()
+        s.append(token_ids=random_ids(20, seed=25))
+        out: list[object] = []
+
+        def call(s=s, op=op) -> None:
+            try:
+                out.append(getattr(s, op)())
+            except SessionClosedError as e:
+                out.append(e)
+
+        with engine.guard:  # the call passes its open check (if outside the guard) and waits here
+            t = threading.Thread(target=call)
+            t.start()
+            t.join(0.3)
+            s.close()  # the guard is re-entrant: closed under it
+        t.join(30)
+        assert len(out) == 1 and isinstance(out[0], SessionClosedError), out
+        assert s.kv.parked is None and not s.kv.page_table
+    engine.check_integrity()
