@@ -351,7 +351,7 @@ def test_snapshot_and_park_racing_a_close_fail_cleanly(engines) -> None:
         s.append(token_ids=random_ids(20, seed=25))
         out: list[object] = []
 
-        def call(s=s, op=op) -> None:
+        def call(s=s, op=op, out=out) -> None:
             try:
                 out.append(getattr(s, op)())
             except SessionClosedError as e:
