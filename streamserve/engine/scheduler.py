@@ -121,6 +121,11 @@ class Scheduler:
     def busy_sessions(self) -> set[str]:
         return {sid for sid, q in self._queues.items() if q}
 
+    def tracked_sessions(self) -> set[str]:
+        """Every session the scheduler keeps any state for (a queue, even empty; its service order; a deficit).
+        Idle sessions are forgotten at the next `schedule`, so this stays bounded by the busy ones."""
+        return set(self._queues) | set(self._last_served) | set(self._deficit)
+
     def depths(self) -> dict[str, int]:
         chunks = [w for q in self._queues.values() for w in q if isinstance(w, Chunk)]
         return {"queued_chunks": len(chunks), "queued_tokens": sum(c.remaining for c in chunks),

@@ -237,7 +237,7 @@ def test_nothing_is_left_behind_after_sessions_end_one_way_or_another(checkpoint
             s.close()
     engine.loop.step()  # one more step lets the scheduler forget idle queues
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["sessions_open"] == 0
-    assert not engine.loop.scheduler._queues and not engine.loop.scheduler._last_served
+    assert not engine.loop.scheduler.tracked_sessions()
     engine.check_integrity()
     engine.shutdown()
 
