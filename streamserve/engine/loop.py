@@ -143,6 +143,7 @@ class EngineLoop:
             if owner is not None:
                 self._guarded(owner.expire_idle)
         self._guarded(self.step)
+        self.guard.pause_for_waiters()  # a close or rewind waiting for the guard goes before the next step
         return True
 
     def _guarded(self, fn: object) -> None:
