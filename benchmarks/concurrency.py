@@ -177,7 +177,7 @@ def main() -> None:
                     help="step budgets (SchedulerConfig.step_tokens) to run the flood case with, one engine each")
     ap.add_argument("--quick", action="store_true", help="N = 1 and 4 for 2.2 s, flood case at 16 (CI smoke run)")
     args = ap.parse_args()
-    levels = [1, 4] if args.quick else [int(x) for x in args.sessions.split(",")]
+    levels = [1, 4] if args.quick else [int(x) for x in args.sessions.split(",") if x]
     rounds = 0 if args.quick else args.search
     seconds = 2.2 if args.quick else args.seconds
     engine = Engine.from_pretrained("default", kv_memory="1GiB")

@@ -156,8 +156,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     server_cfg: ServerConfig = config_from_args(ServerConfig, args)
     engine_cfg: EngineConfig = config_from_args(EngineConfig, args)
     scheduler_cfg: SchedulerConfig = config_from_args(SchedulerConfig, args)
-    server = Server(server_cfg, engine_loader(engine_cfg, scheduler_cfg), config_from_args(SessionConfig, args),
-                    step_tokens=max(scheduler_cfg.step_tokens, scheduler_cfg.min_append_tokens))  # a step's most
+    server = Server(server_cfg, engine_loader(engine_cfg, scheduler_cfg), config_from_args(SessionConfig, args))
     run(server, announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
 

@@ -4,7 +4,7 @@ the CLI's flags are generated from these fields (name, type, default, help, choi
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 
 @dataclass(frozen=True)
@@ -109,17 +109,24 @@ class ServerConfig:
             raise InvalidInputError(f"port must be an integer from 0 to 65535, got {self.port!r}")
 
 
+CPU_STEP_TOKENS = 64  # SchedulerConfig.step_tokens by default on a CPU
+ACCELERATOR_STEP_TOKENS = 256  # and on a GPU
+
+
 @dataclass(frozen=True)
 class SchedulerConfig:
     """How the engine loop shares steps between sessions (streamserve.engine.scheduler)."""
 
-    step_tokens: int = field(default=256, metadata={
-        "help": "input tokens one engine step runs at most (answering sessions' next tokens + parts of chunks): "
+    step_tokens: int | None = field(default=None, metadata={
+        "help": "input tokens one engine step runs at most (default: 64 on a CPU, 256 on a GPU; answering "
+                "sessions' next tokens + parts of chunks): "
                 "bounds the inter-token latency of replies while chunks are being appended, and how long a chunk "
                 "that arrives during a step waits for it (keep two steps within a chunk's deadline budget). "
                 "Appends share what decoding leaves by deficit round-robin: each appending session gets an "
                 "equal share, small chunks finish in one step, the rest goes by deadline, and sessions that took "
-                "more than their shares come last (a flood of long chunks takes what the others leave)"})
+                "more than their shares come last (a flood of long chunks takes what the others leave). On a CPU "
+                "a 256-token step of even the default model takes longer than half a 200 ms chunk budget, so "
+                "its default is smaller"})
     max_batch: int = field(default=64, metadata={"help": "sessions in one engine step at most"})
     min_append_tokens: int = field(default=32, metadata={
         "help": "tokens of every step kept for queued chunks, however many sessions are answering"})
@@ -133,12 +140,22 @@ class SchedulerConfig:
 
         for name in ("step_tokens", "max_batch", "min_append_tokens", "max_queued"):
             v = getattr(self, name)
+            if v is None and name == "step_tokens":  # chosen by the device (`for_device`)
+                continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
         if self.max_batch < 2:
             raise InvalidInputError("max_batch must be >= 2 (one slot is kept for appends)")
         if isinstance(self.max_wait, bool) or not isinstance(self.max_wait, (int, float)) or not self.max_wait > 0:
             raise InvalidInputError(f"max_wait must be a number of seconds > 0, got {self.max_wait!r}")
+
+    def for_device(self, device_type: str | None) -> SchedulerConfig:
+        """This config with the step budget filled in for a device ("cpu", "cuda"; None: an accelerator).
+        A step in flight is never interrupted, so two steps must fit in a chunk's deadline budget: 256 tokens
+        of the default model take 100-130 ms on a 2-core CPU and a few ms on a GPU (docs/benchmarks.md)."""
+        if self.step_tokens is not None:
+            return self
+        return replace(self, step_tokens=CPU_STEP_TOKENS if device_type == "cpu" else ACCELERATOR_STEP_TOKENS)
 
 
 @dataclass(frozen=True)

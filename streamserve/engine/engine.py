@@ -94,7 +94,8 @@ class Engine:
         self.table = SessionTable()  # weak: a session dropped without close() is collected, its pages reclaimed
         self.metrics = EngineMetrics(self.pool.allocator, lambda: len(self.table.handles()),
                                      lambda: sum(1 for s in self.table.states() if s.kv.parked is not None))
-        self.scheduler = Scheduler(scheduler)
+        # the step budget depends on the device when the config leaves it open (SchedulerConfig.for_device)
+        self.scheduler = Scheduler((scheduler or SchedulerConfig()).for_device(self.device.type))
         self.admission = Admission(self.pool, self.table, self.guard, self.counters, self._queued_sessions,
                                    self.free_orphans)
         self.drafters = DrafterCatalog(path, cfg, tokenizer, model.ops, self.pool, self.metrics.observe_draft)

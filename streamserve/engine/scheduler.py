@@ -60,7 +60,10 @@ from streamserve.errors import CapacityError, SessionClosedError, StepError
 
 class Scheduler:
     def __init__(self, limits: SchedulerConfig | None = None, clock: Callable[[], float] = time.monotonic) -> None:
-        self.limits = limits or SchedulerConfig()  # step budget and queue bounds
+        # step budget and queue bounds; an open step budget is an accelerator's here (the engine fills in its
+        # device's: SchedulerConfig.for_device)
+        self.limits = (limits or SchedulerConfig()).for_device(None)
+        assert self.limits.step_tokens is not None
         self.clock = clock
         self._queues: dict[str, deque[Chunk | Response]] = {}
         self._last_served: dict[str, int] = {}

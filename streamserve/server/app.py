@@ -34,7 +34,6 @@ from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from streamserve.config import (
-    SCHEDULER_DEFAULTS,
     SESSION_DEFAULTS,
     EngineConfig,
     SchedulerConfig,
@@ -83,7 +82,7 @@ class ServerMetrics:
 
 class Server:
     def __init__(self, config: ServerConfig, load: Callable[[], Engine],
-                 sessions: SessionConfig = SESSION_DEFAULTS, step_tokens: int = SCHEDULER_DEFAULTS.step_tokens) -> None:
+                 sessions: SessionConfig = SESSION_DEFAULTS, step_tokens: int | None = None) -> None:
         self.config = replace(config, api_key=resolve_api_key(config), api_key_file=None)
         self.auth = Authenticator(self.config.api_key)
         self.origins = parse_origins(config.allowed_origins)
@@ -121,7 +120,11 @@ class Server:
                 log.exception("streamserve: the model failed to load")
             self.ready.set()
             return
-        self.service = SessionService(engine, self.config, self.session_defaults, self.step_tokens)
+        # the most tokens of one session one step runs (page reservations): the engine's step budget, which may
+        # depend on its device, unless the caller fixes it
+        limits = engine.scheduler.limits
+        step = self.step_tokens or max(limits.step_tokens or 0, limits.min_append_tokens)
+        self.service = SessionService(engine, self.config, self.session_defaults, step)
         reg = engine.metrics.registry
         self.server_metrics = ServerMetrics(
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),

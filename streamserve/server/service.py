@@ -21,7 +21,7 @@ import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
-from streamserve.config import SAMPLING_DEFAULTS, SCHEDULER_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
+from streamserve.config import ACCELERATOR_STEP_TOKENS, SAMPLING_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
 from streamserve.engine import Engine, Session
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError
@@ -83,7 +83,7 @@ class ClientContext:
 
 class SessionService:
     def __init__(self, engine: Engine, config: ServerConfig, session_defaults: SessionConfig = SESSION_DEFAULTS,
-                 step_tokens: int = SCHEDULER_DEFAULTS.step_tokens) -> None:
+                 step_tokens: int = ACCELERATOR_STEP_TOKENS) -> None:
         self.engine, self.config, self.defaults = engine, config, session_defaults
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,

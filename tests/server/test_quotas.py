@@ -17,7 +17,7 @@ import websockets
 from serving import RunningServer, default_engine, engine_paused
 
 import streamserve_client as sc
-from streamserve.config import SCHEDULER_DEFAULTS, ServerConfig
+from streamserve.config import ServerConfig
 from streamserve.engine import Session
 from streamserve.errors import SessionClosedError
 from streamserve.server.auth import Grant
@@ -26,7 +26,9 @@ from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, 
 from streamserve.server.service import SessionService
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
-PAGES, QUEUED, FLOOR_MS = 50, 100, 2000.0
+# the page quota fits two windowed sessions of 32 + 4 tokens, not three (a reservation: the window, the sinks and
+# one step of the engine's budget, 64 tokens on a CPU: 8 pages of 16)
+PAGES, QUEUED, FLOOR_MS = 20, 100, 2000.0
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
@@ -53,7 +55,7 @@ async def recv(ws: websockets.ClientConnection, **match: object) -> dict:
 
 def windowed_pages(srv: RunningServer, window: int, sinks: int) -> int:
     size = srv.engine.pool.page_size
-    return math.ceil(sinks / size) + math.ceil((window + SCHEDULER_DEFAULTS.step_tokens) / size) + 1
+    return math.ceil(sinks / size) + math.ceil((window + srv.server.service.step_tokens) / size) + 1
 
 
 async def test_window_and_sinks_are_capped_by_the_server_and_the_context(limited: RunningServer,
