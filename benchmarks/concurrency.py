@@ -1,7 +1,7 @@
 """Many real-time sessions on one engine: the default model, through the async API.
 
     python benchmarks/concurrency.py [--sessions 1,8,32,128] [--seconds 8] [--search 3]
-                                     [--flood-step-tokens 256,32,16] [--quick]
+                                     [--flood-step-tokens 256,64,32] [--quick]
 
 Each of N sessions appends a 200 ms text chunk in real time (5 per second: the next few words of the KJV,
 with its capture time and the default deadline of capture + 200 ms) and every 2 s asks for a 16-token
@@ -173,7 +173,7 @@ def main() -> None:
     ap.add_argument("--sessions", default="1,8,32,128", help="comma-separated session counts")
     ap.add_argument("--seconds", type=float, default=8.0, help="real-time seconds per level")
     ap.add_argument("--search", type=int, default=3, help="bisection rounds for the largest N held")
-    ap.add_argument("--flood-step-tokens", default="256,32,16",
+    ap.add_argument("--flood-step-tokens", default="256,64,32",
                     help="step budgets (SchedulerConfig.step_tokens) to run the flood case with, one engine each")
     ap.add_argument("--quick", action="store_true", help="N = 1 and 4 for 2.2 s, flood case at 16 (CI smoke run)")
     args = ap.parse_args()
