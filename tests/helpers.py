@@ -41,8 +41,20 @@ def greedy(engine: Any, ids: list[int], max_tokens: int = 8, **session_kw: Any) 
         return s.generate(max_tokens=max_tokens, stop_token_ids=())
 
 
+def vectors(engine: Any, ids: list[int]) -> torch.Tensor:
+    """[T, hidden]: the model's own embeddings of ids (what an append of ids feeds the first layer), to append
+    as an embedding chunk that must give exactly what the ids give."""
+    with torch.no_grad():
+        return engine.model.embed_tokens(torch.tensor(ids)).clone()
+
+
+def assert_same(a: torch.Tensor, b: torch.Tensor) -> None:
+    assert (a - b).abs().max().item() <= 1e-6
+
+
 def random_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
     return torch.randint(0, vocab, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-__all__ = ["ARCH_CONFIGS", "VOCAB", "greedy", "make_checkpoint", "random_ids", "write_byte_tokenizer"]
+__all__ = ["ARCH_CONFIGS", "VOCAB", "assert_same", "greedy", "make_checkpoint", "random_ids", "vectors",
+           "write_byte_tokenizer"]
