@@ -5,13 +5,13 @@ Both phases run here, on one engine: the 8 talking sessions alone, then the same
 talking chunk carries its capture time (when it was due) and the default deadline of capture + 200 ms, as the
 server sets them; whether it missed is the engine's own accounting (`Ack.deadline_missed`). Nothing else is timed.
 
-The step budget is 16 tokens here (`step_tokens` and the `min_append_tokens` floor under it), not the default
-256: a step in flight is never interrupted, so a chunk that arrives during one waits for it and then runs in the
-next. On a loaded 2-core CPU a 256-token step of the default model takes 100-300 ms, so no sharing policy could
-keep a 200 ms deadline behind it; a 16-token step takes 10-40 ms (32-token steps missed a few deadlines with the
-flood while other work loaded the machine: `benchmarks/concurrency.py`). What the test checks is who gets those
-tokens: the old earliest-deadline-first order gave all of them to the flood, whose chunks are late and so always
-the most urgent, until its chunks were done.
+The engine runs with its defaults: on a CPU a 64-token step budget (`SchedulerConfig.for_device`). A step in
+flight is never interrupted, so a chunk that arrives during one waits for it and then runs in the next; at 256
+tokens a step of the default model takes 100-130 ms on a 2-core CPU, more than half a 200 ms budget, which is
+why the CPU default is smaller (`benchmarks/concurrency.py`, docs/benchmarks.md). What the test checks is who
+gets each step's tokens: the old earliest-deadline-first order gave all of them to the flood, whose chunks are
+late and so always the most urgent, until its chunks were done (with it this test fails: 12 of 12 chunks missed
+in every session, both tries).
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ from collections.abc import Iterator
 import pytest
 
 from streamserve import Engine
-from streamserve.config import SchedulerConfig
 from streamserve.engine.session import Session
 from streamserve.errors import SessionClosedError
 
@@ -39,8 +38,7 @@ FLOOD_QUEUED = 3  # the flood keeps this many chunks submitted (3,000 tokens: mo
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[Engine]:
-    eng = Engine.from_pretrained("default", device="cpu", kv_memory="128MiB",
-                                 scheduler=SchedulerConfig(step_tokens=16, min_append_tokens=16))
+    eng = Engine.from_pretrained("default", device="cpu", kv_memory="128MiB")  # the defaults: 64-token CPU steps
     warm = eng.open_session()
     warm.append(token_ids=list(range(10, 74)))  # first-call allocations before anything counts
     warm.close()
