@@ -7,6 +7,7 @@ import torch
 from helpers import greedy, random_ids
 
 from streamserve import Engine
+from streamserve.config import SchedulerConfig
 from streamserve.errors import CapacityError, PageCapError
 
 
@@ -19,7 +20,9 @@ def small(checkpoints) -> Engine:
     engine = Engine.from_pretrained(path, device="cpu", kv_memory=1 << 30, page_size=8)
     cfg = engine.config
     per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 8, engine.dtype)
-    return Engine.from_pretrained(path, device="cpu", kv_memory=10 * per_page, page_size=8)
+    # 256-token steps (the accelerator default): a chunk of up to 256 tokens asks for all its pages in one step
+    return Engine.from_pretrained(path, device="cpu", kv_memory=10 * per_page, page_size=8,
+                                  scheduler=SchedulerConfig(step_tokens=256))
 
 
 def test_pressure_parks_the_least_recently_active_idle_session(small: Engine, engines) -> None:
