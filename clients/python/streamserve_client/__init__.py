@@ -10,6 +10,7 @@
 from streamserve_client.channel import Channel
 from streamserve_client.client import Client, connect
 from streamserve_client.errors import (
+    CallTimeoutError,
     CapacityError,
     ConnectionLostError,
     InvalidInputError,
@@ -27,7 +28,8 @@ from streamserve_client.sync import SyncClient, SyncSession
 
 __version__ = "0.1.0"
 
-__all__ = ["Ack", "CapacityError", "Channel", "Client", "ConnectionLostError", "Delta", "InvalidInputError",
+__all__ = ["Ack", "CallTimeoutError", "CapacityError", "Channel", "Client", "ConnectionLostError", "Delta",
+           "InvalidInputError",
            "ProtocolViolationError", "Response", "ServerBusyError", "Session", "StepFailedError",
            "StreamserveClientError", "SyncClient", "SyncSession", "UnauthorizedError", "UnknownSessionError",
            "UnsupportedModalityError", "connect"]

@@ -148,14 +148,21 @@ class Channel:
         return error
 
     async def _supervise(self) -> None:
-        while True:
-            assert self._reader is not None
-            error = await self._reader
-            if self._closing or not self.reconnect or self._ws_close_code() in PERMANENT_CLOSE_CODES:
-                self._fail_all(error)
-                return
-            if not await self._reconnect():
-                return
+        try:
+            while True:
+                assert self._reader is not None
+                error = await self._reader
+                if self._closing or not self.reconnect or self._ws_close_code() in PERMANENT_CLOSE_CODES:
+                    self._fail_all(error)
+                    return
+                if not await self._reconnect():
+                    return
+        except BaseException as e:  # a bug or a cancel while reconnecting: no call may wait for ever
+            if self._dead is None:
+                self._fail_all(ConnectionLostError(f"the client stopped reconnecting: {type(e).__name__}: {e}"
+                                                   if not isinstance(e, asyncio.CancelledError)
+                                                   else "the client is closed"))
+            raise
 
     def _ws_close_code(self) -> int | None:
         return None if self._ws is None else self._ws.close_code

@@ -59,6 +59,12 @@ class ServerBusyError(StreamserveClientError):
     code = "busy"
 
 
+class CallTimeoutError(StreamserveClientError, TimeoutError):
+    """A blocking call (SyncClient) took longer than its timeout; it was cancelled."""
+
+    code = "timeout"
+
+
 class ConnectionLostError(StreamserveClientError):
     """The connection dropped and could not be resumed (or a reply was running when it dropped)."""
 

@@ -10,11 +10,13 @@
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import threading
 from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 from streamserve_client.client import Client
+from streamserve_client.errors import CallTimeoutError
 from streamserve_client.protocol import Ack, Delta
 from streamserve_client.session import Session
 
@@ -36,7 +38,15 @@ class SyncClient:
 
     def run(self, coro: Coroutine[Any, Any, T]) -> T:
         """Run a coroutine of the asyncio client on its loop thread and wait (at most `timeout`) for it."""
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result(self.timeout)
+        fut = asyncio.run_coroutine_threadsafe(coro, self._loop)
+        try:
+            return fut.result(self.timeout)
+        except concurrent.futures.TimeoutError:
+            fut.cancel()  # the call stops on the loop too: nothing keeps waiting (or holds its seq) behind us
+            raise CallTimeoutError(f"the call took longer than {self.timeout} s; it was cancelled") from None
+        except BaseException:
+            fut.cancel()  # KeyboardInterrupt in the caller's thread
+            raise
 
     def __enter__(self) -> SyncClient:
         return self
