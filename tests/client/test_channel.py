@@ -21,6 +21,15 @@ from streamserve_client.session import MAX_BUFFERED_DELTAS
 BOUND_S = 5.0  # every pending call must fail within this after the junk arrives
 
 
+async def held_append(fake: FakeServer, session: Any) -> asyncio.Task:
+    """An append the fake server keeps without acknowledging: a call in flight. -> its task, once it was sent."""
+    fake.hold_acks = True
+    pending = asyncio.create_task(session.append(text="x"))
+    while not any(m["type"] == "append" for m in fake.received):
+        await asyncio.sleep(0.01)
+    return pending
+
+
 def junk_frames(session_id: str) -> dict[str, bytes | str]:
     """What a broken (or hostile) server sends, by name; `session_id` is a session with no reply running."""
     return {
@@ -211,10 +220,7 @@ async def test_a_reader_that_falls_behind_gets_merged_deltas_in_bounded_memory(f
 async def test_resuming_a_session_this_client_holds_ends_the_older_handles_calls(fake_server: FakeServer) -> None:
     async with sc.connect(fake_server.url) as client:
         old = await client.open_session()
-        fake_server.hold_acks = True
-        pending = asyncio.create_task(old.append(text="x"))
-        while not any(m["type"] == "append" for m in fake_server.received):
-            await asyncio.sleep(0.01)
+        pending = await held_append(fake_server, old)
         new = await client.resume_session(old.id, old.resume_token)
         with pytest.raises(sc.UnknownSessionError) as info:
             await asyncio.wait_for(pending, BOUND_S)
@@ -249,3 +255,35 @@ async def test_a_server_that_does_not_speak_first_with_hello_is_refused(fake_ser
     fake_server.hello = {"type": "hello", "protocol": "one"}
     with pytest.raises(sc.ProtocolViolationError):
         await asyncio.wait_for(sc.connect(fake_server.url).connect(), BOUND_S)
+
+
+@pytest.mark.asyncio
+async def test_an_unexpected_error_while_reconnecting_fails_every_call_instead_of_hanging(
+        fake_server: FakeServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def broken(*args: object) -> None:
+        raise RuntimeError("a bug in the handshake")
+
+    async with sc.connect(fake_server.url) as client:
+        pending = await held_append(fake_server, await client.open_session())
+        monkeypatch.setattr(channel, "open_connection", broken)
+        await client.drop_connection()
+        with pytest.raises(sc.ConnectionLostError):
+            await asyncio.wait_for(pending, BOUND_S)
+        with pytest.raises(sc.ConnectionLostError):
+            await asyncio.wait_for(client.stats(), BOUND_S)
+        assert client.channel.dead is not None
+
+
+def test_a_blocking_call_that_times_out_is_cancelled_and_raises_a_typed_error(
+        fake_server_thread: FakeServer) -> None:
+    fake = fake_server_thread
+    with sc.SyncClient(fake.url, timeout=0.3) as client:
+        s = client.open_session()
+        fake.hold_acks = True
+        with pytest.raises(sc.CallTimeoutError) as info:
+            s.append(text="x")
+        assert isinstance(info.value, TimeoutError) and info.value.code == "timeout"
+        fake.hold_acks = False
+        time.sleep(0.05)
+        # the timed-out append no longer waits: its seq is free, nothing is pending on the loop
+        assert s.append(text="y", seq=0).seq == 0
