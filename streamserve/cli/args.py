@@ -1,0 +1,45 @@
+"""CLI flags generated from the frozen configs in `streamserve.config`, and the engine they describe."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import time
+import typing
+from typing import Any
+
+from streamserve.config import EngineConfig
+
+
+def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
+    """One flag per field of a config dataclass: --field-name, with its type, default, help, choices."""
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        kind = hints[f.name]
+        base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
+        default = f.default
+        helptext = f.metadata.get("help", "")
+        parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=base, default=default,
+                            choices=f.metadata.get("choices"),
+                            help=f"{helptext} (default: {default})" if default is not None else helptext)
+
+
+def config_from_args(cls: type, args: argparse.Namespace) -> Any:
+    return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def load_engine(args: argparse.Namespace) -> Any:
+    from streamserve.engine import Engine
+
+    cfg: EngineConfig = config_from_args(EngineConfig, args)
+    t0 = time.perf_counter()
+    engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
+                                    cuda_graphs=cfg.cuda_graphs, drafter=cfg.drafter,
+                                    max_draft=cfg.max_draft,
+                                    kv_memory=cfg.kv_memory,
+                                    page_size=cfg.page_size, idle_ttl=cfg.idle_ttl)
+    st = engine.stats()
+    print(f"streamserve: {st['model']} ({st['architecture']}, {st['parameters'] / 1e6:.1f}M parameters) "
+          f"on {st['device']} as {st['dtype']}, loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+    return engine
