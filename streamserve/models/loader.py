@@ -108,6 +108,8 @@ def load_model(folder: Path, cfg: ModelConfig, device: torch.device, dtype: torc
             for p in layout:
                 t = ckpt.get(p.name)
                 t = t.reshape(-1) if dst.dim() == 1 else t.reshape(-1, dst.shape[-1])
+                if p.add:
+                    t = t.float() + p.add  # in fp32, as the model would add it, then cast by copy_
                 flat[offset: offset + t.shape[0]].copy_(t)
                 offset += t.shape[0]
                 bar.update(ckpt.nbytes(p.name))

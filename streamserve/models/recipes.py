@@ -16,6 +16,7 @@ class Piece:
 
     name: str
     shape: tuple[int, ...]
+    add: float = 0.0  # a constant added to the tensor as it is loaded (Gemma's norms scale by 1 + w: folded in)
 
 
 
