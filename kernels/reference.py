@@ -48,6 +48,13 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first, then up) -> gelu(gate) * up [..., I], GELU's tanh approximation (GeGLU,
+    Gemma's "gelu_pytorch_tanh")."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh") * up
+
+
 def visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding: int | None = None, sinks: int = 0,
             window: int | None = None) -> torch.Tensor:
     """Which keys each query may attend to: q_pos [T], k_pos [S] (absolute positions) -> bool [T, S].

@@ -25,6 +25,14 @@ ARCH_CONFIGS: dict[str, dict[str, Any]] = {
                   rope_parameters={"rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0,
                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                                    "original_max_position_embeddings": 64}),
+    # q/k/v biases without an o_proj bias; windows on the layers from max_window_layers on
+    "qwen2": dict(intermediate_size=72, use_sliding_window=True, sliding_window=20, max_window_layers=1),
+    # local, local, global, local: 16-token windows, their own RoPE base; a query scale that is not head_dim's
+    "gemma3": dict(head_dim=16, intermediate_size=72, num_hidden_layers=4, sliding_window=16,
+                   layer_types=["sliding_attention", "sliding_attention", "full_attention", "sliding_attention"],
+                   query_pre_attn_scalar=24,
+                   rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 50000.0},
+                                    "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}),
 }
 
 

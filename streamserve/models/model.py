@@ -6,10 +6,16 @@ and MoE layer sees all N tokens at once, and only attention runs per session (ea
 compute goes through the op layer (`self.ops`), so a kernel backend swap touches no code here. Projections
 that read the same input are fused at load time (q|k|v into `qkv_proj`, gate|up into `gate_up_proj`): fewer,
 larger matmuls at batch 1.
+
+Gemma 3 runs on the same decoder, switched by config: its (1 + w) norms are folded into plain `x * w` norms at
+load time (recipes), its embeddings are scaled inside `embed_tokens`, its layers add sandwich norms, and its
+local (sliding-window) and global layers rotate with two RoPE tables: every table is computed once per step
+(`StepLayout.ropes`, one entry per `ModelConfig.ropes` kind) and each layer reads its kind's.
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import NamedTuple, Protocol
 
@@ -51,12 +57,18 @@ class Rope(NamedTuple):
     rolling: RollingRope | None  # the step's rotations inside the cache (rolling mode)
 
 
+class StepRopes(NamedTuple):
+    """One RoPE kind's rotations of a step, shared by every layer of that kind."""
+
+    sessions: list[Rope]  # per session
+    joint: Rope | None  # cos/sin [N, hd] when every session numbers absolute positions: one rotation for all
+
+
 class StepLayout(NamedTuple):
     """How one forward's N tokens split into sessions, shared by every layer."""
 
-    ropes: list[Rope]  # per session
+    ropes: list[StepRopes]  # per RoPE kind (`ModelConfig.ropes`; a layer reads `ropes[cfg.rope_kind(layer)]`)
     starts: list[int]  # [sessions + 1] token offsets
-    joint: Rope | None  # cos/sin [N, hd] when every session numbers absolute positions: one rotation for all
     batched: list[int]  # absolute-position sessions of few tokens: their attention runs in one `attention_batch` call
     batch: AttentionBatch | None
 
@@ -67,11 +79,12 @@ class Attention(nn.Module):
         self.layer, self.cfg = layer, cfg
         h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.sizes = (h * hd, kvh * hd, kvh * hd)
-        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=cfg.attention_bias)
-        self.scale = hd**-0.5
+        self.qkv_proj = nn.Linear(cfg.hidden_size, sum(self.sizes), bias=cfg.qkv_bias)
+        self.o_proj = nn.Linear(h * hd, cfg.hidden_size, bias=cfg.o_bias)
+        self.scale = cfg.attn_scale
         self.window = cfg.sliding_windows[layer]
-        if cfg.qk_norm == "per_head":  # Qwen3: RMSNorm over each head's hd
+        self.rope_kind = cfg.rope_kind(layer)
+        if cfg.qk_norm == "per_head":  # Qwen3, Gemma 3: RMSNorm over each head's hd
             self.q_norm = nn.Parameter(torch.ones(hd))
             self.k_norm = nn.Parameter(torch.ones(hd))
         elif cfg.qk_norm == "full":  # OLMoE: RMSNorm over all heads at once
@@ -92,7 +105,8 @@ class Attention(nn.Module):
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
-        joint, st = layout.joint, layout.starts
+        ropes, st = layout.ropes[self.rope_kind], layout.starts
+        joint = ropes.joint
         if joint is not None:  # every session numbers absolute positions: one rotation for all N tokens
             q, k = ops.apply_rope(q, joint.cos, joint.sin), ops.apply_rope(k, joint.cos, joint.sin)
         pieces: list[torch.Tensor | None] = [None] * len(kvs)
@@ -101,7 +115,7 @@ class Attention(nn.Module):
             for i in layout.batched:
                 a, b = st[i], st[i + 1]
                 if joint is None:  # rolling sessions in the step too: rotate the batched (absolute) ones here
-                    r = layout.ropes[i]
+                    r = ropes.sessions[i]
                     q[a:b], k[a:b] = ops.apply_rope(q[a:b], r.cos, r.sin), ops.apply_rope(k[a:b], r.cos, r.sin)
                 paged = kvs[i].update(self.layer, k[a:b], v[a:b])
             out = ops.attention_batch(q, paged.k_pool, paged.v_pool, layout.batch, self.scale, self.window)
@@ -113,7 +127,7 @@ class Attention(nn.Module):
         for i, kv in enumerate(kvs):
             if pieces[i] is None:
                 a, b = st[i], st[i + 1]
-                pieces[i] = self._attend(q[a:b], k[a:b], v[a:b], layout.ropes[i], kv, ops, joint is not None)
+                pieces[i] = self._attend(q[a:b], k[a:b], v[a:b], ropes.sessions[i], kv, ops, joint is not None)
         return self.o_proj(pieces[0] if len(kvs) == 1 else torch.cat(pieces))  # type: ignore[arg-type]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, kv: LayerKV,
@@ -134,13 +148,17 @@ class Attention(nn.Module):
 
 
 class DenseMLP(nn.Module):
+    """SwiGLU (silu(gate) * up) or, for Gemma 3, GeGLU with the tanh GELU."""
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=cfg.mlp_bias)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=cfg.mlp_bias)
+        self.gelu = cfg.activation == "gelu_tanh"
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return self.down_proj(ops.silu_mul(self.gate_up_proj(x)))
+        gate_up = self.gate_up_proj(x)  # [N, 2I]
+        return self.down_proj(ops.gelu_tanh_mul(gate_up) if self.gelu else ops.silu_mul(gate_up))
 
 
 class SparseMoE(nn.Module):
@@ -163,31 +181,78 @@ class SparseMoE(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer: int) -> None:
         super().__init__()
-        self.eps = cfg.rms_norm_eps
+        self.eps, self.sandwich = cfg.rms_norm_eps, cfg.sandwich_norms
         self.input_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.self_attn = Attention(cfg, layer)
+        # pre-norm layers: the norm before the MLP; Gemma 3: the norm of the attention output
         self.post_attention_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+        if self.sandwich:
+            self.pre_feedforward_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
+            self.post_feedforward_layernorm = nn.Parameter(torch.ones(cfg.hidden_size))
         sparse = cfg.moe is not None and cfg.moe.sparse_layers[layer]
         self.mlp: nn.Module = SparseMoE(cfg) if sparse else DenseMLP(cfg)
 
     def forward(self, x: torch.Tensor, kvs: list[LayerKV], layout: StepLayout, ops: Ops) -> torch.Tensor:
+        """x [N, D] -> [N, D]."""
         attn = self.self_attn(ops.rms_norm(x, self.input_layernorm, self.eps), kvs, layout, ops)
-        h, normed = ops.add_rms_norm(x, attn, self.post_attention_layernorm, self.eps)
-        return h + self.mlp(normed, ops)
+        if not self.sandwich:
+            h, normed = ops.add_rms_norm(x, attn, self.post_attention_layernorm, self.eps)
+            return h + self.mlp(normed, ops)
+        # Gemma 3: each branch's output is normed before it joins the residual stream
+        h, normed = ops.add_rms_norm(x, ops.rms_norm(attn, self.post_attention_layernorm, self.eps),
+                                     self.pre_feedforward_layernorm, self.eps)
+        return h + ops.rms_norm(self.mlp(normed, ops), self.post_feedforward_layernorm, self.eps)
+
+
+@functools.lru_cache(maxsize=16)
+def _rounded(value: float, dtype: torch.dtype) -> float:
+    """`value` rounded to `dtype` (through fp32, as transformers casts Gemma's embedding scale)."""
+    return torch.tensor(value, dtype=torch.float32).to(dtype).item()
+
+
+class ScaledEmbedding(nn.Embedding):
+    """Token embeddings times a constant (Gemma 3: sqrt(hidden_size) rounded to the weights' dtype), applied here
+    so that `embed_tokens(ids)` is exactly what the first layer sees: an embedding chunk equal to it gives exactly
+    the step of those ids. The lm_head tied to `weight` reads the unscaled table."""
+
+    def __init__(self, vocab: int, dim: int, scale: float) -> None:
+        super().__init__(vocab, dim)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = super().forward(ids)  # [N, D]
+        return x if self.scale == 1.0 else x * _rounded(self.scale, x.dtype)
 
 
 class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: Ops = TORCH_OPS) -> None:
         super().__init__()
         self.cfg, self.ops = cfg, ops
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = ScaledEmbedding(cfg.vocab_size, cfg.hidden_size, cfg.embed_scale)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
         self.norm = nn.Parameter(torch.ones(cfg.hidden_size))
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
-        inv_freq, self.rope_scaling = cfg.rope.inv_freq()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)  # [hd/2] fp32
+        tables = [rope.inv_freq() for rope in cfg.ropes]
+        self.rope_scalings = tuple(scaling for _, scaling in tables)  # per RoPE kind: the cos/sin factor
+        # [kinds, hd/2] fp32; recomputed by `reset_rope` wherever the model is materialised
+        self.register_buffer("rope_inv_freq", torch.stack([f for f, _ in tables]), persistent=False)
+
+    def reset_rope(self, device: torch.device | str) -> None:
+        """Recompute the RoPE tables (fp32) on `device`: a model built on "meta" and materialised with `to_empty`,
+        or cast with `.to(dtype)`, holds garbage or rounded tables until this runs."""
+        self.rope_inv_freq = torch.stack([rope.inv_freq()[0] for rope in self.cfg.ropes]).to(device)
+
+    @property
+    def inv_freq(self) -> torch.Tensor:
+        """[hd/2] fp32: the full-attention layers' RoPE table."""
+        return self.rope_inv_freq[0]
+
+    @inv_freq.setter
+    def inv_freq(self, value: torch.Tensor) -> None:
+        # the loader assigns `model.inv_freq` after materialising the model: recompute every kind's table there
+        self.reset_rope(value.device)
 
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, kv: LayerKV, all_logits: bool = False) -> torch.Tensor:
@@ -205,7 +270,7 @@ class CausalLM(nn.Module):
         that replace the embeddings of those rows of `ids` (embedding chunks: audio, image, state...),
         applied right after `embed_tokens`, so a vector equal to `embed_tokens(id)` gives exactly id's step."""
         ops = self.ops
-        x = self.embed_tokens(ids)  # [N, D]
+        x = self.embed_tokens(ids)  # [N, D] (scaled: Gemma 3)
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
         layout = self._layout(kvs, x.dtype)
@@ -215,21 +280,30 @@ class CausalLM(nn.Module):
             x = x.index_select(0, rows)
         elif rows is not None:
             x = x[rows[0]:rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, device=x.device)]
-        return self.lm_head(ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)).float()
+        logits = self.lm_head(ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps))  # [R, V]
+        cap = self.cfg.final_logit_softcap
+        if cap is not None:  # in the model dtype, as transformers does
+            logits = torch.tanh(logits / cap) * cap
+        return logits.float()
 
     def _layout(self, kvs: list[LayerKV], dtype: torch.dtype) -> StepLayout:
-        ropes = [self._rope(kv, dtype) for kv in kvs]
         starts = [0, *itertools.accumulate(kv.q_pos.shape[0] for kv in kvs)]
+        joint = len(kvs) > 1 and not any(kv.rolling for kv in kvs)
+        ropes = [self._step_ropes(kind, kvs, dtype, joint) for kind in range(len(self.rope_scalings))]
         if len(kvs) == 1:
-            return StepLayout(ropes, starts, None, [], None)
-        joint = None
-        if not any(kv.rolling for kv in kvs):
-            joint = Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None)
+            return StepLayout(ropes, starts, [], None)
         batched = [i for i, kv in enumerate(kvs) if not kv.rolling and kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
         if self.ops.attention_batch is None or len(batched) < 2:
-            return StepLayout(ropes, starts, joint, [], None)
-        return StepLayout(ropes, starts, joint, batched, self._attention_batch([kvs[i] for i in batched],
-                                                                               [starts[i] for i in batched]))
+            return StepLayout(ropes, starts, [], None)
+        return StepLayout(ropes, starts, batched, self._attention_batch([kvs[i] for i in batched],
+                                                                        [starts[i] for i in batched]))
+
+    def _step_ropes(self, kind: int, kvs: list[LayerKV], dtype: torch.dtype, joint: bool) -> StepRopes:
+        """RoPE kind `kind`'s rotations of every session of the step (and their concatenation if `joint`)."""
+        ropes = [self._rope(kind, kv, dtype) for kv in kvs]
+        if not joint:
+            return StepRopes(ropes, None)
+        return StepRopes(ropes, Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None))
 
     @staticmethod
     def _attention_batch(kvs: list[LayerKV], starts: list[int]) -> AttentionBatch:
@@ -252,13 +326,14 @@ class CausalLM(nn.Module):
                               torch.tensor([NO_POSITION if p.window is None else p.window for p in pols], device=dev),
                               out_rows)
 
-    def _rope(self, kv: LayerKV, dtype: torch.dtype) -> Rope:
-        """The rotations of one session's step, shared by every layer."""
+    def _rope(self, kind: int, kv: LayerKV, dtype: torch.dtype) -> Rope:
+        """The rotations of one session's step with RoPE kind `kind`, shared by every layer of that kind."""
         ops = self.ops
+        inv_freq, scaling = self.rope_inv_freq[kind], self.rope_scalings[kind]  # [hd/2] fp32
         if kv.rolling:  # rotations happen inside attention
             assert kv.policy.window is not None
             empty = torch.empty(0, dtype=dtype, device=kv.q_pos.device)
-            return Rope(empty, empty, ops.rolling_rope(kv.q_pos, kv.k_pos, self.inv_freq, self.rope_scaling,
+            return Rope(empty, empty, ops.rolling_rope(kv.q_pos, kv.k_pos, inv_freq, scaling,
                                                        kv.policy.sinks, kv.policy.window, dtype))
-        cos, sin = ops.rope_cos_sin(kv.q_pos, self.inv_freq, self.rope_scaling, dtype)  # [T, hd]
+        cos, sin = ops.rope_cos_sin(kv.q_pos, inv_freq, scaling, dtype)  # [T, hd]
         return Rope(cos, sin, None)

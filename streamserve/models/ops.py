@@ -47,6 +47,7 @@ class Ops:
     rope_cos_sin: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     apply_rope: Callable[..., torch.Tensor]
     silu_mul: Callable[..., torch.Tensor]
+    gelu_tanh_mul: Callable[..., torch.Tensor]
     attention: Callable[..., torch.Tensor]
     rolling_rope: Callable[..., ref.RollingRope]
     attention_rolling: Callable[..., torch.Tensor]
@@ -63,6 +64,7 @@ TORCH_OPS = Ops(
     rope_cos_sin=ref.rope_cos_sin,
     apply_rope=ref.apply_rope,
     silu_mul=ref.silu_mul,
+    gelu_tanh_mul=ref.gelu_tanh_mul,
     attention=ref.paged_attention,
     rolling_rope=ref.rolling_rope,
     attention_rolling=ref.paged_attention_rolling,

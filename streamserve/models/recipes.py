@@ -19,7 +19,6 @@ class Piece:
     add: float = 0.0  # a constant added to the tensor as it is loaded (Gemma's norms scale by 1 + w: folded in)
 
 
-
 def param_recipes(cfg: ModelConfig) -> dict[str, list[list[Piece]]]:
     """For each parameter of `CausalLM`, the checkpoint layouts that can fill it, in order of preference.
 
@@ -28,9 +27,14 @@ def param_recipes(cfg: ModelConfig) -> dict[str, list[list[Piece]]]:
     """
     D, V, hd = cfg.hidden_size, cfg.vocab_size, cfg.head_dim
     H, KVH = cfg.num_heads, cfg.num_kv_heads
+    off = cfg.norm_offset  # Gemma's norms scale by (1 + w): every norm weight gets the 1 added as it loads
+
+    def norm(name: str, size: int) -> list[list[Piece]]:
+        return [[Piece(name, (size,), add=off)]]
+
     r: dict[str, list[list[Piece]]] = {
         "embed_tokens.weight": [[Piece("model.embed_tokens.weight", (V, D))]],
-        "norm": [[Piece("model.norm.weight", (D,))]],
+        "norm": norm("model.norm.weight", D),
     }
     if not cfg.tie_word_embeddings:
         r["lm_head.weight"] = [[Piece("lm_head.weight", (V, D))]]
@@ -38,20 +42,22 @@ def param_recipes(cfg: ModelConfig) -> dict[str, list[list[Piece]]]:
     for i in range(cfg.num_layers):
         src, dst = f"model.layers.{i}.", f"layers.{i}."
         a = src + "self_attn."
-        r[dst + "input_layernorm"] = [[Piece(src + "input_layernorm.weight", (D,))]]
-        r[dst + "post_attention_layernorm"] = [[Piece(src + "post_attention_layernorm.weight", (D,))]]
+        for n in ("input_layernorm", "post_attention_layernorm") + (
+                ("pre_feedforward_layernorm", "post_feedforward_layernorm") if cfg.sandwich_norms else ()):
+            r[dst + n] = norm(f"{src}{n}.weight", D)
         r[dst + "self_attn.qkv_proj.weight"] = [[Piece(a + "q_proj.weight", (H * hd, D)),
                                                  Piece(a + "k_proj.weight", (KVH * hd, D)),
                                                  Piece(a + "v_proj.weight", (KVH * hd, D))]]
         r[dst + "self_attn.o_proj.weight"] = [[Piece(a + "o_proj.weight", (D, H * hd))]]
-        if cfg.attention_bias:
+        if cfg.qkv_bias:
             r[dst + "self_attn.qkv_proj.bias"] = [[Piece(a + "q_proj.bias", (H * hd,)),
                                                    Piece(a + "k_proj.bias", (KVH * hd,)),
                                                    Piece(a + "v_proj.bias", (KVH * hd,))]]
+        if cfg.o_bias:
             r[dst + "self_attn.o_proj.bias"] = [[Piece(a + "o_proj.bias", (D,))]]
         if qn:
-            r[dst + "self_attn.q_norm"] = [[Piece(a + "q_norm.weight", (qn[0],))]]
-            r[dst + "self_attn.k_norm"] = [[Piece(a + "k_norm.weight", (qn[1],))]]
+            r[dst + "self_attn.q_norm"] = norm(a + "q_norm.weight", qn[0])
+            r[dst + "self_attn.k_norm"] = norm(a + "k_norm.weight", qn[1])
         if cfg.moe is not None and cfg.moe.sparse_layers[i]:
             r.update(_moe_recipes(cfg, src, dst))
         else:

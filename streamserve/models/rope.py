@@ -61,6 +61,23 @@ class RopeConfig:
         return _yarn(self.theta, dim, p, self.max_position_embeddings)
 
 
+def layer_kind_ropes(cfg: dict[str, Any], head_dim: int) -> tuple[RopeConfig, RopeConfig]:
+    """Gemma 3's two RoPE tables -> (full-attention layers', sliding-window layers').
+
+    transformers >= 5 writes `rope_parameters` per layer kind ({"full_attention": {...}, "sliding_attention":
+    {...}}); older configs give the global layers `rope_theta` + `rope_scaling` and the local layers
+    `rope_local_base_freq` with no scaling. A kind's theta defaults as in Gemma3TextConfig (1e6 global, 1e4 local).
+    """
+    params = cfg.get("rope_parameters") or {}
+    per_kind = isinstance(params, dict) and ("full_attention" in params or "sliding_attention" in params)
+    full = dict(params.get("full_attention") or {}) if per_kind else dict(params or cfg.get("rope_scaling") or {})
+    local = dict(params.get("sliding_attention") or {}) if per_kind else {}
+    full.setdefault("rope_theta", cfg.get("rope_theta") or 1e6)
+    local.setdefault("rope_theta", cfg.get("rope_local_base_freq") or 10000.0)
+    return (RopeConfig.from_hf({**cfg, "rope_parameters": full, "rope_scaling": None}, head_dim),
+            RopeConfig.from_hf({**cfg, "rope_parameters": local, "rope_scaling": None}, head_dim))
+
+
 def _llama3(inv_freq: torch.Tensor, p: dict[str, Any]) -> torch.Tensor:
     factor, low, high = float(p["factor"]), float(p["low_freq_factor"]), float(p["high_freq_factor"])
     old_ctx = float(p["original_max_position_embeddings"])  # from_hf fills it in when a config omits it

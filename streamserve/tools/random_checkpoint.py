@@ -17,7 +17,8 @@ from typing import Any
 import torch
 
 CONFIG_CLASSES = {"qwen3_moe": "Qwen3MoeConfig", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
-                  "olmoe": "OlmoeConfig", "llama": "LlamaConfig"}
+                  "olmoe": "OlmoeConfig", "llama": "LlamaConfig", "qwen2": "Qwen2Config",
+                  "gemma3": "Gemma3TextConfig"}
 EOS_ID = 256
 
 
