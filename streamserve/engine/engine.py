@@ -49,7 +49,7 @@ from streamserve.engine.snapshot import Snapshot
 from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.table import SessionTable
 from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
-from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model
+from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model, open_pretrained
 from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy
 
 log = logging.getLogger("streamserve")
@@ -140,7 +140,7 @@ class Engine:
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
                         scheduler: SchedulerConfig | None = None) -> Engine:
-        """Load "default" (the embedded model) or a Hugging Face checkpoint folder.
+        """Load "default" (the embedded model), a Hugging Face checkpoint folder or a GGUF file.
 
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
         CUDA + Triton), "on" or "off".
@@ -149,19 +149,20 @@ class Engine:
         session is closed (None: never). scheduler: the engine loop's step budget and queue bounds.
         """
         path = resolve_model_path(model)
-        cfg = ModelConfig.from_file(path / "config.json")
+        pretrained = open_pretrained(path)  # config.json + safetensors, or a GGUF file's metadata + tensors
+        cfg = pretrained.config
         dev = resolve_device(device)
         dt = resolve_dtype(dtype, cfg.dtype, dev)
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidInputError(f"page_size must be an integer >= 1, got {page_size!r}")
-        tokenizer = Tokenizer.from_dir(path)
+        tokenizer = pretrained.tokenizer()
         t0 = time.perf_counter()
         ops = get_ops(kernels, dev)
-        net = load_model(path, cfg, dev, dt, ops)
+        net = load_model(pretrained.checkpoint, cfg, dev, dt, ops)
         log.info("loaded %s (%s) on %s as %s in %.1fs", path, cfg.architecture, dev, dt, time.perf_counter() - t0)
-        eos = list(cfg.eos_token_ids)
+        eos = list(cfg.eos_token_ids)  # a GGUF file's come from its tokenizer.ggml.eos_token_id
         gen_cfg = path / "generation_config.json"
-        if gen_cfg.exists():
+        if path.is_dir() and gen_cfg.exists():
             g = json.loads(gen_cfg.read_text()).get("eos_token_id")
             eos += g if isinstance(g, list) else [g] if g is not None else []
         eos += tokenizer.eos_token_ids

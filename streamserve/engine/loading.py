@@ -1,4 +1,4 @@
-"""Resolving what `Engine.from_pretrained` was asked for: model folder, device, dtype, KV pool size."""
+"""Resolving what `Engine.from_pretrained` was asked for: model folder or GGUF file, device, dtype, KV pool size."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 from streamserve.errors import InvalidInputError, ModelLoadError
+from streamserve.models.gguf import is_gguf
 from streamserve.models.loader import Checkpoint
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
@@ -20,9 +21,13 @@ def resolve_model_path(model: str | Path) -> Path:
     if str(model) == "default":
         return DEFAULT_MODEL_DIR
     path = Path(model).expanduser()
+    if path.suffix.lower() == ".gguf" or (path.is_file() and is_gguf(path)):
+        if not path.is_file():
+            raise ModelLoadError(f"GGUF file {str(model)!r} not found (models are never downloaded)")
+        return path  # a file that is not GGUF inside gets its typed error when it is opened
     if not (path / "config.json").exists():
-        raise ModelLoadError(f"model {str(model)!r} not found: pass 'default' or a folder holding config.json, "
-                             "safetensors weights and tokenizer.json (models are never downloaded)")
+        raise ModelLoadError(f"model {str(model)!r} not found: pass 'default', a .gguf file or a folder holding "
+                             "config.json, safetensors weights and tokenizer.json (models are never downloaded)")
     return path
 
 
@@ -81,14 +86,31 @@ def _host_memory() -> int:
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
+GGUF_SAMPLES, GGUF_SAMPLE_BYTES, GGUF_HEAD_BYTES = 16, 1 << 16, 1 << 20
+
+
 def model_fingerprint(path: Path) -> str:
     """Identifies a model whatever dtype it is loaded in: its config.json, the names, shapes and dtypes of
     its tensors and the first rows of its embeddings as stored (two random checkpoints of one config
-    differ). Snapshots carry it, so a session is never restored onto another model."""
+    differ); for a GGUF file its size, its first MiB and 16 blocks of 64 KiB spread over the rest (without
+    parsing it again). Snapshots carry it, so a session is never restored onto another model."""
+    if path.is_file():
+        return _file_fingerprint(path)
     h = hashlib.sha256((path / "config.json").read_bytes())
     ckpt = Checkpoint(path)
     for name in sorted(ckpt.meta):
         h.update(f"{name}{ckpt.meta[name][1:]}".encode())
     if "model.embed_tokens.weight" in ckpt:
         h.update(ckpt.head("model.embed_tokens.weight", 8).float().contiguous().numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def _file_fingerprint(path: Path) -> str:
+    size = path.stat().st_size
+    h = hashlib.sha256(f"gguf:{size}".encode())
+    with path.open("rb") as f:
+        h.update(f.read(GGUF_HEAD_BYTES))
+        for i in range(GGUF_SAMPLES):
+            f.seek(size * i // GGUF_SAMPLES)
+            h.update(f.read(GGUF_SAMPLE_BYTES))
     return h.hexdigest()[:16]

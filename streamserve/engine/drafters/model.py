@@ -1,4 +1,4 @@
-"""A draft model: a small checkpoint with the target's tokenizer proposes the next tokens itself.
+"""A draft model: a small checkpoint (folder or GGUF file) with the target's tokenizer proposes the next tokens.
 
 Its KV cache lives on a pool of its own (its layers and heads differ from the target's, so its pages
 cannot share the target's tensors), sized at an eighth of the target's. Per session the drafter keeps a
@@ -28,7 +28,7 @@ from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.drafters.verify import target_probs
 from streamserve.errors import CapacityError, ContextLengthError, InvalidInputError, RewindError, StreamserveError
 from streamserve.kernels.reference import MIN_TEMPERATURE
-from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model
+from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model, open_pretrained
 from streamserve.sessions import KVPool, PagedSessionKV
 
 if TYPE_CHECKING:
@@ -65,15 +65,15 @@ class DraftModelDrafter:
              ) -> DraftModelDrafter:
         """The draft model at `path` for a target with this tokenizer, config, kernel ops and KV pool (its own
         pool gets 1/POOL_SHARE of the target pool's bytes, on the same device, in the same dtype)."""
-        folder = Path(path)
-        cfg = ModelConfig.from_file(folder / "config.json")
-        tok = Tokenizer.from_dir(folder)
+        folder = Path(path)  # a checkpoint folder or a GGUF file
+        pretrained = open_pretrained(folder)
+        cfg, tok = pretrained.config, pretrained.tokenizer()
         if tok.vocab() != tokenizer.vocab() or cfg.vocab_size != target.vocab_size:
             raise DraftTokenizerError(f"the draft model {folder} does not share the target's tokenizer "
                                       f"(vocabulary {cfg.vocab_size} vs {target.vocab_size}, or different ids): "
                                       "a draft must use exactly the target's tokenizer")
         dev, dtype, page = target_pool.device, target_pool.dtype, target_pool.page_size
-        model = load_model(folder, cfg, dev, dtype, ops)
+        model = load_model(pretrained.checkpoint, cfg, dev, dtype, ops)
         per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page, dtype)
         target_bytes = target_pool.num_pages * KVPool.bytes_per_page(
             target.num_layers, target.num_kv_heads, target.head_dim, page, dtype)
