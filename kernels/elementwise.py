@@ -1,6 +1,8 @@
-"""Small fused row ops: RMSNorm, residual add + RMSNorm, SiLU·mul, RoPE. One program per row; fp32 math.
+"""Small fused row ops: RMSNorm, residual add + RMSNorm, SiLU·mul and GELU(tanh)·mul, RoPE. One program per row
+(per row block for the gated activations); fp32 math.
 
-References: `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_mul`, `reference.apply_rope`.
+References: `reference.rms_norm`, `reference.add_rms_norm`, `reference.silu_mul`, `reference.gelu_tanh_mul`,
+`reference.apply_rope`.
 """
 
 from __future__ import annotations
@@ -32,15 +34,23 @@ def _rms_norm_kernel(x_ptr, delta_ptr, w_ptr, sum_ptr, out_ptr, N, eps, ADD: tl.
              mask=ok)
 
 
+GELU_TANH_C = 0.7978845608028654  # sqrt(2 / pi)
+
+
 @triton.jit
-def _silu_mul_kernel(gu_ptr, out_ptr, N, BLOCK: tl.constexpr):
+def _gated_kernel(gu_ptr, out_ptr, N, GELU: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     cb = tl.program_id(1)
     cols = cb * BLOCK + tl.arange(0, BLOCK)
     ok = cols < N
     g = tl.load(gu_ptr + row * 2 * N + cols, mask=ok, other=0.0).to(tl.float32)
     u = tl.load(gu_ptr + row * 2 * N + N + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * N + cols, (g / (1.0 + tl.exp(-g)) * u).to(out_ptr.dtype.element_ty), mask=ok)
+    if GELU:  # 0.5 g (1 + tanh(a)) = g * sigmoid(2a), a = sqrt(2/pi) (g + 0.044715 g^3): no tanh needed
+        a = GELU_TANH_C * (g + 0.044715 * g * g * g)
+        act = g / (1.0 + tl.exp(-2.0 * a))
+    else:
+        act = g / (1.0 + tl.exp(-g))
+    tl.store(out_ptr + row * N + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
 
 
 @triton.jit
@@ -94,6 +104,15 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [..., 2I] (gate first) -> silu(gate) * up [..., I]."""
+    return _gated(gate_up, gelu=False)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [..., 2I] (gate first) -> gelu_tanh(gate) * up [..., I] (GeGLU)."""
+    return _gated(gate_up, gelu=True)
+
+
+def _gated(gate_up: torch.Tensor, gelu: bool) -> torch.Tensor:
     check_tensor("gate_up", gate_up, dtypes=FLOATS)
     if gate_up.shape[-1] % 2:
         raise ValueError(f"gate_up has an odd last dimension {gate_up.shape[-1]}; expected [..., 2*I]")
@@ -101,7 +120,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     rows = gate_up.contiguous().view(-1, 2 * n)
     out = torch.empty(rows.shape[0], n, dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(n))
-    _silu_mul_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, BLOCK=block)
+    _gated_kernel[(rows.shape[0], triton.cdiv(n, block))](rows, out, n, GELU=gelu, BLOCK=block)
     return out.view(*gate_up.shape[:-1], n)
 
 

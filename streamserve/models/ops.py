@@ -89,7 +89,8 @@ def triton_ops(device: torch.device) -> Ops:
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         raise InvalidInputError("kernels='triton' on a CPU needs TRITON_INTERPRET=1 (set before triton is imported)")
     return replace(TORCH_OPS, name="triton", rms_norm=tb.rms_norm, add_rms_norm=tb.add_rms_norm,
-                   silu_mul=tb.silu_mul, apply_rope=tb.apply_rope, attention=tb.paged_attention,
+                   silu_mul=tb.silu_mul, gelu_tanh_mul=tb.gelu_tanh_mul, apply_rope=tb.apply_rope,
+                   attention=tb.paged_attention,
                    attention_rolling=tb.paged_attention_rolling,
                    attention_batch=None,  # the Triton kernels run per session (they read pages in place)
                    moe_experts=tb.moe_experts)

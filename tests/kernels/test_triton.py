@@ -210,3 +210,19 @@ def test_fused_row_ops(rows, n, dtype) -> None:
         ew.silu_mul(torch.randn(2, 7))
     with pytest.raises(ValueError, match="x has last dimension"):
         ew.rms_norm(torch.randn(2, 7), torch.ones(8), 1e-6)
+
+
+@pytest.mark.parametrize(("rows", "n"), [(1, 9), (3, 100), (17, 257), (2, 1500)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gelu_tanh_mul_matches_the_reference(rows, n, dtype) -> None:
+    """GeGLU (Gemma 3's MLP), gates spread over [-12, 12] so both tails of the tanh are exercised."""
+    from streamserve.kernels import elementwise as ew
+
+    g = torch.Generator().manual_seed(rows + n)
+    gu = (4 * torch.randn(rows, 2 * n, generator=g)).to(dtype)
+    gu[0, :3] = torch.tensor([-12.0, 0.0, 12.0], dtype=dtype)
+    out = ew.gelu_tanh_mul(gu)
+    assert out.shape == (rows, n) and out.dtype == dtype
+    assert rel_err(out, ref.gelu_tanh_mul(gu.double())) < TOL[dtype]
+    with pytest.raises(ValueError, match="odd last dimension"):
+        ew.gelu_tanh_mul(torch.randn(2, 7))

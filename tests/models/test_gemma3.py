@@ -179,3 +179,20 @@ def test_qwen2_biases_q_k_v_but_not_o(checkpoints, engines) -> None:
     hf_attn = checkpoints["qwen2"][1].model.layers[0].self_attn
     assert torch.equal(attn.qkv_proj.bias[:hf_attn.q_proj.bias.shape[0]], hf_attn.q_proj.bias)
     assert engines["qwen2"].config.sliding_windows == (None, 20, 20)
+
+
+@pytest.mark.parametrize("window", [None, 24])
+def test_gemma3_triton_greedy_equals_torch(window, checkpoints, engines) -> None:
+    """kernels="triton" (the interpreter on a CPU: GeGLU, norms, RoPE, both attention kernels with each layer
+    kind's RoPE table rotating keys in registers when rolling) gives the torch backend's tokens."""
+    pytest.importorskip("triton")
+    triton_engine = Engine.from_pretrained(checkpoints["gemma3"][0], device="cpu", kernels="triton",
+                                           kv_memory="16MiB")
+    assert triton_engine.model.ops.gelu_tanh_mul is not engines["gemma3"].model.ops.gelu_tanh_mul
+    prompt = random_ids(40, seed=37)
+    outs = []
+    for engine in (engines["gemma3"], triton_engine):
+        with engine.open_session(window=window, sinks=4) as s:
+            s.append(token_ids=prompt)
+            outs.append(s.generate(max_tokens=12, stop_token_ids=()))
+    assert outs[0] == outs[1]
