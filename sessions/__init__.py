@@ -5,8 +5,10 @@ A global paged pool (`KVPool`, `PageAllocator`) holds every session's keys and v
 positions). Depends only on torch and `streamserve.errors`, never on the engine above it.
 """
 
+from streamserve.sessions.groups import DEFAULT_REWIND_REACH, LayerGroup, layer_groups, split_pages
 from streamserve.sessions.paged_kv import HostPages, PagedSessionKV
 from streamserve.sessions.policy import WindowPolicy
 from streamserve.sessions.pool import DEFAULT_PAGE_SIZE, KVPool, PageAllocator
 
-__all__ = ["DEFAULT_PAGE_SIZE", "HostPages", "KVPool", "PageAllocator", "PagedSessionKV", "WindowPolicy"]
+__all__ = ["DEFAULT_PAGE_SIZE", "DEFAULT_REWIND_REACH", "HostPages", "KVPool", "LayerGroup", "PageAllocator",
+           "PagedSessionKV", "WindowPolicy", "layer_groups", "split_pages"]

@@ -27,6 +27,10 @@ class EngineConfig:
         "help": "KV pool budget: bytes (e.g. 2GiB, 512MB) or a fraction of free device memory (e.g. 0.5); "
                 "default: 1GiB on cpu, 0.5 of free memory on a GPU"})
     page_size: int = field(default=16, metadata={"help": "tokens per KV page"})
+    rewind_reach: int = field(default=256, metadata={
+        "help": "tokens a model's sliding-window (local) layers keep past their window, so a rewind of up to this "
+                "many tokens works; older local pages go back to the pool at once (0: free them as soon as they "
+                "leave the window). Models without per-layer windows are unaffected"})
     idle_ttl: float | None = field(default=None, metadata={
         "help": "close sessions idle for this many seconds (default: never)"})
     drafter: str = field(default="none", metadata={

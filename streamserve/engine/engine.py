@@ -12,6 +12,9 @@ recently active idle session and tries again; when no session can be parked that
 with `CapacityError`, having taken nothing. A parked session comes back transparently on its next use.
 Sessions idle past `idle_ttl` are closed (checked about once a second by the loop, and whenever a session
 opens). One step runs at a time; every page is counted (`check_integrity`).
+
+The pool has a layer group per native window (`sessions/groups.py`): Gemma 3's local layers keep only their
+window + `rewind_reach` tokens, so a session grows only with its global layers; `stats()` reports each group.
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.table import SessionTable
 from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model, open_pretrained
-from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy
+from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy, layer_groups, split_pages
 
 log = logging.getLogger("streamserve")
 
@@ -71,7 +74,8 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...],
                  kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None,
-                 scheduler: SchedulerConfig | None = None) -> None:
+                 scheduler: SchedulerConfig | None = None,
+                 rewind_reach: int = ENGINE_DEFAULTS.rewind_reach) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.cfg
@@ -83,11 +87,11 @@ class Engine:
         self.device, self.dtype = p.device, p.dtype
         self.fingerprint = model_fingerprint(path)
         cfg = self.config
-        per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, self.dtype)
-        if kv_bytes < per_page:
-            raise InvalidInputError(f"kv_memory of {kv_bytes} bytes is less than one page ({per_page} bytes)")
-        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, kv_bytes // per_page, page_size,
-                           self.dtype, self.device)
+        groups = layer_groups(cfg.sliding_windows, rewind_reach)  # InvalidInputError for a bad reach
+        token_bytes = KVPool.bytes_per_page(1, cfg.num_kv_heads, cfg.head_dim, 1, self.dtype)  # one token, one layer
+        pages = split_pages(groups, kv_bytes, token_bytes, page_size, cfg.max_position_embeddings)
+        self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page_size, self.dtype, self.device,
+                           groups)
         self.placeholder_id = placeholder_id(tokenizer, cfg.vocab_size)
         self.guard = BetweenSteps()  # held by every step and by out-of-band operations: between steps
         self.counters = Counters()
@@ -139,7 +143,8 @@ class Engine:
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
-                        scheduler: SchedulerConfig | None = None) -> Engine:
+                        scheduler: SchedulerConfig | None = None,
+                        rewind_reach: int = ENGINE_DEFAULTS.rewind_reach) -> Engine:
         """Load "default" (the embedded model), a Hugging Face checkpoint folder or a GGUF file.
 
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
@@ -147,6 +152,7 @@ class Engine:
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
         session is closed (None: never). scheduler: the engine loop's step budget and queue bounds.
+        rewind_reach: tokens the model's sliding-window layers keep past their window for rewinds (0: none).
         """
         path = resolve_model_path(model)
         pretrained = open_pretrained(path)  # config.json + safetensors, or a GGUF file's metadata + tensors
@@ -167,7 +173,8 @@ class Engine:
             eos += g if isinstance(g, list) else [g] if g is not None else []
         eos += tokenizer.eos_token_ids
         eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
-        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, scheduler)
+        engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, scheduler,
+                     rewind_reach)
         if cuda_graphs not in ("auto", "on", "off"):
             raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
         if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
@@ -231,7 +238,7 @@ class Engine:
             if not snap.kv_length <= len(snap.token_ids) <= snap.kv_length + 1:
                 raise SnapshotError(f"damaged snapshot: {len(snap.token_ids)} tokens for a KV of {snap.kv_length}")
             vectors = self._snapshot_vectors(snap)
-            self.admission.admit(s.core, lambda: s.kv.load_host(snap.pages), len(snap.pages.logical))
+            self.admission.admit(s.core, lambda: s.kv.load_host(snap.pages), [len(g) for g in snap.pages.logical])
             # copies: the caller keeps the Snapshot and may change or reuse its tensors
             s.core.load(snap.token_ids, snap.timeline, snap.kv_length, snap.next_seq,
                         None if snap.logits is None else snap.logits.to(self.device, copy=True), snap.logits_at,
@@ -300,10 +307,10 @@ class Engine:
         if isinstance(s, Session):
             s.close_now(drop=False)
 
-    def admit(self, session: Session | None, take: Callable[[], None], needed: int,
+    def admit(self, session: Session | None, take: Callable[[], None], needed: int | list[int],
               busy: Collection[PagedSessionKV] = ()) -> None:
-        """Run `take` (which takes `needed` pages, or raises CapacityError having taken none), parking idle
-        sessions as needed (`Admission.admit`)."""
+        """Run `take` (which takes `needed` pages, per layer group when a list, or raises CapacityError having
+        taken none), parking idle sessions as needed (`Admission.admit`)."""
         self.admission.admit(session.core if session is not None else None, take, needed, busy)
 
     def forward(self, kv: PagedSessionKV, ids: list[int], all_logits: bool = False,
@@ -350,15 +357,18 @@ class Engine:
                 assert all(p < len(st.token_ids) and st.token_ids[p] == st.placeholder_id for p in st.vectors), (
                     f"session {s.id} holds vectors at positions that are not its placeholders")
 
+    def session_kv_bytes(self, session: Session) -> int:
+        """The bytes of KV pages `session` holds on the pool now, every layer group counted (0 while parked)."""
+        kv = session.kv
+        return sum(kv.held_in(g) * self.pool.group_page_bytes(g) for g in range(len(self.pool.groups)))
+
     def stats(self) -> dict[str, Any]:
         self.free_orphans(wait=False)  # stats never wait for a step
         c = self.counters.as_dict()
         sessions = self.sessions()
         with self.loop.cv:
             depths = self.loop.scheduler.depths()
-        alloc = self.pool.allocator
-        per_page = KVPool.bytes_per_page(self.config.num_layers, self.config.num_kv_heads, self.config.head_dim,
-                                         self.pool.page_size, self.dtype)
+        alloc, pool = self.pool.allocator, self.pool
         return {
             "model": self.name,
             "architecture": self.config.architecture,
@@ -370,7 +380,12 @@ class Engine:
             "kv_pages_used": alloc.used_count,
             "kv_pages_total": alloc.num_pages,
             "kv_page_size": self.pool.page_size,
-            "kv_bytes": alloc.used_count * per_page,
+            "kv_bytes": pool.used_bytes,
+            # per layer group (one unless the model mixes native windows): pages in use of the group's share
+            "kv_groups": [{"window": g.window, "layers": len(g.layers), "keep_tokens": g.keep,
+                           "pages_used": alloc.used_in(i), "pages_total": alloc.group_pages[i],
+                           "page_bytes": pool.group_page_bytes(i)} for i, g in enumerate(pool.groups)],
+            "kv_session_bytes_max": max((self.session_kv_bytes(s) for s in sessions), default=0),
             # read once: the engine thread may bring a session back between a check and a use
             "kv_parked_bytes": sum(p.nbytes for p in [s.kv.parked for s in sessions] if p is not None),
             **c,

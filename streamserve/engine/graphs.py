@@ -3,7 +3,8 @@ widths) replayed from captured graphs over fixed-size buffers.
 
 A step's shapes change with its sessions (how many keys each reads), so each step is padded to a bucket: every
 session's key list to the same next power of two (at least 64) over the longest, with padding positions past
-any query (masked as "future" keys) and slot 0. Per (sessions, bucket, tokens per session, all-logits, window
+any query (masked as "future" keys) and slot 0; a model with several layer groups (local and global layers)
+has one key list, so one bucket, per group. Per (sessions, buckets, tokens per session, all-logits, window
 policies) one graph is captured the first time and replayed after: the step's ids, positions and slots are
 copied into the static buffers, the graph runs, the logits are copied out. Nothing in a captured step syncs to
 the host (top-k ids, the rolling base and the split-KV merge all stay on the device).
@@ -32,6 +33,7 @@ import torch
 from streamserve.kernels.reference import PagedKeys
 from streamserve.models import CausalLM
 from streamserve.sessions import PagedSessionKV, WindowPolicy
+from streamserve.sessions.group_kv import GroupKV
 
 log = logging.getLogger("streamserve")
 
@@ -45,33 +47,51 @@ def bucket_for(n_keys: int) -> int:
     return max(MIN_BUCKET, 1 << (n_keys - 1).bit_length())
 
 
-class StaticStepKV:
-    """A T-token step of some session, in fixed-size buffers (the `LayerKV` the model reads)."""
+class StaticReads:
+    """The keys one layer group reads in a step, in fixed-size buffers: positions and slots [bucket], and the
+    slots [T] the step writes."""
 
-    def __init__(self, kv: PagedSessionKV, bucket: int, tokens: int) -> None:
-        dev = kv.pool.device
-        self.pool, self.policy, self.rolling = kv.pool, kv.policy, kv.policy.rolling
-        self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
+    def __init__(self, bucket: int, tokens: int, dev: torch.device) -> None:
         self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
         self.read_slots = torch.zeros(bucket, dtype=torch.long, device=dev)
         self.write = torch.zeros(tokens, dtype=torch.long, device=dev)
 
+    def load(self, grp: GroupKV) -> None:
+        n = grp.k_pos.shape[0]
+        self.k_pos[:n].copy_(grp.k_pos)
+        self.k_pos[n:].fill_(PAD_POSITION)
+        self.read_slots[:n].copy_(grp.read_slots)
+        self.read_slots[n:].zero_()
+        self.write.copy_(grp.write)
+
+
+class StaticStepKV:
+    """A T-token step of some session, in fixed-size buffers (the `LayerKV` the model reads)."""
+
+    def __init__(self, kv: PagedSessionKV, buckets: tuple[int, ...], tokens: int) -> None:
+        dev = kv.pool.device
+        self.pool, self.policy, self.rolling = kv.pool, kv.policy, kv.policy.rolling
+        self.layer_group = kv.layer_group
+        self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.groups = [StaticReads(b, tokens, dev) for b in buckets]
+
+    @property
+    def k_pos(self) -> torch.Tensor:
+        return self.groups[0].k_pos
+
     def load(self, kv: PagedSessionKV) -> None:
         """Copy a planned step (after `kv.begin(T)`) into the buffers; the rest stays padding."""
-        n = kv.k_pos.shape[0]
         self.q_pos.copy_(kv.q_pos)
-        self.k_pos[:n].copy_(kv.k_pos)
-        self.k_pos[n:].fill_(PAD_POSITION)
-        self.read_slots[:n].copy_(kv.read_slots)
-        self.read_slots[n:].zero_()
-        self.write.copy_(kv.write_slots)
+        for static, grp in zip(self.groups, kv.groups, strict=True):
+            static.load(grp)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
+        grp = self.groups[self.layer_group[layer]]
         kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
         vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        kf.index_copy_(0, self.write, k.to(kf.dtype))
-        vf.index_copy_(0, self.write, v.to(vf.dtype))
-        return PagedKeys(kf, vf, self.read_slots, self.k_pos)
+        kf.index_copy_(0, grp.write, k.to(kf.dtype))
+        vf.index_copy_(0, grp.write, v.to(vf.dtype))
+        return PagedKeys(kf, vf, grp.read_slots, grp.k_pos)
 
 
 MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first)
@@ -127,7 +147,8 @@ class DecodeGraphs:
         return sum(1 for e in self._entries.values() if e.graph is not None)
 
     def entry_keys(self) -> list[tuple]:
-        """The cached entries' keys (bucket, widths, all_rows, policy keys), least recently used first."""
+        """The cached entries' keys (group 0's bucket, widths, all_rows, policy keys, the other groups' buckets),
+        least recently used first."""
         return list(self._entries)
 
     def _admit(self, policies: set[PolicyKey]) -> bool:
@@ -161,15 +182,15 @@ class DecodeGraphs:
         self.runs += 1  # every graphable step counts, served or not: admitted policies nobody uses age out
         if not self._admit(set(policies)):
             return None
-        bucket = bucket_for(max(kv.k_pos.shape[0] for kv in kvs))
-        key = (bucket, widths, tuple(all_rows), policies)
+        buckets = tuple(bucket_for(max(kv.groups[g].k_pos.shape[0] for kv in kvs)) for g in range(len(kvs[0].groups)))
+        key = (buckets[0], widths, tuple(all_rows), policies, buckets[1:])
         entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order
         if entry is None:
             if len(self._entries) >= MAX_GRAPHS:
                 self._entries.pop(next(iter(self._entries)))
             self.created += 1
             dev = kvs[0].pool.device
-            entry = _Entry([StaticStepKV(kv, bucket, w) for kv, w in zip(kvs, widths, strict=True)],
+            entry = _Entry([StaticStepKV(kv, buckets, w) for kv, w in zip(kvs, widths, strict=True)],
                            torch.zeros(sum(widths), dtype=torch.long, device=dev),
                            None if all(all_rows) else torch.tensor(rows_of(list(widths), all_rows), device=dev))
         self._entries[key] = entry

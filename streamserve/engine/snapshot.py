@@ -3,7 +3,9 @@
 File format (version 1): `torch.save` of a plain dict of str/int/float/list/tensor (loaded with
 `weights_only=True`, so a file can carry no code): format, version, model fingerprint and name, page
 size, window policy, token ids, timeline, committed KV length, the held pages' keys/values per layer
-`[n, P, KVH, hd]` with their logical page numbers, the last logits, the next chunk seq, the page cap, and
+`[n, P, KVH, hd]` with their logical page numbers (`logical_pages`: a list of ints for a model with one layer
+group, as before groups existed; one such list per group for models that mix native windows, whose layers'
+n follow their group), the last logits, the next chunk seq, the page cap, and
 the vectors of embedding chunks still kept (`vector_positions` [n] and `vectors` [n, hidden]; absent in
 files written before embedding chunks existed, which read as none).
 """
@@ -62,7 +64,9 @@ class Snapshot:
             "page_size": self.page_size,
             "policy": {"window": self.policy.window, "sinks": self.policy.sinks, "mode": self.policy.mode},
             "token_ids": list(self.token_ids), "timeline": [asdict(r) for r in self.timeline],
-            "kv_length": self.kv_length, "logical_pages": list(self.pages.logical),
+            "kv_length": self.kv_length,
+            "logical_pages": list(self.pages.logical[0]) if len(self.pages.logical) == 1
+            else [list(g) for g in self.pages.logical],
             "k": list(self.pages.k), "v": list(self.pages.v),
             "logits": self.logits, "logits_at": self.logits_at, "next_seq": self.next_seq, "page_cap": self.page_cap,
             "vector_positions": list(self.vector_positions), "vectors": self.vectors,
@@ -79,7 +83,7 @@ class Snapshot:
             return cls(model=d["model"], model_name=d["model_name"], page_size=int(d["page_size"]),
                        policy=WindowPolicy(**d["policy"]), token_ids=[int(i) for i in d["token_ids"]],
                        timeline=[ChunkRecord(**r) for r in d["timeline"]], kv_length=int(d["kv_length"]),
-                       pages=HostPages([int(j) for j in d["logical_pages"]], list(d["k"]), list(d["v"])),
+                       pages=HostPages(_groups(d["logical_pages"]), list(d["k"]), list(d["v"])),
                        logits=d["logits"], logits_at=int(d["logits_at"]), next_seq=int(d["next_seq"]),
                        page_cap=d.get("page_cap"),
                        vector_positions=[int(p) for p in d.get("vector_positions", [])], vectors=d.get("vectors"))
@@ -102,3 +106,10 @@ class Snapshot:
         except Exception as e:  # a truncated or foreign file: say so, whatever torch raised
             raise SnapshotError(f"cannot read snapshot {path}: {e}") from None
         return cls.from_dict(data)
+
+
+def _groups(logical: list) -> list[list[int]]:
+    """`logical_pages` of a file -> per layer group the logical page numbers (one group: a flat list)."""
+    if logical and all(isinstance(g, list) for g in logical):
+        return [[int(j) for j in g] for g in logical]
+    return [[int(j) for j in logical]]

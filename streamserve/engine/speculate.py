@@ -57,14 +57,16 @@ def draft(s: SessionState, r: Response, k: int, context_limit: int | None) -> Dr
 
 def _page_room(s: SessionState, k: int) -> int:
     """The most drafts a verification can carry without more pages than the session's cap or the pool's free
-    pages allow beyond what a plain one-token step needs."""
+    pages allow beyond what a plain one-token step needs (in every layer group)."""
     kv = s.kv
-    plain = kv.pages_needed(1)
-    free = kv.pool.allocator.free_count
+    alloc = kv.pool.allocator
+    plain = kv.group_pages_needed(1)
+    held = [kv.held_in(g) for g in range(len(plain))]
+    free = [alloc.free_in(g) for g in range(len(plain))]
     while k > 0:
-        extra = kv.pages_needed(1 + k)
-        capped = kv.page_cap is not None and len(kv.page_table) + extra > kv.page_cap
-        if not capped and extra - plain <= max(0, free - plain):
+        extra = kv.group_pages_needed(1 + k)
+        if all((kv.page_cap is None or h + e <= kv.page_cap) and e - p <= max(0, f - p)
+               for h, e, p, f in zip(held, extra, plain, free, strict=True)):
             return k
         k -= 1
     return 0

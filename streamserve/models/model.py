@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 import torch
@@ -32,15 +33,23 @@ class StreamPolicy(Protocol):
     sinks: int
 
 
+class KeyReads(Protocol):
+    """The keys one layer group's layers read in a step."""
+
+    k_pos: torch.Tensor  # [S] absolute positions of the keys `update` returns for the group's layers
+    read_slots: torch.Tensor  # [S] their flat slots in the group's storage
+
+
 class LayerKV(Protocol):
     """What a forward needs from a session's KV: this step's positions, and per layer a place to store
-    the new keys/values and read back the ones its queries may see."""
+    the new keys/values and read back the ones its queries may see. Layers with the same native window
+    form a layer group (one unless the model mixes windows, as Gemma 3 does) and read the same keys."""
 
     rolling: bool  # keys cached before RoPE, positions counted inside the cache (StreamingLLM)
     policy: StreamPolicy
     q_pos: torch.Tensor  # [T] absolute positions of this step's tokens
-    k_pos: torch.Tensor  # [S] absolute positions of the keys `update` returns
-    read_slots: torch.Tensor  # [S] their flat slots in the pool
+    groups: Sequence[KeyReads]  # per layer group: the keys its layers read
+    layer_group: tuple[int, ...]  # layer -> its group (the same for every session of a pool)
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
         """Store k, v [T, KVH, hd]; -> the pages and slots of the keys at `k_pos`, these T tokens included."""
@@ -54,7 +63,7 @@ BATCH_MAX_QUERIES = 16  # sessions running at most this many tokens share one pa
 class Rope(NamedTuple):
     cos: torch.Tensor  # [T, hd] for this step's absolute positions (absolute mode)
     sin: torch.Tensor
-    rolling: RollingRope | None  # the step's rotations inside the cache (rolling mode)
+    rolling: list[RollingRope | None] | None  # rolling mode: per layer group, its keys' rotations inside the cache
 
 
 class StepRopes(NamedTuple):
@@ -70,7 +79,7 @@ class StepLayout(NamedTuple):
     ropes: list[StepRopes]  # per RoPE kind (`ModelConfig.ropes`; a layer reads `ropes[cfg.rope_kind(layer)]`)
     starts: list[int]  # [sessions + 1] token offsets
     batched: list[int]  # absolute-position sessions of few tokens: their attention runs in one `attention_batch` call
-    batch: AttentionBatch | None
+    batch: list[AttentionBatch] | None  # per layer group: the batched sessions' padded queries and keys
 
 
 class Attention(nn.Module):
@@ -110,6 +119,7 @@ class Attention(nn.Module):
         if joint is not None:  # every session numbers absolute positions: one rotation for all N tokens
             q, k = ops.apply_rope(q, joint.cos, joint.sin), ops.apply_rope(k, joint.cos, joint.sin)
         pieces: list[torch.Tensor | None] = [None] * len(kvs)
+        group = kvs[0].layer_group[self.layer]
         if layout.batch is not None:
             assert ops.attention_batch is not None
             for i in layout.batched:
@@ -118,7 +128,7 @@ class Attention(nn.Module):
                     r = ropes.sessions[i]
                     q[a:b], k[a:b] = ops.apply_rope(q[a:b], r.cos, r.sin), ops.apply_rope(k[a:b], r.cos, r.sin)
                 paged = kvs[i].update(self.layer, k[a:b], v[a:b])
-            out = ops.attention_batch(q, paged.k_pool, paged.v_pool, layout.batch, self.scale, self.window)
+            out = ops.attention_batch(q, paged.k_pool, paged.v_pool, layout.batch[group], self.scale, self.window)
             if len(layout.batched) == len(kvs):  # rows already in token order
                 return self.o_proj(out)
             off = 0
@@ -127,17 +137,19 @@ class Attention(nn.Module):
         for i, kv in enumerate(kvs):
             if pieces[i] is None:
                 a, b = st[i], st[i + 1]
-                pieces[i] = self._attend(q[a:b], k[a:b], v[a:b], ropes.sessions[i], kv, ops, joint is not None)
+                pieces[i] = self._attend(q[a:b], k[a:b], v[a:b], ropes.sessions[i], kv, ops, joint is not None,
+                                         group)
         return self.o_proj(pieces[0] if len(kvs) == 1 else torch.cat(pieces))  # type: ignore[arg-type]
 
     def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, kv: LayerKV,
-                ops: Ops, roped: bool) -> torch.Tensor:
+                ops: Ops, roped: bool, group: int) -> torch.Tensor:
         """One session's T tokens: q [T, H, hd], k/v [T, KVH, hd] (rotated already if `roped`) -> [T, H*hd]."""
         pol = kv.policy
         if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
             paged = kv.update(self.layer, k, v)
-            assert rope.rolling is not None and pol.window is not None
-            out = ops.attention_rolling(q, paged, kv.q_pos, rope.rolling, self.scale, pol.sinks, pol.window,
+            rolling = rope.rolling[group] if rope.rolling is not None else None
+            assert rolling is not None and pol.window is not None
+            out = ops.attention_rolling(q, paged, kv.q_pos, rolling, self.scale, pol.sinks, pol.window,
                                         self.window)
         else:
             if not roped:
@@ -238,6 +250,8 @@ class CausalLM(nn.Module):
         self.rope_scalings = tuple(scaling for _, scaling in tables)  # per RoPE kind: the cos/sin factor
         # [kinds, hd/2] fp32; recomputed by `reset_rope` wherever the model is materialised
         self.register_buffer("rope_inv_freq", torch.stack([f for f, _ in tables]), persistent=False)
+        # (RoPE kind, the pool's layer -> group map) -> the layer groups with layers of that kind
+        self._groups_of_kind: dict[tuple[int, tuple[int, ...]], list[int]] = {}
 
     def reset_rope(self, device: torch.device | str) -> None:
         """Recompute the RoPE tables (fp32) on `device`: a model built on "meta" and materialised with `to_empty`,
@@ -295,22 +309,33 @@ class CausalLM(nn.Module):
         batched = [i for i, kv in enumerate(kvs) if not kv.rolling and kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
         if self.ops.attention_batch is None or len(batched) < 2:
             return StepLayout(ropes, starts, [], None)
-        return StepLayout(ropes, starts, batched, self._attention_batch([kvs[i] for i in batched],
-                                                                        [starts[i] for i in batched]))
+        part, at = [kvs[i] for i in batched], [starts[i] for i in batched]
+        return StepLayout(ropes, starts, batched,
+                          [self._attention_batch(part, at, g) for g in range(len(kvs[0].groups))])
 
     def _step_ropes(self, kind: int, kvs: list[LayerKV], dtype: torch.dtype, joint: bool) -> StepRopes:
         """RoPE kind `kind`'s rotations of every session of the step (and their concatenation if `joint`)."""
-        ropes = [self._rope(kind, kv, dtype) for kv in kvs]
+        groups = self._kind_groups(kind, kvs[0].layer_group)
+        ropes = [self._rope(kind, kv, dtype, groups) for kv in kvs]
         if not joint:
             return StepRopes(ropes, None)
         return StepRopes(ropes, Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None))
 
+    def _kind_groups(self, kind: int, layer_group: tuple[int, ...]) -> list[int]:
+        """The layer groups that have layers of RoPE kind `kind` (rolling rotations are made for those only)."""
+        key = (kind, layer_group)
+        if key not in self._groups_of_kind:
+            self._groups_of_kind[key] = sorted({g for layer, g in enumerate(layer_group)
+                                                if self.cfg.rope_kind(layer) == kind})
+        return self._groups_of_kind[key]
+
     @staticmethod
-    def _attention_batch(kvs: list[LayerKV], starts: list[int]) -> AttentionBatch:
-        """The padded query and key lists of a few sessions' steps, shared by every layer."""
-        dev = kvs[0].k_pos.device
+    def _attention_batch(kvs: list[LayerKV], starts: list[int], group: int) -> AttentionBatch:
+        """The padded query and key lists of a few sessions' steps, shared by every layer of `group`."""
+        reads = [kv.groups[group] for kv in kvs]
+        dev = reads[0].k_pos.device
         widths = [kv.q_pos.shape[0] for kv in kvs]
-        tq, longest = max(widths), max(kv.k_pos.shape[0] for kv in kvs)
+        tq, longest = max(widths), max(r.k_pos.shape[0] for r in reads)
         q_rows = torch.tensor([[a + min(j, w - 1) for j in range(tq)] for a, w in zip(starts, widths, strict=True)],
                               dtype=torch.long, device=dev)
         out_rows = torch.tensor([i * tq + j for i, w in enumerate(widths) for j in range(w)], device=dev)
@@ -318,22 +343,26 @@ class CausalLM(nn.Module):
                              for kv, w in zip(kvs, widths, strict=True)])
         slots = torch.zeros(len(kvs), longest, dtype=torch.long, device=dev)
         k_pos = torch.full((len(kvs), longest), NO_POSITION, dtype=torch.long, device=dev)
-        for i, kv in enumerate(kvs):
-            n = kv.k_pos.shape[0]
-            slots[i, :n], k_pos[i, :n] = kv.read_slots, kv.k_pos
+        for i, r in enumerate(reads):
+            n = r.k_pos.shape[0]
+            slots[i, :n], k_pos[i, :n] = r.read_slots, r.k_pos
         pols = [kv.policy for kv in kvs]
         return AttentionBatch(q_rows, q_pos, slots, k_pos, torch.tensor([p.sinks for p in pols], device=dev),
                               torch.tensor([NO_POSITION if p.window is None else p.window for p in pols], device=dev),
                               out_rows)
 
-    def _rope(self, kind: int, kv: LayerKV, dtype: torch.dtype) -> Rope:
-        """The rotations of one session's step with RoPE kind `kind`, shared by every layer of that kind."""
+    def _rope(self, kind: int, kv: LayerKV, dtype: torch.dtype, groups: list[int]) -> Rope:
+        """The rotations of one session's step with RoPE kind `kind`, shared by every layer of that kind
+        (rolling: per layer group in `groups`, each over the keys that group reads)."""
         ops = self.ops
         inv_freq, scaling = self.rope_inv_freq[kind], self.rope_scalings[kind]  # [hd/2] fp32
         if kv.rolling:  # rotations happen inside attention
             assert kv.policy.window is not None
             empty = torch.empty(0, dtype=dtype, device=kv.q_pos.device)
-            return Rope(empty, empty, ops.rolling_rope(kv.q_pos, kv.k_pos, inv_freq, scaling,
-                                                       kv.policy.sinks, kv.policy.window, dtype))
+            rolling: list[RollingRope | None] = [None] * len(kv.groups)
+            for g in groups:
+                rolling[g] = ops.rolling_rope(kv.q_pos, kv.groups[g].k_pos, inv_freq, scaling, kv.policy.sinks,
+                                              kv.policy.window, dtype)
+            return Rope(empty, empty, rolling)
         cos, sin = ops.rope_cos_sin(kv.q_pos, inv_freq, scaling, dtype)  # [T, hd]
         return Rope(cos, sin, None)
