@@ -38,7 +38,7 @@ def load_engine(args: argparse.Namespace) -> Any:
                                     cuda_graphs=cfg.cuda_graphs, drafter=cfg.drafter,
                                     max_draft=cfg.max_draft,
                                     kv_memory=cfg.kv_memory,
-                                    page_size=cfg.page_size, idle_ttl=cfg.idle_ttl)
+                                    page_size=cfg.page_size, idle_ttl=cfg.idle_ttl, rewind_reach=cfg.rewind_reach)
     st = engine.stats()
     print(f"streamserve: {st['model']} ({st['architecture']}, {st['parameters'] / 1e6:.1f}M parameters) "
           f"on {st['device']} as {st['dtype']}, loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)

@@ -288,7 +288,8 @@ def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None
         return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, kernels=engine.kernels,
                                       cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
                                       drafter=engine.drafter, max_draft=engine.max_draft,
-                                      page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler)
+                                      page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler,
+                                      rewind_reach=engine.rewind_reach)
     return load
 
 
