@@ -196,3 +196,31 @@ def test_gemma3_triton_greedy_equals_torch(window, checkpoints, engines) -> None
             s.append(token_ids=prompt)
             outs.append(s.generate(max_tokens=12, stop_token_ids=()))
     assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("arch", ["gemma3", "qwen2"])
+@pytest.mark.parametrize("rolling", [True, False])
+def test_sessions_sharing_a_step_get_what_they_get_alone(arch, rolling, engines) -> None:
+    """One forward of several sessions (absolute ones share a padded attention call, and one rotation per RoPE
+    kind when no session is rolling; rolling ones rotate alone) gives each session's logits of that step alone."""
+    engine = engines[arch]
+    mode = "rolling" if rolling else "absolute"
+    policies = [{}, {"window": 20, "sinks": 2, "positions": "absolute"}, {"window": 24, "sinks": 4, "positions": mode},
+                {}, {"window": 18, "sinks": 0, "positions": mode}]
+    prefixes = [random_ids(n, seed=40 + n) for n in (3, 30, 41, 17, 26)]
+    steps = [random_ids(n, seed=50 + n) for n in (1, 3, 2, 20, 5)]
+    alone, shared = [], []
+    for pol, prefix, step in zip(policies, prefixes, steps, strict=True):
+        with engine.open_session(**pol) as s:
+            s.append(token_ids=prefix)
+            alone.append(engine.forward(s.kv, step, all_logits=True))
+        shared.append(engine.open_session(**pol))
+        shared[-1].append(token_ids=prefix)
+    try:
+        outs = engine.run_step(list(zip(shared, steps, strict=True)), all_rows=[True] * len(steps))
+        for got, want in zip(outs, alone, strict=True):
+            assert isinstance(got, torch.Tensor) and (got - want).abs().max().item() <= 1e-4
+    finally:
+        for s in shared:
+            s.close()
+    engine.check_integrity()
