@@ -1,0 +1,399 @@
+"""Chat turns on one persistent session, rendered incrementally by the checkpoint's chat template.
+
+A `ChatTranscript` keeps a conversation (messages `{"role", "content"}`) on one `Session` so that the
+session's tokens stand for the template's rendering of the whole conversation, while only each new
+turn's text is tokenized and appended: the rendered history is never re-tokenized, re-sent or re-run.
+
+- A message: the conversation is rendered with it; the old rendering must be a prefix of the new one
+  (else: `TemplateNotIncrementalError`, nothing changes) and only the difference is appended. A default
+  system prompt a template inserts on the first turn (SmolLM2's) or its BOS (Gemma's) is part of the
+  first difference (appended without the tokenizer's own special tokens: a BOS is never doubled).
+- A reply: the generation prompt (what `add_generation_prompt=True` adds) is appended first. The model's
+  tokens join the session as they are generated, the stop token included (the engine commits it). At
+  the end the generated text becomes the assistant message and the conversation is rendered again: the
+  generated tokens are kept as far as their text agrees with that rendering, the rest is cut (a stop
+  token that is not the template's end of turn, whitespace the template trims: Gemma's `| trim`), and
+  the rendering's remainder (the end-of-turn text of a reply stopped by max_tokens or a cancel, the
+  newline after an end-of-turn token) is `pending`: it goes in with the next turn's chunk, or at once
+  with `settle()`. So a reply costs no extra engine step and no extra chunk number.
+- `rewind(n)` keeps the first n messages: the session goes back to where message n's rendering began.
+
+Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones serve the
+session service, one operation at a time in the order asked (`turns`), blocking work given to `offload`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from streamserve.config import SAMPLING_DEFAULTS as SD
+from streamserve.engine.sampling import check_sampling, check_seed, check_stop
+from streamserve.engine.session import Session
+from streamserve.engine.streams import Delta, ResponseStream
+from streamserve.engine.work import Ack
+from streamserve.errors import ChatTemplateError, InvalidInputError, ResponseInProgressError, RewindError
+
+ROLES = ("system", "user", "assistant", "tool")
+Message = dict[str, str]
+Offload = Callable[..., Awaitable[Any]]  # offload(fn, *args) runs fn off the event loop, -> its result
+OnDelta = Callable[[ResponseStream, Delta], Awaitable[None]]
+
+
+class NoChatTemplateError(ChatTemplateError):
+    code = "no_chat_template"  # the model has no chat template: chat is refused (plain appends still work)
+
+
+class TemplateNotIncrementalError(ChatTemplateError):
+    code = "chat_template_not_incremental"  # rendering a longer conversation does not extend the shorter one's
+
+
+class ChatMessageError(InvalidInputError):
+    code = "invalid_chat_message"  # not {"role": one of ROLES, "content": str}
+
+
+def check_message(message: Any) -> Message:
+    """A chat message, checked: a map of exactly `role` (one of ROLES) and `content` (a string)."""
+    if not isinstance(message, Mapping):
+        raise ChatMessageError(f"a chat message is a map {{role, content}}, got {type(message).__name__}")
+    extra = sorted(str(k) for k in message if k not in ("role", "content"))
+    if extra:
+        raise ChatMessageError(f"a chat message has only 'role' and 'content'; remove {extra}")
+    role, content = message.get("role"), message.get("content")
+    if role not in ROLES:
+        raise ChatMessageError(f"a chat message's role must be one of {list(ROLES)}, got {role!r}")
+    if not isinstance(content, str):
+        raise ChatMessageError(f"a chat message's content must be a string, got {type(content).__name__}")
+    return {"role": role, "content": content}
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One append the transcript plans: `ids` (the pending end of the last turn, then the new text), `start`
+    (the session position where the new message's rendering begins) and `rendered` (the text once in)."""
+
+    ids: list[int]
+    start: int
+    rendered: str
+    message: Message | None  # None: a generation prompt
+
+
+@dataclass
+class _Reply:
+    start: int  # where the assistant message's rendering (its generation prompt) begins
+    at: int  # where the generated tokens begin
+    prompt: str  # the conversation's rendering with the generation prompt
+    stop_ids: frozenset[int] = frozenset()
+    stop: tuple[str, ...] = ()
+
+
+class ChatTranscript:
+    """A conversation on one persistent, initially empty session (see the module's docstring)."""
+
+    def __init__(self, session: Session) -> None:
+        tok = session.engine.tokenizer
+        if not tok.chat_template:
+            raise NoChatTemplateError(f"model {session.engine.name!r} has no chat template (its tokenizer_config.json "
+                                      "has no chat_template): use `streamserve generate`, or append plain text")
+        if session.token_ids:
+            raise InvalidInputError("a chat transcript starts on an empty session; open a new session for it")
+        self.session, self.tokenizer = session, tok
+        self.messages: list[Message] = []
+        self.rendered = ""  # the template's rendering of `messages` (no generation prompt)
+        self.pending = ""  # its tail not in the session yet: the end of the last reply's turn
+        self.length = 0  # the session's tokens the transcript accounts for
+        self.starts: list[int] = []  # per message: the session position where its rendering begins
+        self.offsets: list[int] = []  # per message: where its rendering begins in `rendered`
+        self.end_of_turn_ids = self._end_of_turn_ids()
+        self.turns = asyncio.Lock()  # asyncio callers: one chat operation at a time, in the order asked
+        self._reply: _Reply | None = None  # between a reply's generation prompt and its record
+        self._asked = self._cancelled = 0  # reply tickets handed out; the latest one cancelled
+        self._waiting = 0  # replies asked for (async) and not recorded yet
+
+    # ---- rendering (no engine calls) ------------------------------------------------------------------
+    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> str:
+        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+
+    def encode(self, text: str) -> list[int]:
+        """Template text -> ids: special tokens written in it become their ids; none are added."""
+        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+
+    def _extension(self, longer: str, what: str, shorter: str | None = None) -> str:
+        """The text `longer` adds to `shorter` (default: the conversation's rendering), which it must extend."""
+        shorter = self.rendered if shorter is None else shorter
+        if not longer.startswith(shorter):
+            raise TemplateNotIncrementalError(
+                f"this model's chat template is not incremental: rendering the conversation with {what} changes "
+                "the text of the turns before it (the template rewrites history), so it cannot be appended to a "
+                "persistent session; use a template whose renderings extend each other, or `streamserve generate`")
+        return longer[len(shorter):]
+
+    def _end_of_turn_ids(self) -> tuple[int, ...]:
+        """The special token closing an assistant turn (ChatML's <|im_end|>, Gemma's <end_of_turn>), found by
+        rendering a probe exchange: replies stop there even where the model's EOS is another token."""
+        probe: list[Message] = [{"role": "user", "content": "x"}]
+        try:
+            head = self.render(probe, True)
+            full = self.render([*probe, {"role": "assistant", "content": "y"}])
+        except ChatTemplateError:
+            return ()
+        tail = full[len(head):] if full.startswith(head) else ""
+        ids = self.encode(tail[tail.find("y") + 1:]) if "y" in tail else []
+        special = bool(ids) and self.tokenizer.decode(ids[:1], skip_special_tokens=True) == ""
+        return (ids[0],) if special else ()
+
+    def _check_idle(self) -> None:
+        if self._reply is not None:
+            raise ResponseInProgressError("a reply is running on this chat: read it to its end (or cancel it) first")
+        if len(self.session.token_ids) != self.length:
+            raise ChatTemplateError(f"the session holds {len(self.session.token_ids)} tokens where its chat "
+                                    f"transcript accounts for {self.length}: it was changed outside the transcript; "
+                                    "open a new chat session")
+
+    # ---- planning and recording (the session is read, never waited for, except by `record`) -----------
+    def plan_message(self, message: Any) -> Turn:
+        m = check_message(message)
+        self._check_idle()
+        text = self._extension(self.render([*self.messages, m]), f"a new {m['role']} message")
+        closing = self.encode(self.pending)
+        ids = closing + self.encode(text)
+        if not ids:
+            raise ChatTemplateError(f"the chat template renders this {m['role']} message as nothing")
+        return Turn(ids, self.length + len(closing), self.rendered + text, m)
+
+    def commit(self, turn: Turn) -> None:
+        """The planned turn is in the session (its chunk was acked)."""
+        if turn.message is None:
+            self._reply = _Reply(turn.start, self.length + len(turn.ids), turn.rendered)
+        else:
+            self.messages.append(turn.message)
+            self.starts.append(turn.start)
+            self.offsets.append(len(self.rendered))
+            self.rendered = turn.rendered
+        self.pending = ""
+        self.length += len(turn.ids)
+
+    def plan_prompt(self) -> Turn:
+        self._check_idle()
+        text = self._extension(self.render(self.messages, True), "the generation prompt")
+        closing = self.encode(self.pending)
+        return Turn(closing + self.encode(text), self.length + len(closing), self.rendered + text, None)
+
+    def start_stream(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
+                     top_p: float = SD.top_p, top_k: int = SD.top_k, seed: int | None = SD.seed,
+                     stop: Sequence[str] | None = None, stop_token_ids: Sequence[int] | None = None) -> ResponseStream:
+        """Start the reply after its generation prompt is in (`commit`). It stops at the model's EOS ids and
+        the template's end-of-turn token unless `stop_token_ids` says otherwise."""
+        r = self._reply
+        if r is None:
+            raise InvalidInputError("a chat reply starts after its generation prompt is in the session")
+        ids = (*self.session.engine.eos_token_ids, *self.end_of_turn_ids) if stop_token_ids is None else stop_token_ids
+        r.stop_ids, r.stop = frozenset(ids), tuple(stop or ())
+        try:
+            return self.session.stream(max_tokens, temperature, top_p, top_k, seed, stop, list(r.stop_ids))
+        except BaseException:
+            self._reply = None
+            self._cut(r.start)  # the prompt goes again: the transcript stands as before
+            raise
+
+    def record(self, stream: ResponseStream) -> str:
+        """Blocking: wait for the reply's end and record it as the assistant message; -> its content."""
+        r = self._reply
+        if r is None:
+            raise InvalidInputError("no chat reply to record")
+        if stream.finish_reason is None:
+            stream.wait()
+        self._reply = None
+        ids = list(self.session.token_ids[r.at:])
+        body = ids[:-1] if stream.finish_reason == "stop" and ids and ids[-1] in r.stop_ids else ids
+        content = self.tokenizer.decode(body, skip_special_tokens=False)
+        for s in r.stop:  # a stop string ends the reply's text before it
+            content = content.split(s, 1)[0]
+        m: Message = {"role": "assistant", "content": content}
+        try:
+            full = self.render([*self.messages, m])
+            tail = self._extension(full, "the reply", r.prompt)  # the content as rendered, then the turn's end
+        except ChatTemplateError:
+            self._cut(r.start)  # the reply and its prompt go: the transcript stands as before it
+            raise
+        keep, text = self._agreeing(ids, tail)
+        if keep < len(ids):
+            self.session.rewind(to=r.at + keep)
+        self.messages.append(m)
+        self.starts.append(r.start)
+        self.offsets.append(len(self.rendered))
+        self.rendered, self.pending, self.length = full, tail[len(text):], r.at + keep
+        return content
+
+    def _agreeing(self, ids: list[int], tail: str) -> tuple[int, str]:
+        """The longest prefix of the generated `ids` whose text begins `tail` (ids the tokenizer cannot write
+        end it): -> (its length, its text). One decode of the whole in the usual cases (the reply agrees)."""
+        n = next((i for i, t in enumerate(ids) if self.tokenizer.decode([t], skip_special_tokens=False) == ""),
+                 len(ids))
+        text = self.tokenizer.decode(ids[:n], skip_special_tokens=False)
+        if tail.startswith(text):
+            return n, text
+        agree = next((i for i, (a, b) in enumerate(zip(text, tail, strict=False)) if a != b), min(len(text), len(tail)))
+        detok, shown, k = self.tokenizer.detokenizer(skip_special_tokens=False), 0, 0
+        while k < n:  # the first k tokens show at most `agree` characters (a streaming pass, not k decodes)
+            shown += len(detok.push([ids[k]]))
+            if shown > agree:
+                break
+            k += 1
+        while k > 0:  # checked by decoding; rarely more than one step back (a character split across tokens)
+            text = self.tokenizer.decode(ids[:k], skip_special_tokens=False)
+            if tail.startswith(text):
+                return k, text
+            k -= 1
+        return 0, ""
+
+    def _cut(self, to: int) -> None:  # back to an earlier point of this transcript's own text
+        if not self.session.closed and len(self.session.token_ids) > to:
+            self.session.rewind(to=to)
+        self.length = to
+
+    def messages_within(self, to: int | None = None, to_seq: int | None = None) -> int:
+        """How many messages lie whole in the session's first `to` tokens, or up to the end of chunk `to_seq`."""
+        if to_seq is not None:
+            rec = next((r for r in self.session.timeline if r.kind == "input" and r.seq == to_seq), None)
+            if rec is None:
+                raise RewindError(f"no chunk with seq {to_seq!r} on this session's timeline")
+            to = rec.end
+        if to is None or not 0 <= to <= self.length:
+            raise RewindError(f"cannot rewind to {to!r}: the session holds positions 0..{self.length}")
+        return sum(1 for end in [*self.starts[1:], self.length] if end <= to)
+
+    # ---- blocking use (the terminal, tools, tests) -----------------------------------------------------
+    def add(self, message: Any, **chunk: Any) -> Ack:
+        """Append a message (`chunk`: Session.append_chunk's seq, capture_time, deadline); -> its chunk's ack."""
+        turn = self.plan_message(message)
+        ack = self.session.append_chunk(token_ids=turn.ids, **chunk)
+        self.commit(turn)
+        return ack
+
+    def reply(self, seq: int | None = None, **sampling: Any) -> ChatReply:
+        """Append the generation prompt and start the reply (`sampling`: `start_stream`'s parameters)."""
+        _check_params(sampling)
+        turn = self.plan_prompt()
+        if turn.ids:
+            self.session.append_chunk(token_ids=turn.ids, seq=seq)
+        self.commit(turn)
+        return ChatReply(self, self.start_stream(**sampling))
+
+    def rewind(self, messages: int) -> int:
+        """Keep the first `messages` messages (a reply must have ended); -> the session's length."""
+        if isinstance(messages, bool) or not isinstance(messages, int) or not 0 <= messages <= len(self.messages):
+            raise RewindError(f"cannot keep {messages!r} messages: the chat has {len(self.messages)}")
+        self._check_idle()
+        if messages < len(self.messages):
+            to = self.starts[messages]
+            self.session.rewind(to=to)
+            del self.messages[messages:], self.starts[messages:]
+            self.rendered, self.pending, self.length = self.rendered[:self.offsets[messages]], "", to
+            del self.offsets[messages:]
+        return self.length
+
+    def settle(self) -> None:
+        """Append the pending end of the last reply's turn now (one chunk): the session then holds exactly
+        the rendering of the conversation."""
+        self._check_idle()
+        if self.pending:
+            ids = self.encode(self.pending)
+            self.session.append_chunk(token_ids=ids)
+            self.pending, self.length = "", self.length + len(ids)
+
+    # ---- asyncio use (the session service): one operation at a time, in order ---------------------------
+    async def add_async(self, message: Any, offload: Offload, **chunk: Any) -> Ack:
+        async with self.turns:
+            turn = await offload(self.plan_message, message)  # renders and tokenizes: off the event loop
+            ack = await asyncio.wrap_future(self.session.submit_chunk(token_ids=turn.ids, **chunk))
+            self.commit(turn)
+            return ack
+
+    def ask_reply(self, sampling: Mapping[str, Any]) -> int:
+        """A reply is asked for (checked now, run by `reply_async` in its turn); -> its ticket."""
+        if self._waiting:
+            raise ResponseInProgressError("this chat session already has a reply running or asked for; cancel it or "
+                                          "wait for its end")
+        _check_params(sampling)
+        self._waiting += 1
+        self._asked += 1
+        return self._asked
+
+    def cancel(self) -> None:
+        """End the running reply and any asked for that has not started (its `reply_async` returns None)."""
+        self._cancelled = self._asked
+        self.session.cancel()
+
+    async def reply_async(self, ticket: int, on_delta: OnDelta, offload: Offload, seq: int | None = None,
+                          **sampling: Any) -> ResponseStream | None:
+        """Append the generation prompt (chunk `seq`), stream the reply to `on_delta`, record it; -> the
+        ended stream, or None when cancelled before it started."""
+        try:
+            async with self.turns:
+                if ticket <= self._cancelled:
+                    return None
+                turn = await offload(self.plan_prompt)
+                if turn.ids:
+                    await asyncio.wrap_future(self.session.submit_chunk(token_ids=turn.ids, seq=seq))
+                self.commit(turn)
+                stream = await offload(lambda: self.start_stream(**sampling))
+                if ticket <= self._cancelled:
+                    stream.cancel()
+                ended = False
+                try:
+                    async for d in stream:
+                        await on_delta(stream, d)
+                    ended = True
+                finally:
+                    if not ended:  # a consumer's failure or an engine error: the reply ends, and is recorded
+                        stream.cancel()
+                    if not self.session.closed:
+                        await offload(self.record, stream)
+                return stream
+        finally:
+            self._waiting -= 1
+
+    async def rewind_async(self, messages: int, offload: Offload) -> int:
+        """`rewind`, after ending a running or asked-for reply (which is recorded first)."""
+        self.cancel()
+        async with self.turns:
+            return await offload(self.rewind, messages)
+
+
+class ChatReply:
+    """A reply on a chat transcript: iterate it for its `Delta`s; at its end (or `wait()`) it is recorded as
+    the assistant message (`content`). `stream.cancel()` ends it early; what was generated is recorded."""
+
+    def __init__(self, chat: ChatTranscript, stream: ResponseStream) -> None:
+        self.chat, self.stream = chat, stream
+        self.content: str | None = None
+
+    def __iter__(self) -> ChatReply:
+        return self
+
+    def __next__(self) -> Delta:
+        try:
+            return next(self.stream)
+        except StopIteration:
+            self.wait()
+            raise
+
+    def wait(self) -> str:
+        """Block until the reply ends and is recorded; -> the assistant message's content."""
+        if self.content is None:
+            self.content = self.chat.record(self.stream)
+        return self.content
+
+
+def _check_params(sampling: Mapping[str, Any]) -> None:
+    """A reply's parameters, checked before its generation prompt is appended (a refused reply changes nothing)."""
+    unknown = sorted(set(sampling) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"})
+    if unknown:
+        raise InvalidInputError(f"unknown reply parameter(s) {unknown}")
+    check_sampling(sampling.get("max_tokens", SD.max_tokens), sampling.get("temperature", SD.temperature),
+                   sampling.get("top_p", SD.top_p), sampling.get("top_k", SD.top_k))
+    check_seed(sampling.get("seed"))
+    check_stop(sampling.get("stop"))
