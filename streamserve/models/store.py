@@ -218,8 +218,10 @@ class Store:
         `progress` shows pip's progress bar and ours on stderr (pip's output is kept for errors otherwise).
         """
         entry = self.entry(name)
-        if not force and (path := self._installed_ok(name, progress)):
-            return path
+        if not force:
+            if path := self._installed_ok(name, progress):
+                return path
+            force = self.installed(name) is not None  # there, but damaged: replaced
         (self.home / "tmp").mkdir(parents=True, exist_ok=True)
         with self._locked(name):
             if not force and (path := self.installed(name)):  # another process pulled it while we waited
