@@ -17,6 +17,7 @@ script starting at "\\n" decides exactly what every reply says.
 
 from __future__ import annotations
 
+import itertools
 import json
 from pathlib import Path
 from typing import Any
@@ -82,7 +83,7 @@ def chat_checkpoint(folder: Path, kind: str = "chatml", script: list[int] | None
                 layer.mlp.down_proj.weight.zero_()
             emb, gain = model.model.embed_tokens.weight, model.model.norm.weight
             succ = {t: t for t in range(emb.shape[0])}
-            succ.update({a: b for a, b in zip(script, script[1:], strict=False)})
+            succ.update(itertools.pairwise(script))
             succ[script[-1]] = script[0]  # a permutation: each output row is written once
             for cur, nxt in succ.items():
                 model.lm_head.weight[nxt] = 10.0 * gain * emb[cur]

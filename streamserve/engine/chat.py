@@ -228,23 +228,21 @@ class ChatTranscript:
         return content
 
     def _agreeing(self, ids: list[int], tail: str) -> tuple[int, str]:
-        """The longest prefix of the generated `ids` whose text begins `tail` (ids the tokenizer cannot write
-        end it): -> (its length, its text). One decode of the whole in the usual cases (the reply agrees)."""
-        n = next((i for i, t in enumerate(ids) if self.tokenizer.decode([t], skip_special_tokens=False) == ""),
-                 len(ids))
-        text = self.tokenizer.decode(ids[:n], skip_special_tokens=False)
-        if tail.startswith(text):
-            return n, text
-        agree = next((i for i, (a, b) in enumerate(zip(text, tail, strict=False)) if a != b), min(len(text), len(tail)))
+        """The longest prefix of the generated `ids` whose text begins `tail`, ended early by an id the tokenizer
+        cannot write or by bytes that are not UTF-8 (their text, U+FFFD, would not tokenize back to them):
+        -> (its length, its text). One streaming pass, then one decode to check (rarely a step back)."""
         detok, shown, k = self.tokenizer.detokenizer(skip_special_tokens=False), 0, 0
-        while k < n:  # the first k tokens show at most `agree` characters (a streaming pass, not k decodes)
-            shown += len(detok.push([ids[k]]))
-            if shown > agree:
+        for i, t in enumerate(ids):
+            if self.tokenizer.decode([t], skip_special_tokens=False) == "":
                 break
-            k += 1
-        while k > 0:  # checked by decoding; rarely more than one step back (a character split across tokens)
+            piece = detok.push([t])  # "" while a character is incomplete
+            if piece and ("\ufffd" in piece or not tail.startswith(piece, shown)):
+                break
+            if piece:
+                shown, k = shown + len(piece), i + 1
+        while k > 0:
             text = self.tokenizer.decode(ids[:k], skip_special_tokens=False)
-            if tail.startswith(text):
+            if tail.startswith(text) and "\ufffd" not in text:
                 return k, text
             k -= 1
         return 0, ""
