@@ -38,13 +38,15 @@ def test_greedy_tokens_match_transformers(arch: str, checkpoints, engines) -> No
 @pytest.mark.parametrize(("arch", "kw", "windows"), [
     ("qwen3", {"max_window_layers": 1}, (None, 16, 16)),  # Qwen3: layers from max_window_layers on
     ("qwen3_moe", {}, (16, 16, 16)),  # Qwen3-MoE: every layer
+    ("qwen2", {"max_window_layers": 2}, (None, None, 16)),  # Qwen2: as Qwen3
+    ("qwen2", {"use_sliding_window": False}, (None, None, None)),  # a window that is switched off binds nowhere
 ])
-def test_qwen3_sliding_window_layers_match_transformers(tmp_path, arch, kw, windows) -> None:
+def test_qwen_sliding_window_layers_match_transformers(tmp_path, arch, kw, windows) -> None:
     from helpers import make_checkpoint
 
     from streamserve import Engine
 
-    hf = make_checkpoint(tmp_path, arch, use_sliding_window=True, sliding_window=16, **kw)
+    hf = make_checkpoint(tmp_path, arch, **{"use_sliding_window": True, "sliding_window": 16, **kw})
     engine = Engine.from_pretrained(tmp_path, device="cpu")
     assert engine.config.sliding_windows == windows
     ids = random_ids(50, seed=6)
