@@ -8,11 +8,11 @@ import sys
 from collections.abc import Sequence
 
 from streamserve import __version__
-from streamserve.cli import generate, info, models, serve
+from streamserve.cli import chat, generate, info, models, serve
 from streamserve.errors import StreamserveError
 
 # the sub-commands, in the order `streamserve --help` lists them
-COMMANDS = (serve, generate, info, models)
+COMMANDS = (serve, generate, chat, info, models)
 
 DESCRIPTION = """\
 streamserve: a real-time streaming interaction server for large language models.

@@ -1,0 +1,86 @@
+"""`streamserve chat` in a subprocess, lines on stdin (not a terminal), replies on stdout."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from helpers import make_checkpoint
+from test_cli_chat_checkpoints import IM_END, NL, SPACE, TAB, chat_checkpoint, scripted
+
+from streamserve.models import Tokenizer
+
+FLAGS = ["--device", "cpu", "--kv-memory", "32MiB", "--temperature", "0"]
+
+
+def chat_command(model: Path, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "streamserve", "chat", "--model", str(model), *FLAGS, *extra]
+
+
+def run_chat(model: Path, lines: list[str], *extra: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(chat_command(model, *extra), input="".join(f"{line}\n" for line in lines),
+                          capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+
+
+def session_tokens(stdout: str) -> list[int]:
+    return [int(line.split(":")[1]) for line in stdout.splitlines() if line.startswith("session tokens:")]
+
+
+@pytest.fixture(scope="module")
+def scripted_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return chat_checkpoint(tmp_path_factory.mktemp("cli-chat"), "chatml", [NL, SPACE, *scripted("hi"), TAB, IM_END])
+
+
+def test_chat_answers_each_line_and_rewind_reset_stats_work(scripted_model: Path) -> None:
+    done = run_chat(scripted_model, ["hello", "/stats", "again", "/stats", "/rewind", "/stats", "/help", "/reset",
+                                     "/stats", "/nonsense"], "--system", "Be kind.")
+    assert done.returncode == 0, done.stderr
+    out = done.stdout.splitlines()
+    assert out[0] == " hi\t"  # the scripted reply, streamed
+    tokens = session_tokens(done.stdout)
+    tok = Tokenizer.from_dir(scripted_model)
+
+    def rendered(*turns: str) -> int:
+        msgs = [{"role": "system", "content": "Be kind."}]
+        for t in turns:
+            msgs += [{"role": "user", "content": t}, {"role": "assistant", "content": " hi\t"}]
+        return len(tok.encode(tok.apply_chat_template(msgs, add_generation_prompt=False)))
+
+    # after each exchange: the rendering but for the "\n" closing the reply's turn (it comes with the next
+    # message); /rewind undoes the second exchange; /reset leaves the system prompt alone
+    system_only = len(tok.encode(tok.apply_chat_template([{"role": "system", "content": "Be kind."}], False)))
+    assert tokens == [rendered("hello") - 1, rendered("hello", "again") - 1, rendered("hello"), system_only]
+    assert "last reply: 5 tokens" in done.stdout and "kv pages held:" in done.stdout
+    assert "/rewind   undo the last exchange" in done.stdout and "unknown command /nonsense" in done.stdout
+
+
+def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tmp_path: Path) -> None:
+    model = chat_checkpoint(tmp_path, "chatml", [NL, SPACE, *scripted("hi"), TAB])  # no end: " hi\t\n hi\t..."
+    proc = subprocess.Popen(chat_command(model, "--max-tokens", "300"), stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    try:
+        assert proc.stdin is not None and proc.stdout is not None
+        proc.stdin.write("hello\n")
+        proc.stdin.flush()
+        assert proc.stdout.read(1) == " "  # the reply is streaming
+        proc.send_signal(signal.SIGINT)
+        out, err = proc.communicate("/stats\nagain\n/stats\n", timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, err
+    # one character a token: the reply ended before its 300 tokens (it has newlines of its own)
+    assert " [stopped]\n" in out and out.index(" [stopped]") < 300
+    before, after = session_tokens(out)
+    assert after > before  # the next exchange ran on the same session, after the stopped reply
+
+
+def test_a_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "qwen3")
+    done = run_chat(tmp_path, ["hello"])
+    assert done.returncode == 1 and "no chat template" in done.stderr and "streamserve generate" in done.stderr
