@@ -21,8 +21,8 @@ HF_ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "q
                     "qwen3moe": "Qwen3MoeForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 GEMMA3_GLOBAL_EVERY = 6  # llama.cpp and transformers: layers 5, 11, 17, ... attend globally, the rest in a window
 GEMMA3_27B_LAYERS = 62  # llama.cpp scales Gemma 3 27B's queries by (hidden / heads), every other size by head_dim
-# Llama 3.x RoPE profiles llama.cpp's rope_freqs tensor can come from: (low_freq_factor, high_freq_factor, context)
-_LLAMA3_PROFILES = [(1.0, 4.0, ctx) for ctx in (8192, 4096, 2048, 16384, 32768, 65536, 131072)]
+# (low_freq_factor, high_freq_factor) pairs tried when reading Llama 3 RoPE parameters back from rope_freqs
+_LLAMA3_FACTORS = [(1.0, 4.0), (1.0, 2.0), (1.0, 8.0), (2.0, 4.0)]
 
 
 def gguf_config(f: GGUFFile) -> ModelConfig:
@@ -133,22 +133,40 @@ def _llama3_scaling(f: GGUFFile, theta: float, head_dim: int) -> dict[str, Any]:
         raise ModelLoadError(f"{f.path.name}: rope_freqs has {len(stored)} values, head_dim {head_dim} needs "
                              f"{len(freqs)}")
     factor = max(stored)
-    for low, high, ctx in _LLAMA3_PROFILES:
-        expect = []
-        for freq in freqs:
-            wavelen = 2 * math.pi / freq
-            if wavelen < ctx / high:
-                expect.append(1.0)
-            elif wavelen > ctx / low:
-                expect.append(factor)
-            else:
-                smooth = (ctx / wavelen - low) / (high - low)
-                expect.append(1 / ((1 - smooth) / factor + smooth))
-        if all(math.isclose(a, b, rel_tol=1e-3) for a, b in zip(stored, expect, strict=True)):
-            return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
-                    "original_max_position_embeddings": ctx}
+    for low, high in _LLAMA3_FACTORS:
+        for ctx in _llama3_contexts(stored, freqs, factor, low, high):
+            if all(math.isclose(a, b, rel_tol=1e-3)
+                   for a, b in zip(stored, _llama3_divisors(freqs, factor, low, high, ctx), strict=True)):
+                return {"rope_type": "llama3", "factor": factor, "low_freq_factor": low, "high_freq_factor": high,
+                        "original_max_position_embeddings": ctx}
     raise ModelLoadError(f"{f.path.name}: its rope_freqs tensor matches no Llama 3 RoPE profile streamserve knows; "
                          "use the model's safetensors checkpoint")
+
+
+def _llama3_divisors(freqs: list[float], factor: float, low: float, high: float, ctx: int) -> list[float]:
+    """What llama.cpp's converter stores for these parameters: inv_freq / scaled inv_freq, per frequency."""
+    out = []
+    for freq in freqs:
+        wavelen = 2 * math.pi / freq
+        if wavelen < ctx / high:
+            out.append(1.0)
+        elif wavelen > ctx / low:
+            out.append(factor)
+        else:
+            smooth = (ctx / wavelen - low) / (high - low)
+            out.append(1 / ((1 - smooth) / factor + smooth))
+    return out
+
+
+def _llama3_contexts(stored: list[float], freqs: list[float], factor: float, low: float, high: float) -> list[int]:
+    """Candidate pre-scaling contexts: powers of two, and the one a smoothed divisor implies."""
+    found = [2 ** k for k in range(4, 22)]
+    for d, freq in zip(stored, freqs, strict=True):
+        if 1.0 + 1e-4 < d < factor - 1e-4 and factor > 1:
+            smooth = (1 / d - 1 / factor) / (1 - 1 / factor)
+            found.insert(0, round(2 * math.pi / freq * (smooth * (high - low) + low)))
+            break
+    return found
 
 
 def _moe(f: GGUFFile, layers: int) -> dict[str, Any]:
