@@ -56,15 +56,17 @@ def sink_window_masks(n: int, sinks: int, window: int, sliding: int) -> dict[str
             "sliding_attention": additive(visible(pos, pos, sliding, sinks, window))}
 
 
-def test_gemma3_rolling_session_without_sinks_matches_transformers_with_a_window_mask(checkpoints, engines) -> None:
+@pytest.mark.parametrize("window", [24, 12])
+def test_gemma3_rolling_session_without_sinks_matches_transformers_with_a_window_mask(window, checkpoints,
+                                                                                      engines) -> None:
     """Rolling positions rotate a window key by its distance from the query, as absolute positions do: without
     sinks a rolling session is transformers with a [window] mask (and each local layer's own 16-token window),
-    however far the stream runs past the 24-token window."""
+    however far the stream runs past the session's window (wider, then narrower than the local layers')."""
     _, hf = checkpoints["gemma3"]
     ids = random_ids(80, seed=32)
     with torch.no_grad():
-        ref = hf(torch.tensor([ids]), attention_mask=sink_window_masks(80, 0, 24, 16)).logits[0]
-    with engines["gemma3"].open_session(window=24, sinks=0, positions="rolling") as s:
+        ref = hf(torch.tensor([ids]), attention_mask=sink_window_masks(80, 0, window, 16)).logits[0]
+    with engines["gemma3"].open_session(window=window, sinks=0, positions="rolling") as s:
         assert s.kv.rolling
         for i, logits in zip(range(0, 80, 9), appended(s, ids, 9), strict=True):
             last = min(i + 9, 80) - 1
