@@ -22,7 +22,7 @@ from typing import IO
 from streamserve.errors import InvalidInputError, ModelLoadError, StreamserveError
 
 
-# ---- the errors of the catalog and the model cache (streamserve.models.store raises them) ----
+# ---- the errors of the catalog and the model cache (streamserve.models.store raises them; import them from there) ----
 class UnknownModelError(InvalidInputError):
     """A name that is not in the catalog."""
 
@@ -91,6 +91,12 @@ def find_wheel(folder: Path, package: str, version: str) -> Path | None:
         if norm(dist) == norm(package) and ver == version:
             return wheel
     return None
+
+
+def parse_sha256sums(text: str) -> dict[str, str]:
+    """file name -> SHA-256 from sha256sum's output format ("<hex>  <name>", "*" before a name: binary mode)."""
+    pairs = [line.split(maxsplit=1) for line in text.splitlines()]
+    return {pair[1].strip().lstrip("*"): pair[0].lower() for pair in pairs if len(pair) == 2}
 
 
 @dataclass(frozen=True)

