@@ -46,10 +46,11 @@ MAX_BAD_MESSAGES = 16  # malformed frames tolerated per connection before it is 
 
 
 # ---- rendering: neutral results -> native messages ------------------------------------------------------
-def render_hello(info: ServerInfo) -> dict[str, Any]:
+def render_hello(info: ServerInfo, chat_template: bool = False) -> dict[str, Any]:
     lim = info.limits
     return {"type": "hello", "protocol": P.PROTOCOL_VERSION, "server": f"streamserve {__version__}",
             "model": info.model, "architecture": info.architecture, "modalities": list(info.modalities),
+            "chat_template": chat_template,
             "vocab_size": info.vocab_size, "max_context": info.max_context,
             "limits": {"max_frame_bytes": lim.max_frame_bytes, "max_chunk_tokens": lim.max_chunk_tokens,
                        "max_sessions": lim.max_sessions, "messages_per_second": lim.messages_per_second,
@@ -112,7 +113,11 @@ class NativeConnection(ProtocolAdapter):
         await self.transport.send(P.encode(message))
 
     async def greet(self) -> None:
-        await self.send(render_hello(self.service.info()))
+        await self.send(render_hello(self.service.info(), self.service.chats.available))
+
+    async def send_opened(self, opened: Opened, request_id: Any) -> None:
+        """`opened`, saying whether the session is a chat session (its appends are messages)."""
+        await self.send({**render(opened, request_id), "chat": self.service.chats.get(opened.session) is not None})
 
     async def handle(self, frame: Frame) -> None:
         try:
@@ -132,22 +137,24 @@ class NativeConnection(ProtocolAdapter):
             await self.send(render(service_error(e, m.session, m.fields.get("seq")), m.id))
 
     # ---- one handler per client message type: fields -> service call ----------------------------------
-    async def on_open(self, m: P.ClientMessage) -> Opened:
+    async def on_open(self, m: P.ClientMessage) -> None:
         f = m.fields
-        return await self.service.open(self.ctx, OpenRequest(f["window"], f["sinks"], f["positions"], f["drafter"],
-                                                             f["chunk_budget_ms"], f["sampling"]))
+        opened = await self.service.open(self.ctx, OpenRequest(f["window"], f["sinks"], f["positions"], f["drafter"],
+                                                               f["chunk_budget_ms"], f["sampling"]), bool(f["chat"]))
+        await self.send_opened(opened, m.id)
 
     async def on_resume(self, m: P.ClientMessage) -> None:
         assert m.session is not None
         opened, recent = await self.service.resume(self.ctx, m.session, m.fields["resume_token"])
-        await self.send(render(opened, m.id))
+        await self.send_opened(opened, m.id)
         for result in recent:  # the latest chunks' results: the client takes those it waits for
             await self.push(result)
 
     async def on_append(self, m: P.ClientMessage) -> None:
         assert m.session is not None
         keys = ("seq", "capture_time", "deadline_ms", "kind", "text", "token_ids", "audio", "image")
-        await self.service.append(self.ctx, m.session, AppendRequest(**{k: m.fields[k] for k in keys}))
+        await self.service.append(self.ctx, m.session, AppendRequest(**{k: m.fields[k] for k in keys}),
+                                  m.fields["message"])
 
     async def on_respond(self, m: P.ClientMessage) -> None:
         assert m.session is not None
@@ -159,7 +166,8 @@ class NativeConnection(ProtocolAdapter):
 
     async def on_rewind(self, m: P.ClientMessage) -> Rewound:
         assert m.session is not None
-        return await self.service.rewind(self.ctx, m.session, m.fields["to"], m.fields["to_seq"])
+        f = m.fields
+        return await self.service.rewind(self.ctx, m.session, f["to"], f["to_seq"], f["to_message"])
 
     async def on_configure(self, m: P.ClientMessage) -> Configured:
         assert m.session is not None

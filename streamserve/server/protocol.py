@@ -30,6 +30,7 @@ CLOSE_BAD_CLIENT = 4400  # the client keeps sending what the protocol does not a
 
 CLIENT_TYPES = ("open", "resume", "append", "respond", "cancel", "rewind", "configure", "close", "stats")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # engine/chat.py's ROLES (this module imports no engine)
 
 
 class ProtocolError(Exception):
@@ -98,7 +99,8 @@ def _open(f: _Fields) -> dict[str, Any]:
     return {"window": f.integer("window", minimum=1), "sinks": f.integer("sinks", minimum=0),
             "positions": f.choice("positions", ("absolute", "rolling")),
             "drafter": f.choice("drafter", ("none", "ngram", "auto")),
-            "chunk_budget_ms": f.number("chunk_budget_ms", positive=True), "sampling": f.sampling("sampling")}
+            "chunk_budget_ms": f.number("chunk_budget_ms", positive=True), "sampling": f.sampling("sampling"),
+            "chat": f.flag("chat")}
 
 
 def _resume(f: _Fields) -> dict[str, Any]:
@@ -110,14 +112,18 @@ def _append(f: _Fields) -> dict[str, Any]:
            "deadline_ms": f.number("deadline_ms", positive=True), "kind": f.choice("kind", ("text", "audio", "video")),
            "text": f.text("text"), "token_ids": f.int_list("token_ids"),
            "audio": f.raw("audio"), "image": f.raw("image")}
-    given = [k for k in ("text", "token_ids", "audio", "image") if out[k] is not None]
+    out["message"] = f.chat_message("message", out["seq"])
+    given = [k for k in ("text", "token_ids", "audio", "image", "message") if out[k] is not None]
     if len(given) != 1:
-        raise f.error(f"append takes exactly one of text, token_ids, audio, image; got {given or 'none'}", out["seq"])
+        raise f.error(f"append takes exactly one of text, token_ids, audio, image, message; got {given or 'none'}",
+                      out["seq"])
     return out
 
 
 def _respond(f: _Fields) -> dict[str, Any]:
-    return f.sampling_fields()
+    out = f.sampling_fields()
+    seq = f.integer("seq", minimum=0)  # chat sessions: the chunk of the generation prompt
+    return out if seq is None else {**out, "seq": seq}
 
 
 def _nothing(f: _Fields) -> dict[str, Any]:
@@ -125,9 +131,10 @@ def _nothing(f: _Fields) -> dict[str, Any]:
 
 
 def _rewind(f: _Fields) -> dict[str, Any]:
-    out = {"to_seq": f.integer("to_seq", minimum=0), "to": f.integer("to", minimum=0)}
-    if (out["to_seq"] is None) == (out["to"] is None):
-        raise f.error("rewind takes exactly one of to_seq and to")
+    out = {"to_seq": f.integer("to_seq", minimum=0), "to": f.integer("to", minimum=0),
+           "to_message": f.integer("to_message", minimum=0)}
+    if sum(v is not None for v in out.values()) != 1:
+        raise f.error("rewind takes exactly one of to_seq, to and to_message")
     return out
 
 
@@ -196,6 +203,22 @@ class _Fields:
 
     def raw(self, key: str) -> Any:
         return self.get_field(key, False)
+
+    def flag(self, key: str) -> bool | None:
+        v = self.get_field(key, False)
+        if v is not None and not isinstance(v, bool):
+            raise self.error(f"{key} must be true or false")
+        return v
+
+    def chat_message(self, key: str, seq: int | None) -> dict[str, str] | None:
+        """A chat message: a map of exactly `role` (one of CHAT_ROLES) and `content` (a string)."""
+        v = self.get_field(key, False)
+        if v is not None and not (isinstance(v, dict) and set(v) == {"role", "content"}
+                                  and v["role"] in CHAT_ROLES and isinstance(v["content"], str)):
+            raise ProtocolError("invalid_chat_message", f"{self.obj.get('type')}: {key} must be a map of exactly role "
+                                f"(one of {list(CHAT_ROLES)}) and content (a string)", request_id=self.request_id,
+                                session=self.session, seq=seq)
+        return v
 
     def sampling_fields(self, obj: dict[str, Any] | None = None) -> dict[str, Any]:
         sub = _Fields(obj, self.request_id) if obj is not None else self

@@ -26,6 +26,7 @@ from streamserve.engine import Engine, Session
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError
 from streamserve.server.auth import Grant
+from streamserve.server.chat import ChatSessions
 from streamserve.server.registry import Entry, SessionRegistry
 from streamserve.server.results import (
     AppendRequest,
@@ -91,6 +92,7 @@ class SessionService:
         self.engine_executor = ThreadPoolExecutor(ENGINE_WORKERS, thread_name_prefix="streamserve-engine")
         self.tokenize_executor = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="streamserve-tokenize")
         self.tasks: set[asyncio.Task] = set()  # the service's own: acks follow their session to a resume
+        self.chats = ChatSessions(engine, self.run_engine, self.spawn)  # sessions opened with `chat` (server/chat.py)
 
     # ---- what the server is --------------------------------------------------------------------------
     def info(self) -> ServerInfo:
@@ -124,7 +126,8 @@ class SessionService:
         ctx.gone = True
         for t in list(ctx.tasks):
             t.cancel()
-        self.registry.detach_all(ctx)
+        for entry in self.registry.detach_all(ctx):
+            self.chats.cancel(entry.session.id)  # a chat reply asked for and not started yet never starts
 
     def held(self, ctx: ClientContext) -> list[str]:
         return [e.session.id for e in self.registry.owned(ctx)]
@@ -162,7 +165,9 @@ class SessionService:
         return pages if page_cap is None else min(pages, page_cap)
 
     # ---- session operations -----------------------------------------------------------------------------
-    async def open(self, ctx: ClientContext, req: OpenRequest) -> Opened:
+    async def open(self, ctx: ClientContext, req: OpenRequest, chat: bool = False) -> Opened:
+        """A new session; `chat`: one whose appends are chat messages, rendered by the model's chat template."""
+        self.chats.check_open(chat)
         d = self.defaults
         window = req.window if req.window is not None else d.window
         sinks = req.sinks if req.sinks is not None else d.sinks
@@ -197,6 +202,7 @@ class SessionService:
         finally:
             ctx.opening_pages -= pages
             ctx.grant.opened(entry.session.id if entry is not None else None)
+        self.chats.start(entry.session, chat)
         return self.opened(entry, resumed=False)
 
     def abandoned(self, opening: asyncio.Future) -> None:
@@ -234,12 +240,14 @@ class SessionService:
         if previous is not None:  # taken over from a connection that has not noticed it is gone
             previous.listener.push_nowait(ServiceError("session_moved", "another connection resumed this session",
                                                        session=session_id))
+            self.chats.cancel(session_id)
         return self.opened(entry, resumed=True), list(entry.recent)
 
-    async def append(self, ctx: ClientContext, session_id: str, req: AppendRequest) -> None:
-        """Queue a chunk; its ChunkResult reaches whichever connection holds the session when it is done.
-        Refusals (limits, quotas, bad input) raise here, before anything is queued."""
+    async def append(self, ctx: ClientContext, session_id: str, req: AppendRequest, message: Any = None) -> None:
+        """Queue a chunk (a chat session's: `message`, {role, content}); its ChunkResult reaches whichever
+        connection holds the session when it is done. Refusals (limits, quotas, input) raise here, queuing nothing."""
         s = self.registry.get(ctx, session_id).session
+        message, req = self.chats.check_append(session_id, message, req)
         if req.audio is not None or req.image is not None:
             raise UnsupportedModalityError(f"this server accepts text and token_ids; {self.engine.name} has no "
                                            "audio or vision input yet")
@@ -263,7 +271,9 @@ class SessionService:
         try:
             await ctx.pending_acks.acquire()  # too many in flight: the adapter stops reading until acks go out
             acquired = True
-            if long_text:  # tokenizing it on the event loop would stall every connection
+            if message is not None:  # rendered and appended in its turn, after the chat's earlier operations
+                fut = self.chats.add(s.id, message, {k: kw[k] for k in ("seq", "capture_time", "deadline")})
+            elif long_text:  # tokenizing it on the event loop would stall every connection
                 fut = await asyncio.get_running_loop().run_in_executor(self.tokenize_executor,
                                                                        lambda: s.submit_chunk(**kw))
             else:
@@ -286,7 +296,7 @@ class SessionService:
             self.tokenize_executor, lambda: self.engine.tokenizer.encode(req.text, add_special_tokens=False)))
 
     async def finish_chunk(self, ctx: ClientContext, session_id: str, req: AppendRequest, n_tokens: int,
-                           fut: Future) -> None:
+                           fut: Future | asyncio.Future) -> None:
         try:
             try:
                 ack = await asyncio.wrap_future(fut)
@@ -311,9 +321,11 @@ class SessionService:
             await entry.owner.listener.push(result)
 
     def respond(self, ctx: ClientContext, session_id: str, params: dict[str, Any]) -> None:
-        """Start a reply; its ReplyDeltas and ReplyDone reach this connection."""
+        """Start a reply (a chat session's: server/chat.py); its ReplyDeltas and ReplyDone reach this connection."""
         entry = self.registry.get(ctx, session_id)
         params = self.check_sampling({**entry.sampling, **params})
+        if self.chats.respond(ctx.listener, session_id, params):
+            return
         stop = params.pop("stop", None)
         stream = entry.session.stream(**params, stop=stop)
         ctx.spawn(self.forward(ctx, stream, session_id))
@@ -330,10 +342,15 @@ class SessionService:
 
     def cancel(self, ctx: ClientContext, session_id: str) -> None:
         self.registry.get(ctx, session_id).session.cancel()
+        self.chats.cancel(session_id)  # and a chat reply asked for that has not started
 
-    async def rewind(self, ctx: ClientContext, session_id: str, to: int | None, to_seq: int | None) -> Rewound:
+    async def rewind(self, ctx: ClientContext, session_id: str, to: int | None, to_seq: int | None,
+                     to_message: int | None = None) -> Rewound:
+        """Forget everything after token `to`, chunk `to_seq` or (chat sessions) the first `to_message` messages."""
         s = self.registry.get(ctx, session_id).session
-        n = await self.run_engine(s.rewind, to, to_seq)
+        n = await self.chats.rewind(session_id, to, to_seq, to_message)
+        if n is None:
+            n = await self.run_engine(s.rewind, to, to_seq)
         return Rewound(s.id, n, s.next_seq)
 
     def configure(self, ctx: ClientContext, session_id: str, sampling: dict[str, Any] | None,
@@ -348,6 +365,7 @@ class SessionService:
     async def close(self, ctx: ClientContext, session_id: str) -> Closed:
         entry = self.registry.get(ctx, session_id)
         self.registry.remove(session_id)  # its page reservation goes back to the connection with it
+        self.chats.forget(session_id)
         await self.run_engine(entry.session.close)
         return Closed(session_id, "client")
 
@@ -363,6 +381,7 @@ class SessionService:
     async def reap(self) -> None:
         """Close detached sessions past their resume TTL, and forget sessions the engine closed."""
         for entry in self.registry.expired():
+            self.chats.forget(entry.session.id)
             await self.run_engine(entry.session.close)
 
     def announce_shutdown(self, ctx: ClientContext) -> None:

@@ -45,6 +45,8 @@ class Response:
     async def __anext__(self) -> Delta:
         if not self._started:
             self._started = True
+            if self.session.chat:  # its generation prompt is a chunk of the session: it takes the next seq
+                self.params = {**self.params, "seq": self.session.take_seq()}
             try:
                 await self.session.channel.respond(self.session.id, self.params, self._deliver)
             except BaseException:
@@ -95,23 +97,25 @@ class Session:
         self.resume_token: str = opened["resume_token"]
         self.info = opened
         self.next_seq: int = opened.get("next_seq") or 0
+        self.chat = bool(opened.get("chat"))  # appends are messages; replies become the assistant's messages
         self.closed = False
         self._lost_with: StreamserveClientError | None = None  # why the session ended, if not closed by us
         channel.attach(self.id, self.resume_token, self._on_lost)
 
     async def append(self, text: str | None = None, token_ids: list[int] | None = None,
                      audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | None = None, *,
-                     seq: int | None = None, capture_time: float | None = None, deadline_ms: float | None = None,
-                     kind: str | None = None) -> Ack:
-        """Send a chunk (exactly one of text, token_ids, audio=(pcm, rate), image) and wait for its ack.
+                     message: dict[str, str] | None = None, seq: int | None = None, capture_time: float | None = None,
+                     deadline_ms: float | None = None, kind: str | None = None) -> Ack:
+        """Send a chunk (exactly one of text, token_ids, audio=(pcm, rate), image, or on a chat session
+        message={"role": "system"|"user"|"assistant"|"tool", "content": str}) and wait for its ack.
         `seq` defaults to the next number; `capture_time` (any clock) comes back in the ack's message;
         `deadline_ms`: how soon after it reaches the server the chunk should be in the KV cache."""
         self._check()
-        if sum(x is not None for x in (text, token_ids, audio, image)) != 1:
-            raise InvalidInputError("append takes exactly one of text, token_ids, audio, image")
+        if sum(x is not None for x in (text, token_ids, audio, image, message)) != 1:
+            raise InvalidInputError("append takes exactly one of text, token_ids, audio, image, message")
         msg: dict[str, Any] = {"type": "append", "session": self.id, "text": text, "capture_time": capture_time,
                                "token_ids": None if token_ids is None else [int(t) for t in token_ids],
-                               "deadline_ms": deadline_ms, "kind": kind}
+                               "deadline_ms": deadline_ms, "kind": kind, "message": message}
         if audio is not None:
             pcm, rate = audio
             data = pcm if isinstance(pcm, bytes) else np.asarray(pcm).astype("<i2").tobytes()
@@ -139,9 +143,11 @@ class Session:
         self._check()
         await self.channel.send({"type": "cancel", "session": self.id})
 
-    async def rewind(self, to_seq: int | None = None, to: int | None = None) -> int:
-        """Forget everything after chunk `to_seq` (kept) or token position `to`; -> the session's length."""
-        reply = await self.channel.request({"type": "rewind", "session": self.id, "to_seq": to_seq, "to": to})
+    async def rewind(self, to_seq: int | None = None, to: int | None = None, to_message: int | None = None) -> int:
+        """Forget everything after chunk `to_seq` (kept) or token position `to`, or (chat sessions) keep the first
+        `to_message` messages (a chat session keeps whole messages); -> the session's length."""
+        reply = await self.channel.request({"type": "rewind", "session": self.id, "to_seq": to_seq, "to": to,
+                                            "to_message": to_message})
         self.next_seq = reply.get("next_seq", self.next_seq)
         return int(reply["tokens"])
 
@@ -160,6 +166,11 @@ class Session:
             finally:
                 self.channel.detach(self.id)
                 self.closed = True
+
+    def take_seq(self) -> int:
+        """The next chunk seq, taken (a chat reply's generation prompt uses one)."""
+        seq, self.next_seq = self.next_seq, self.next_seq + 1
+        return seq
 
     def _check(self) -> None:
         if self._lost_with is not None:

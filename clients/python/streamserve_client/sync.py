@@ -59,10 +59,10 @@ class SyncClient:
         return self.client.hello
 
     def open_session(self, window: int | None = None, sinks: int | None = None, positions: str | None = None,
-                     chunk_budget_ms: float | None = None, drafter: str | None = None,
+                     chunk_budget_ms: float | None = None, drafter: str | None = None, chat: bool = False,
                      **sampling: Any) -> SyncSession:
         return SyncSession(self, self.run(self.client.open_session(window, sinks, positions, chunk_budget_ms,
-                                                                   drafter, **sampling)))
+                                                                   drafter, chat, **sampling)))
 
     def resume_session(self, session_id: str, resume_token: str) -> SyncSession:
         return SyncSession(self, self.run(self.client.resume_session(session_id, resume_token)))
@@ -99,8 +99,8 @@ class SyncSession:
         self.finish_reason: str | None = None  # of the latest reply
 
     def append(self, text: str | None = None, token_ids: list[int] | None = None, audio: Any = None,
-               image: Any = None, **kw: Any) -> Ack:
-        return self.client.run(self.session.append(text, token_ids, audio, image, **kw))
+               image: Any = None, *, message: dict[str, str] | None = None, **kw: Any) -> Ack:
+        return self.client.run(self.session.append(text, token_ids, audio, image, message=message, **kw))
 
     def respond(self, **params: Any) -> Iterator[Delta]:
         """Yield the reply's deltas as they come; closing the iterator early cancels the reply."""
@@ -120,8 +120,8 @@ class SyncSession:
     def cancel(self) -> None:
         self.client.run(self.session.cancel())
 
-    def rewind(self, to_seq: int | None = None, to: int | None = None) -> int:
-        return self.client.run(self.session.rewind(to_seq, to))
+    def rewind(self, to_seq: int | None = None, to: int | None = None, to_message: int | None = None) -> int:
+        return self.client.run(self.session.rewind(to_seq, to, to_message))
 
     def configure(self, chunk_budget_ms: float | None = None, **sampling: Any) -> dict[str, Any]:
         return self.client.run(self.session.configure(chunk_budget_ms, **sampling))

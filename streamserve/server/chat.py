@@ -1,0 +1,127 @@
+"""Chat sessions in the session service: a session opened with `chat` takes messages ({role, content})
+instead of text or token ids, and its replies are recorded as the assistant's messages.
+
+Each chat session has a `ChatTranscript` (engine/chat.py: the template's rendering of the conversation,
+appended turn by turn), kept here by session id for as long as the session lives, resumes included.
+A chat session's operations run one at a time in the order asked (the transcript's `turns`): a message
+appended while a reply runs goes in after it, as a chunk would. A reply runs as a service task, not a
+connection's, so that it is recorded even when the connection goes (its output is then dropped).
+(Split from service.py, which calls this and owns the rest of the service.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Coroutine
+from dataclasses import replace
+from typing import Any
+
+from streamserve.engine import Engine
+from streamserve.engine.chat import ChatTranscript, Message, NoChatTemplateError, Offload, check_message
+from streamserve.engine.streams import Delta, ResponseStream
+from streamserve.engine.work import Ack
+from streamserve.errors import InvalidInputError
+from streamserve.server.results import AppendRequest, ReplyDelta, ReplyDone, ResultListener, service_error
+
+
+class NotChatSessionError(InvalidInputError):
+    """A chat message (or a rewind to a message) on a session opened without `chat`."""
+
+    code = "not_chat_session"
+
+
+class ChatSessions:
+    def __init__(self, engine: Engine, offload: Offload, spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+        self.engine, self.offload, self.spawn = engine, offload, spawn  # the service's executor and task set
+        self.transcripts: dict[str, ChatTranscript] = {}
+
+    @property
+    def available(self) -> bool:
+        """Whether the model has a chat template (chat sessions need one)."""
+        return bool(self.engine.tokenizer.chat_template)
+
+    def check_open(self, chat: bool) -> None:
+        """NoChatTemplateError for a chat session on a model without a chat template."""
+        if chat and not self.available:
+            raise NoChatTemplateError(f"model {self.engine.name!r} has no chat template: open a session without chat "
+                                      "and append text")
+
+    def start(self, session: Any, chat: bool) -> None:
+        """`session` (just opened, empty) is a chat session if `chat`."""
+        if chat:
+            self.transcripts[session.id] = ChatTranscript(session)
+
+    def get(self, session_id: str) -> ChatTranscript | None:
+        return self.transcripts.get(session_id)
+
+    def forget(self, session_id: str) -> None:
+        self.transcripts.pop(session_id, None)
+
+    def cancel(self, session_id: str) -> None:
+        """End a chat session's running reply and any asked for that has not started (never starts)."""
+        chat = self.transcripts.get(session_id)
+        if chat is not None:
+            chat.cancel()
+
+    def check_append(self, session_id: str, message: Any, req: AppendRequest) -> tuple[Message | None, AppendRequest]:
+        """-> (the checked message of a chat session's append, None for a plain session's; the request, whose
+        text is the message's content for the service's size checks), or the typed error of a message on a plain
+        session, or of text or token ids on a chat session."""
+        chat = self.transcripts.get(session_id)
+        if message is not None and chat is None:
+            raise NotChatSessionError("this session was opened without chat: append text or token_ids, or open a "
+                                      "session with chat for messages")
+        if message is None and chat is not None:
+            raise InvalidInputError("this is a chat session: append messages {role, content}, not text or token_ids")
+        if message is None:
+            return None, req
+        message = check_message(message)
+        return message, replace(req, text=message["content"], kind="text")
+
+    def add(self, session_id: str, message: Message, chunk: dict[str, Any]) -> asyncio.Future[Ack]:
+        """Append a message in its turn (`chunk`: seq, capture_time, deadline); -> its chunk's ack, to come."""
+        return asyncio.ensure_future(self.transcripts[session_id].add_async(message, self.offload, **chunk))
+
+    def respond(self, listener: ResultListener, session_id: str, params: dict[str, Any]) -> bool:
+        """Start a reply if this is a chat session (-> True; its deltas and done reach `listener`). Its generation
+        prompt goes first, as chunk `params["seq"]` (default: the next); the reply is recorded as the assistant's
+        message. `params` are checked sampling parameters (the seq is taken out)."""
+        seq = params.pop("seq", None)
+        chat = self.transcripts.get(session_id)
+        if chat is None:
+            if seq is not None:
+                raise InvalidInputError("respond takes a seq only on a chat session (the chunk of its generation "
+                                        "prompt)")
+            return False
+        ticket = chat.ask_reply(params)  # a refused reply raises here, having taken nothing
+        self.spawn(self.reply(listener, chat, session_id, ticket, seq, params))
+        return True
+
+    async def reply(self, listener: ResultListener, chat: ChatTranscript, session_id: str, ticket: int,
+                    seq: int | None, params: dict[str, Any]) -> None:
+        response = ""
+
+        async def push(stream: ResponseStream, d: Delta) -> None:
+            nonlocal response
+            response = stream.id
+            await listener.push(ReplyDelta(session_id, stream.id, d.text, d.token_ids))
+
+        reason, usage = "cancelled", {"completion_tokens": 0, "session_tokens": len(chat.session)}
+        try:
+            stream = await chat.reply_async(ticket, push, self.offload, seq, **params)
+            if stream is not None:
+                response, reason, usage = stream.id, stream.finish_reason or "error", stream.usage
+        except Exception as e:
+            await listener.push(service_error(e, session_id))
+            reason = "error"
+        await listener.push(ReplyDone(session_id, response, reason, usage))
+
+    async def rewind(self, session_id: str, to: int | None, to_seq: int | None, to_message: int | None) -> int | None:
+        """A chat session's rewind (whole messages: a point inside one goes back to where it began); None for a
+        plain session, which `to_message` cannot rewind."""
+        chat = self.transcripts.get(session_id)
+        if chat is None:
+            if to_message is not None:
+                raise NotChatSessionError("to_message rewinds a chat session; this one was opened without chat")
+            return None
+        return await chat.rewind_async(self.offload, to_message, to, to_seq)
