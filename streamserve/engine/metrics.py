@@ -1,7 +1,8 @@
 """Prometheus metrics of one engine, in its own registry (the server exposes it at /metrics).
 
 Observed by the engine loop after every step: step time, tokens per step by kind, queue depths,
-per-chunk append latency, time to first token, inter-token latency, KV pages, sessions, shed chunks.
+per-chunk append latency, time to first token, inter-token latency, KV pages (in all and per layer group),
+sessions, shed chunks.
 Gauges of pool and sessions are read when scraped, so they are never stale.
 """
 
@@ -49,6 +50,12 @@ class EngineMetrics:
                                  registry=r)
         Gauge("streamserve_kv_pages_used", "KV pages in use", registry=r).set_function(lambda: pages.used_count)
         Gauge("streamserve_kv_pages_total", "KV pages in the pool", registry=r).set_function(lambda: pages.num_pages)
+        # per layer group (one unless the model mixes native windows, e.g. Gemma 3's local and global layers)
+        used = Gauge("streamserve_kv_group_pages_used", "KV pages in use per layer group", ["group"], registry=r)
+        total = Gauge("streamserve_kv_group_pages_total", "KV pages per layer group", ["group"], registry=r)
+        for g in range(len(pages.group_pages)):
+            used.labels(str(g)).set_function(lambda g=g: pages.used_in(g))
+            total.labels(str(g)).set_function(lambda g=g: pages.group_pages[g])
         Gauge("streamserve_sessions_open", "Open sessions (parked included)", registry=r).set_function(sessions_open)
         Gauge("streamserve_sessions_parked", "Sessions whose KV is offloaded to host memory",
               registry=r).set_function(sessions_parked)
