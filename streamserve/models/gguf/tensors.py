@@ -96,14 +96,17 @@ def _hf_name(name: str, arch: str) -> str | None:
     return f"model.layers.{layer}.{module}.{suffix}" if module else None
 
 
-def dequantized(t: TensorEntry) -> np.ndarray:
-    """The tensor as fp32 values in torch order (quantized rows expand from bytes to values)."""
+def _check_type(t: TensorEntry) -> None:
     if t.ggml_type not in SUPPORTED_TYPES:
         raise UnsupportedTensorTypeError(
             f"tensor {t.name} is stored as {t.ggml_type.name}, which streamserve cannot dequantize; supported: "
             f"{', '.join(sorted(q.name for q in SUPPORTED_TYPES))} (re-quantize the file, e.g. to Q4_K_M)")
-    values = dequantize(t.data, t.ggml_type)
-    return values.reshape(t.shape)
+
+
+def dequantized(t: TensorEntry) -> np.ndarray:
+    """The tensor as fp32 values in torch order (quantized rows expand from bytes to values)."""
+    _check_type(t)
+    return dequantize(t.data, t.ggml_type).reshape(t.shape)
 
 
 class GGUFCheckpoint:
@@ -113,6 +116,9 @@ class GGUFCheckpoint:
         self.file = f
         self.sources = hf_sources(f)
         self.label = f.path.name
+        for src in self.sources.values():  # refuse a type it cannot read now, before a model is allocated
+            for part in src.parts:
+                _check_type(f.tensors[part])
 
     def __contains__(self, name: str) -> bool:
         return name in self.sources
@@ -147,6 +153,7 @@ class GGUFCheckpoint:
     def head(self, name: str, rows: int) -> torch.Tensor:
         """The first `rows` rows as stored (dequantized, no transform): enough to tell two files apart."""
         t = self.file.tensors[self.sources[name].parts[0]]
+        _check_type(t)
         return torch.from_numpy(dequantize(np.array(t.data[:rows]), t.ggml_type).astype(np.float32))
 
 
