@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -173,4 +174,34 @@ def test_a_message_while_a_reply_runs_is_refused(engines: dict[str, Engine]) -> 
             chat.add({"role": "user", "content": "too soon"})
         reply.wait()
         chat.add({"role": "user", "content": "now"})
+        assert_stands_for_rendering(chat)
+
+
+@pytest.mark.asyncio
+async def test_async_replies_go_one_at_a_time_and_a_cancel_before_the_start_appends_nothing(
+        engines: dict[str, Engine]) -> None:
+    async def offload(fn: Any, *args: Any) -> Any:
+        return await asyncio.to_thread(fn, *args)
+
+    texts: list[str] = []
+
+    async def on_delta(stream: Any, d: Any) -> None:
+        texts.append(d.text)
+
+    with engines["chatml-im_end"].open_session() as s:
+        chat = ChatTranscript(s)
+        await chat.add_async({"role": "user", "content": "hello"}, offload)
+        ticket = chat.ask_reply({"max_tokens": 8})
+        with pytest.raises(ResponseInProgressError):
+            chat.ask_reply({})
+        chat.cancel()  # before the reply started: it never starts
+        before = list(s.token_ids)
+        assert await chat.reply_async(ticket, on_delta, offload) is None
+        assert s.token_ids == before and texts == [] and len(chat.messages) == 1
+        stream = await chat.reply_async(chat.ask_reply({"max_tokens": 8}), on_delta, offload)
+        assert stream is not None and stream.finish_reason == "stop" and "".join(texts) == " hi\t"
+        assert chat.messages[-1] == {"role": "assistant", "content": " hi\t"}
+        reply_start = chat.starts[1]
+        assert await chat.rewind_async(offload, to=reply_start + 1) == reply_start  # a point inside the reply's turn
+        assert len(chat.messages) == 1
         assert_stands_for_rendering(chat)
