@@ -47,7 +47,8 @@ def _gated_kernel(gu_ptr, out_ptr, N, GELU: tl.constexpr, BLOCK: tl.constexpr):
     u = tl.load(gu_ptr + row * 2 * N + N + cols, mask=ok, other=0.0).to(tl.float32)
     if GELU:  # 0.5 g (1 + tanh(a)) = g * sigmoid(2a), a = sqrt(2/pi) (g + 0.044715 g^3): no tanh needed
         a = GELU_TANH_C * (g + 0.044715 * g * g * g)
-        act = g / (1.0 + tl.exp(-2.0 * a))
+        e = tl.exp(-2.0 * tl.abs(a))  # in (0, 1]: never overflows, whatever the gate's size
+        act = g * tl.where(a >= 0, 1.0 / (1.0 + e), e / (1.0 + e))
     else:
         act = g / (1.0 + tl.exp(-g))
     tl.store(out_ptr + row * N + cols, (act * u).to(out_ptr.dtype.element_ty), mask=ok)
