@@ -84,3 +84,16 @@ def test_a_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:
     make_checkpoint(tmp_path, "qwen3")
     done = run_chat(tmp_path, ["hello"])
     assert done.returncode == 1 and "no chat template" in done.stderr and "streamserve generate" in done.stderr
+
+
+@pytest.mark.models
+def test_smollm2_knows_the_capital_of_france() -> None:
+    from streamserve.models.store import installed
+
+    path = installed("smollm2-135m-instruct")
+    if path is None:
+        pytest.skip("smollm2-135m-instruct is not in the model cache; `streamserve models pull smollm2-135m-instruct`")
+    done = run_chat(path, ["What is the capital of France?", "/stats"], "--max-tokens", "32")
+    assert done.returncode == 0, done.stderr
+    answer, _, stats = done.stdout.partition("\n")
+    assert "Paris" in answer and session_tokens(stats)[0] > 0
