@@ -31,9 +31,9 @@ Ctrl-C stops a reply (what it said so far stays); Ctrl-D quits."""
 def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Add this sub-command with `add_parser` (argparse's `add_subparsers().add_parser`)."""
     p = add_parser("chat", help="talk to an instruct model in the terminal (its chat template, one persistent session)",
-                   description="A conversation on one persistent session: each message is rendered with the "
-                               "model's chat template and only its own tokens are appended; replies stream back. "
-                               "Reads lines from standard input (a terminal or a pipe). " + HELP,
+                   description="A conversation on one persistent session: each message is rendered with the\n"
+                               "model's chat template and only its own tokens are appended; replies stream back.\n"
+                               "Reads lines from standard input (a terminal or a pipe).\n\n" + HELP,
                    formatter_class=argparse.RawDescriptionHelpFormatter)
     add_config_args(p, EngineConfig)
     add_config_args(p, SessionConfig)

@@ -16,7 +16,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import Any
 
-from streamserve.engine import Engine
+from streamserve.engine import Engine, Session
 from streamserve.engine.chat import ChatTranscript, Message, NoChatTemplateError, Offload, check_message
 from streamserve.engine.streams import Delta, ResponseStream
 from streamserve.engine.work import Ack
@@ -46,7 +46,7 @@ class ChatSessions:
             raise NoChatTemplateError(f"model {self.engine.name!r} has no chat template: open a session without chat "
                                       "and append text")
 
-    def start(self, session: Any, chat: bool) -> None:
+    def start(self, session: Session, chat: bool) -> None:
         """`session` (just opened, empty) is a chat session if `chat`."""
         if chat:
             self.transcripts[session.id] = ChatTranscript(session)
