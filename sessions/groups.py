@@ -10,14 +10,16 @@ layers), one page table per session, and its own share of the pool.
 to `rewind_reach` tokens (a user's `/rewind` of the last turn, a rejected draft) still finds every key a
 query at the rewound position reads; past it the rewind is refused with a RewindError. 0 frees at once.
 
-Budget split (`split_pages`): a session of X tokens holds `L_g * min(X, keep_g)` token-layers in group g
-(L_g layers, keep_g = window + reach, or X for global layers). An ideal split for sessions of X tokens gives
-each group that share of the bytes; the share a group needs varies with X (local groups need the most for
-short sessions, global groups for long ones). Each group gets bytes in proportion to the LARGEST share it
-needs at any session length up to the model's context, so at every session length the pool holds at least
-1 / (sum of those largest shares) of the sessions an ideal split for that length would (Gemma 3 270M with
-the default reach: at least 58%), and neither kind of layer runs out long before the other. One group
-(every model without per-layer windows) gets the whole budget, as before groups existed.
+Budget split (`split_pages`): a session of X tokens holds up to `L_g * min(X, keep_g + step)` token-layers
+in group g (L_g layers, keep_g = window + reach, or X for global layers; a step of `step` tokens takes its
+pages before the oldest go back). An ideal split for sessions of X tokens gives each group that share of the
+bytes; the share a group needs varies with X (local groups need the most for short sessions, global groups
+for long ones). Each group gets bytes in proportion to the LARGEST share it needs at any session length up
+to the model's context, so at every session length the pool holds at least 1 / (sum of those largest
+shares) of the sessions an ideal split for that length would (Gemma 3 270M with the default reach: about
+58%), and neither kind of layer runs out long before the other. Before that, a local group gets the pages
+of one session's step at its peak when the budget allows (a small pool must still run a full step). One
+group (every model without per-layer windows) gets the whole budget, as before groups existed.
 """
 
 from __future__ import annotations
@@ -58,10 +60,10 @@ def layer_groups(windows: Sequence[int | None], rewind_reach: int = DEFAULT_REWI
 
 
 def split_pages(groups: Sequence[LayerGroup], kv_bytes: int, bytes_per_token_layer: int, page_size: int,
-                context: int) -> list[int]:
+                context: int, step_tokens: int = 0) -> list[int]:
     """The pages of each group for a budget of `kv_bytes` (see the module's docstring for the rule).
-    `bytes_per_token_layer`: keys + values of one token in one layer. InvalidInputError when the budget
-    cannot give every group one page."""
+    `bytes_per_token_layer`: keys + values of one token in one layer; `step_tokens`: the most tokens of one
+    engine step. InvalidInputError when the budget cannot give every group one page."""
     page_bytes = [len(g.layers) * page_size * bytes_per_token_layer for g in groups]
     if kv_bytes < sum(page_bytes):
         raise InvalidInputError(f"kv_memory of {kv_bytes} bytes is less than one page of each layer group "
@@ -70,11 +72,15 @@ def split_pages(groups: Sequence[LayerGroup], kv_bytes: int, bytes_per_token_lay
         return [kv_bytes // page_bytes[0]]
 
     def held(g: LayerGroup, x: int) -> int:  # token-layers a session of x tokens holds in group g
-        return len(g.layers) * (x if g.keep is None else min(x, g.keep))
+        return len(g.layers) * (x if g.keep is None else min(x, g.keep + step_tokens))
 
     # a group's share of a session changes monotonically between these lengths: its largest is at one of them
-    lengths = {1, context} | {min(g.keep, context) for g in groups if g.keep is not None}
+    lengths = {1, context} | {min(g.keep + step_tokens, context) for g in groups if g.keep is not None}
     need = [max(held(g, x) / sum(held(h, x) for h in groups) for x in lengths) for g in groups]
-    # every group first gets one page, then the rest of the budget in proportion to its largest share
-    rest = kv_bytes - sum(page_bytes)
-    return [1 + int(rest * n / sum(need)) // b for n, b in zip(need, page_bytes, strict=True)]
+    # every group first gets one page (a local group, budget allowing, the pages one session's step needs at
+    # its peak: its kept tokens, a step, one page for alignment), then the rest in proportion to its largest share
+    floor = [1 if g.keep is None else -(-(g.keep + step_tokens) // page_size) + 1 for g in groups]
+    if kv_bytes < sum(f * b for f, b in zip(floor, page_bytes, strict=True)):
+        floor = [1] * len(groups)
+    rest = kv_bytes - sum(f * b for f, b in zip(floor, page_bytes, strict=True))
+    return [f + int(rest * n / sum(need)) // b for f, n, b in zip(floor, need, page_bytes, strict=True)]

@@ -58,6 +58,9 @@ class Admission:
                 raise CapacityError(f"this needs {need[g]} KV pages{where}; the pool ({total} such pages of "
                                     f"{self.pool.page_size} tokens) has {free[g]} free and not enough idle "
                                     "sessions to park: retry later, close sessions, or raise kv_memory")
+            if split and len(need) > 1:  # parking a session that holds no page of a group short of pages frees none
+                lacking = [g for g, n in enumerate(need) if n > free[g]]
+                idle = [s for s in idle if any(s.kv.held_in(g) for g in lacking)] if lacking else idle
             idle.sort(key=lambda s: (s.id in queued, s.last_active))
             while True:
                 try:

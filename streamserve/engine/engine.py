@@ -89,7 +89,8 @@ class Engine:
         cfg = self.config
         groups = layer_groups(cfg.sliding_windows, rewind_reach)  # InvalidInputError for a bad reach
         token_bytes = KVPool.bytes_per_page(1, cfg.num_kv_heads, cfg.head_dim, 1, self.dtype)  # one token, one layer
-        pages = split_pages(groups, kv_bytes, token_bytes, page_size, cfg.max_position_embeddings)
+        step = (scheduler or SchedulerConfig()).for_device(self.device.type).step_tokens or 0
+        pages = split_pages(groups, kv_bytes, token_bytes, page_size, cfg.max_position_embeddings, step)
         self.pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page_size, self.dtype, self.device,
                            groups)
         self.placeholder_id = placeholder_id(tokenizer, cfg.vocab_size)

@@ -168,3 +168,26 @@ def test_a_step_the_local_group_cannot_hold_takes_nothing(mixed) -> None:
         assert len(s.generate(max_tokens=3, stop_token_ids=())) == 3
     engine.check_integrity()
     assert engine.stats()["kv_pages_used"] == 0
+
+
+def test_pool_pressure_parks_idle_sessions_and_both_go_on_identically(mixed) -> None:
+    """A pool that holds one long session: a second one's steps park the first (its pages of both groups go to
+    host memory), and each session's reply equals its run on a roomy engine."""
+    path = mixed["gemma3"][0]
+    roomy = Engine.from_pretrained(path, device="cpu", kv_memory="16MiB", rewind_reach=REACH)
+    tight = Engine.from_pretrained(path, device="cpu", kv_memory=200_000, rewind_reach=REACH)
+    pages = tight.pool.allocator.group_pages
+    assert 12 <= pages[0] < 20 and pages[1] >= 7  # global layers: one session; local: one 64-token step's peak
+    prompts = [random_ids(180, seed=69), random_ids(150, seed=70)]
+    expected = [greedy(roomy, ids) for ids in prompts]
+    a, b = tight.open_session(), tight.open_session()
+    a.append(token_ids=prompts[0])
+    b.append(token_ids=prompts[1])  # needs pages a holds: a is parked
+    assert a.kv.parked is not None and tight.stats()["sessions_parked_total"] >= 1
+    assert b.generate(max_tokens=8, stop_token_ids=()) == expected[1]
+    b.park()
+    assert a.generate(max_tokens=8, stop_token_ids=()) == expected[0]
+    a.close()
+    b.close()
+    tight.check_integrity()
+    assert tight.stats()["kv_pages_used"] == 0

@@ -33,6 +33,9 @@ def test_one_group_gets_the_whole_budget_and_several_get_their_largest_share() -
         fits = min(t // min(x, g.keep or x) for t, g in zip(tokens, groups, strict=True))
         ideal = (1 << 24) // (8 * sum(len(g.layers) * min(x, g.keep or x) for g in groups))
         assert fits >= 0.5 * ideal, x
+    small = layer_groups([None, 16, 16], rewind_reach=8)  # a budget of 12 global + 5 local pages' bytes
+    assert split_pages(small, 12 * 128 + 5 * 256, 8, 16, 512)[1] < 7
+    assert split_pages(small, 12 * 128 + 5 * 256, 8, 16, 512, step_tokens=64)[1] >= -(-(24 + 64) // 16) + 1 == 7
     with pytest.raises(InvalidInputError, match="one page of each layer group"):
         split_pages(groups, 500, 8, 16, 32768)
 
