@@ -23,6 +23,7 @@ from streamserve.errors import ModelLoadError, SnapshotError, UnsupportedArchite
 from streamserve.models.config import ModelConfig
 from streamserve.models.gguf import BadGGUFError, UnsupportedTensorTypeError, gguf_config, open_gguf
 from streamserve.models.gguf.writer import write_gguf
+from streamserve.tools.random_checkpoint import byte_level_chars
 
 # configs a GGUF file can state in full (Gemma 3: every 6th layer global, local RoPE base 10000, query scale
 # by head_dim; Qwen2: no windows; Qwen3-MoE: every layer sparse); the others' rope scalings are in ARCH_CONFIGS
@@ -150,3 +151,14 @@ def test_a_gguf_draft_model_is_lossless(llama_gguf: Path, tmp_path: Path) -> Non
         s.append(token_ids=prompt)
         assert s.generate(max_tokens=24, stop_token_ids=()) == plain
     assert target.drafters.totals[f"draft:{llama_gguf.name}"]["proposed"] > 0
+
+
+def test_end_of_turn_tokens_stop_generation(tmp_path: Path) -> None:
+    """llama.cpp stops at eos and at the file's end-of-turn / end-of-message tokens: so does the engine."""
+    make_checkpoint(tmp_path, "llama", rope_parameters={"rope_type": "default", "rope_theta": 10000.0})
+    tokens = [*byte_level_chars(), "<|endoftext|>"]
+    meta = {"model": "gpt2", "pre": "default", "tokens": tokens, "token_type": [1] * 256 + [3], "merges": [],
+            "eos_token_id": 256, "eot_token_id": 10, "eom_token_id": 11}
+    engine = Engine.from_pretrained(write_gguf(tmp_path, tmp_path / "m.gguf", tokenizer=meta), device="cpu",
+                                    kv_memory="16MiB")
+    assert engine.eos_token_ids == (256, 10, 11)

@@ -55,7 +55,9 @@ def hf_config_dict(f: GGUFFile) -> dict[str, Any]:
         "vocab_size": embed.shape[0],  # the embedding's rows: a tokenizer may list fewer (padded vocabularies)
         "tie_word_embeddings": "output.weight" not in f.tensors,
         "rope_theta": float(f.arch_key("rope.freq_base", 10000.0)),
-        "eos_token_id": f.get("tokenizer.ggml.eos_token_id"),
+        # llama.cpp ends generation at eos and at the end-of-turn / end-of-message tokens (Gemma's <end_of_turn>)
+        "eos_token_id": [i for i in (f.get(f"tokenizer.ggml.{k}_token_id") for k in ("eos", "eot", "eom"))
+                         if isinstance(i, int)],
         "bos_token_id": f.get("tokenizer.ggml.bos_token_id"),
         "pad_token_id": f.get("tokenizer.ggml.padding_token_id"),
         "torch_dtype": _dtype(f),
