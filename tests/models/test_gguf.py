@@ -29,7 +29,7 @@ GGUF_CONFIGS: dict[str, dict[str, Any]] = {
     "qwen2": dict(use_sliding_window=False),
     "qwen3": dict(head_dim=128, rope_parameters=DEFAULT_ROPE),
     "qwen3_moe": dict(mlp_only_layers=[], moe_intermediate_size=768),
-    "gemma3": dict(head_dim=256, num_hidden_layers=7, query_pre_attn_scalar=256, layer_types=None, sliding_window=8,
+    "gemma3": dict(head_dim=256, num_hidden_layers=6, query_pre_attn_scalar=256, layer_types=None, sliding_window=8,
                    rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 50000.0},
                                     "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }

@@ -88,7 +88,8 @@ class GGUFFile:
             if "GGMLQuantizationType" in str(e):  # a type id newer than this `gguf` package knows
                 raise UnsupportedTensorTypeError(f"{path} holds a tensor type the installed gguf package does not "
                                                  f"know ({e}); re-quantize it to Q8_0, Q6_K, Q5_K or Q4_K") from None
-            raise BadGGUFError(f"{path} is a damaged or truncated GGUF file ({e}); download it again") from None
+            raise BadGGUFError(f"{path} is a damaged or truncated GGUF file, or of a GGUF version the gguf package "
+                               f"cannot read ({e}); download it again") from None
         except (IndexError, KeyError, TypeError, OverflowError, UnicodeDecodeError, MemoryError) as e:
             raise BadGGUFError(f"{path} is a damaged or truncated GGUF file ({type(e).__name__}: {e}); "
                                "download it again") from None
