@@ -57,13 +57,10 @@ class Terminal:
         session = self.engine.open_session(window=sc.window, sinks=sc.sinks, positions=sc.positions,
                                            seed=self.sampling.seed, page_cap=sc.page_cap)
         try:
-            chat = ChatTranscript(session)  # refuses a model without a chat template
-            if self.system:
-                chat.add({"role": "system", "content": self.system})
+            return ChatTranscript(session)  # refuses a model without a chat template
         except BaseException:
             session.close()
             raise
-        return chat
 
     def close(self) -> None:
         self.chat.session.close()
@@ -72,11 +69,15 @@ class Terminal:
         """One exchange: the user's line, then the streamed reply (Ctrl-C stops it)."""
         t0 = time.perf_counter()
         chat, sp = self.chat, self.sampling
-        turn = chat.plan_message({"role": "user", "content": line})
+        message = {"role": "user", "content": line}
+        # the system prompt goes in with the first message: templates that fold it into the first user turn
+        # (Gemma's) render it alone otherwise than followed by one
+        turn = chat.plan_message([{"role": "system", "content": self.system}, message]
+                                 if self.system and not chat.messages else message)
         stopped = _wait(chat.session.submit_chunk(token_ids=turn.ids))
         chat.commit(turn)
         first = reply = None
-        if stopped:  # Ctrl-C before the reply began: the message goes too
+        if stopped:  # Ctrl-C before the reply began: the message goes too (and a system prompt with it)
             chat.rewind(len(chat.messages) - 1)
         else:
             try:

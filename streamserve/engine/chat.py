@@ -1,8 +1,7 @@
 """Chat turns on one persistent session, rendered incrementally by the checkpoint's chat template.
 
-A `ChatTranscript` keeps a conversation (messages `{"role", "content"}`) on one `Session` so that the
-session's tokens stand for the template's rendering of the whole conversation, while only each new
-turn's text is tokenized and appended: the rendered history is never re-tokenized, re-sent or re-run.
+A `ChatTranscript` keeps a conversation (messages `{"role", "content"}`) on one `Session`: the session's
+tokens stand for the template's rendering of it, yet only each new turn's text is tokenized and appended.
 
 - A message: the conversation is rendered with it; the old rendering must be a prefix of the new one
   (else: `TemplateNotIncrementalError`, nothing changes) and only the difference is appended. A default
@@ -13,9 +12,8 @@ turn's text is tokenized and appended: the rendered history is never re-tokenize
   the end the generated text becomes the assistant message and the conversation is rendered again: the
   generated tokens are kept as far as their text agrees with that rendering, the rest is cut (a stop
   token that is not the template's end of turn, whitespace the template trims: Gemma's `| trim`), and
-  the rendering's remainder (the end-of-turn text of a reply stopped by max_tokens or a cancel, the
-  newline after an end-of-turn token) is `pending`: it goes in with the next turn's chunk, or at once
-  with `settle()`. So a reply costs no extra engine step and no extra chunk number.
+  the rendering's remainder (the end of turn after max_tokens or a cancel, the newline after an end-of-turn
+  token) is `pending`: it goes in with the next turn's chunk (no extra step or chunk number), or `settle()`.
 - `rewind(n)` keeps the first n messages: the session goes back to where message n's rendering began.
 
 Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones serve the
@@ -72,12 +70,12 @@ def check_message(message: Any) -> Message:
 @dataclass(frozen=True)
 class Turn:
     """One append the transcript plans: `ids` (the pending end of the last turn, then the new text), `start`
-    (the session position where the new message's rendering begins) and `rendered` (the text once in)."""
+    (the session position where the new messages' rendering begins) and `rendered` (the text once in)."""
 
     ids: list[int]
     start: int
     rendered: str
-    message: Message | None  # None: a generation prompt
+    messages: tuple[Message, ...]  # none: a generation prompt
 
 
 @dataclass
@@ -154,23 +152,26 @@ class ChatTranscript:
 
     # ---- planning and recording (the session is read, never waited for, except by `record`) -----------
     def plan_message(self, message: Any) -> Turn:
-        m = check_message(message)
+        """A message, or a list of them rendered and appended as one (for templates that render a system prompt
+        differently once a user turn follows it: the two together extend the conversation, one alone does not)."""
+        ms = tuple(check_message(m) for m in (message if isinstance(message, list) else [message]))
         self._check_idle()
-        text = self._extension(self.render([*self.messages, m]), f"a new {m['role']} message")
+        what = " and ".join(f"a {m['role']} message" for m in ms) or "no message"
+        text = self._extension(self.render([*self.messages, *ms]), what)
         closing = self.encode(self.pending)
         ids = closing + self.encode(text)
         if not ids:
-            raise ChatTemplateError(f"the chat template renders this {m['role']} message as nothing")
-        return Turn(ids, self.length + len(closing), self.rendered + text, m)
+            raise ChatTemplateError(f"the chat template renders {what} as nothing")
+        return Turn(ids, self.length + len(closing), self.rendered + text, ms)
 
-    def commit(self, turn: Turn) -> None:
-        """The planned turn is in the session (its chunk was acked)."""
-        if turn.message is None:
+    def commit(self, turn: Turn) -> None:  # the planned turn is in the session (its chunk was acked)
+        if not turn.messages:
             self._reply = _Reply(turn.start, self.length + len(turn.ids), turn.rendered)
-        else:
-            self.messages.append(turn.message)
+        for m in turn.messages:  # messages appended together share their start (a rewind keeps all or none)
+            self.messages.append(m)
             self.starts.append(turn.start)
             self.offsets.append(len(self.rendered))
+        if turn.messages:
             self.rendered = turn.rendered
         self.pending = ""
         self.length += len(turn.ids)
@@ -179,7 +180,7 @@ class ChatTranscript:
         self._check_idle()
         text = self._extension(self.render(self.messages, True), "the generation prompt")
         closing = self.encode(self.pending)
-        return Turn(closing + self.encode(text), self.length + len(closing), self.rendered + text, None)
+        return Turn(closing + self.encode(text), self.length + len(closing), self.rendered + text, ())
 
     def start_stream(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature,
                      top_p: float = SD.top_p, top_k: int = SD.top_k, seed: int | None = SD.seed,
@@ -285,6 +286,8 @@ class ChatTranscript:
         if isinstance(messages, bool) or not isinstance(messages, int) or not 0 <= messages <= len(self.messages):
             raise RewindError(f"cannot keep {messages!r} messages: the chat has {len(self.messages)}")
         self._check_idle()
+        while 0 < messages < len(self.messages) and self.starts[messages - 1] == self.starts[messages]:
+            messages -= 1  # inside messages appended together: back to the first of them
         if messages < len(self.messages):
             to = self.starts[messages]
             self.session.rewind(to=to)
@@ -294,8 +297,7 @@ class ChatTranscript:
         return self.length
 
     def settle(self) -> None:
-        """Append the pending end of the last reply's turn now (one chunk): the session then holds exactly
-        the rendering of the conversation."""
+        """Append the pending end of the last reply's turn now (one chunk): the session is then the rendering."""
         self._check_idle()
         if self.pending:
             ids = self.encode(self.pending)
@@ -313,8 +315,7 @@ class ChatTranscript:
     def ask_reply(self, sampling: Mapping[str, Any]) -> int:
         """A reply is asked for (checked now, run by `reply_async` in its turn); -> its ticket."""
         if self._waiting:
-            raise ResponseInProgressError("this chat session already has a reply running or asked for; cancel it or "
-                                          "wait for its end")
+            raise ResponseInProgressError("this chat already has a reply running or asked for: cancel it or wait")
         _check_params(sampling)
         self._waiting += 1
         self._asked += 1
@@ -354,11 +355,13 @@ class ChatTranscript:
         finally:
             self._waiting -= 1
 
-    async def rewind_async(self, messages: int, offload: Offload) -> int:
-        """`rewind`, after ending a running or asked-for reply (which is recorded first)."""
+    async def rewind_async(self, offload: Offload, messages: int | None = None, to: int | None = None,
+                           to_seq: int | None = None) -> int:
+        """`rewind` to `messages`, or to the messages whole in the first `to` tokens or up to chunk `to_seq`, after
+        ending a running or asked-for reply (which is recorded first)."""
         self.cancel()
         async with self.turns:
-            return await offload(self.rewind, messages)
+            return await offload(self.rewind, messages if messages is not None else self.messages_within(to, to_seq))
 
 
 class ChatReply:
@@ -388,8 +391,8 @@ class ChatReply:
 
 def _check_params(sampling: Mapping[str, Any]) -> None:
     """A reply's parameters, checked before its generation prompt is appended (a refused reply changes nothing)."""
-    unknown = sorted(set(sampling) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop", "stop_token_ids"})
-    if unknown:
+    if unknown := sorted(set(sampling) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
+                                          "stop_token_ids"}):
         raise InvalidInputError(f"unknown reply parameter(s) {unknown}")
     check_sampling(sampling.get("max_tokens", SD.max_tokens), sampling.get("temperature", SD.temperature),
                    sampling.get("top_p", SD.top_p), sampling.get("top_k", SD.top_k))

@@ -205,3 +205,24 @@ async def test_async_replies_go_one_at_a_time_and_a_cancel_before_the_start_appe
         assert await chat.rewind_async(offload, to=reply_start + 1) == reply_start  # a point inside the reply's turn
         assert len(chat.messages) == 1
         assert_stands_for_rendering(chat)
+
+
+def test_a_system_prompt_goes_in_with_the_first_message_where_the_template_folds_it(
+        engines: dict[str, Engine], monkeypatch: Any) -> None:
+    from streamserve.models.catalog import GEMMA_CHAT_TEMPLATE  # a lone system prompt renders as a user turn
+
+    engine = engines["gemma-trim"]
+    monkeypatch.setattr(engine.tokenizer, "chat_template", GEMMA_CHAT_TEMPLATE)
+    system, first = {"role": "system", "content": "Be brief."}, {"role": "user", "content": "hello"}
+    with engine.open_session() as s:
+        chat = ChatTranscript(s)
+        chat.add(system)
+        with pytest.raises(TemplateNotIncrementalError):  # the user turn would rewrite the system prompt's turn
+            chat.add(first)
+        chat.rewind(0)
+        chat.add([system, first])  # together: one chunk
+        assert chat.starts == [0, 0]
+        chat.reply(max_tokens=8).wait()
+        chat.add({"role": "user", "content": "more"})
+        assert_stands_for_rendering(chat)
+        assert chat.rewind(1) == 0 and chat.messages == []  # inside the pair: both go
