@@ -2,7 +2,8 @@
 
 `open_gguf(path)` gives the file; `gguf_config`, `gguf_tokenizer` and `GGUFCheckpoint` turn it into
 what a Hugging Face checkpoint folder gives: a `ModelConfig`, a `Tokenizer` and tensors under the
-Hugging Face names the loader's recipes consume.
+Hugging Face names the loader's recipes consume. `writer.write_gguf` writes a checkpoint folder the way
+llama.cpp's converter does (tests, small exports).
 """
 
 from pathlib import Path

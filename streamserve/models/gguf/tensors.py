@@ -57,8 +57,10 @@ class Source:
 def hf_sources(f: GGUFFile) -> dict[str, Source]:
     """{Hugging Face name: Source} for every tensor of the file streamserve knows how to name."""
     arch = f.architecture
-    heads, kv_heads = int(f.arch_key("attention.head_count", 0) or 0), f.arch_key("attention.head_count_kv")
-    kv_heads = int(kv_heads) if isinstance(kv_heads, int) else heads
+    heads, kv_heads = int(f.arch_key("attention.head_count", 0) or 0), f.arch_key("attention.head_count_kv", 0)
+    if isinstance(kv_heads, list):  # written per layer (the config refuses lists that differ)
+        kv_heads = kv_heads[0] if kv_heads else 0
+    kv_heads = int(kv_heads) or heads
     out: dict[str, Source] = {}
     for name, t in f.tensors.items():
         hf = _hf_name(name, arch)
