@@ -17,7 +17,14 @@ from dataclasses import replace
 from typing import Any
 
 from streamserve.engine import Engine, Session
-from streamserve.engine.chat import ChatTranscript, Message, NoChatTemplateError, Offload, check_message
+from streamserve.engine.chat import (
+    ChatMessageError,
+    ChatTranscript,
+    Message,
+    NoChatTemplateError,
+    Offload,
+    check_message,
+)
 from streamserve.engine.streams import Delta, ResponseStream
 from streamserve.engine.work import Ack
 from streamserve.errors import InvalidInputError
@@ -63,10 +70,11 @@ class ChatSessions:
         if chat is not None:
             chat.cancel()
 
-    def check_append(self, session_id: str, message: Any, req: AppendRequest) -> tuple[Message | None, AppendRequest]:
-        """-> (the checked message of a chat session's append, None for a plain session's; the request, whose
-        text is the message's content for the service's size checks), or the typed error of a message on a plain
-        session, or of text or token ids on a chat session."""
+    def check_append(self, session_id: str, message: Any, req: AppendRequest
+                     ) -> tuple[Message | list[Message] | None, AppendRequest]:
+        """-> (the checked message of a chat session's append, or list of messages appended together; None for a
+        plain session's; the request, whose text is the messages' content for the service's size checks), or the
+        typed error of a message on a plain session, or of text or token ids on a chat session."""
         chat = self.transcripts.get(session_id)
         if message is not None and chat is None:
             raise NotChatSessionError("this session was opened without chat: append text or token_ids, or open a "
@@ -75,10 +83,13 @@ class ChatSessions:
             raise InvalidInputError("this is a chat session: append messages {role, content}, not text or token_ids")
         if message is None:
             return None, req
-        message = check_message(message)
-        return message, replace(req, text=message["content"], kind="text")
+        checked = [check_message(m) for m in (message if isinstance(message, list) else [message])]
+        if not checked:
+            raise ChatMessageError("append took an empty list of messages; send at least one")
+        text = "".join(m["content"] for m in checked)
+        return (checked if isinstance(message, list) else checked[0]), replace(req, text=text, kind="text")
 
-    def add(self, session_id: str, message: Message, chunk: dict[str, Any]) -> asyncio.Future[Ack]:
+    def add(self, session_id: str, message: Message | list[Message], chunk: dict[str, Any]) -> asyncio.Future[Ack]:
         """Append a message in its turn (`chunk`: seq, capture_time, deadline); -> its chunk's ack, to come."""
         return asyncio.ensure_future(self.transcripts[session_id].add_async(message, self.offload, **chunk))
 

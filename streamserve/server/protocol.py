@@ -31,6 +31,7 @@ CLOSE_BAD_CLIENT = 4400  # the client keeps sending what the protocol does not a
 CLIENT_TYPES = ("open", "resume", "append", "respond", "cancel", "rewind", "configure", "close", "stats")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # engine/chat.py's ROLES (this module imports no engine)
+MAX_CHAT_MESSAGES = 16  # messages in one append (appended together, as one chunk)
 
 
 class ProtocolError(Exception):
@@ -210,14 +211,18 @@ class _Fields:
             raise self.error(f"{key} must be true or false")
         return v
 
-    def chat_message(self, key: str, seq: int | None) -> dict[str, str] | None:
-        """A chat message: a map of exactly `role` (one of CHAT_ROLES) and `content` (a string)."""
+    def chat_message(self, key: str, seq: int | None) -> Any:
+        """A chat message: a map of exactly `role` (one of CHAT_ROLES) and `content` (a string); or a list of 1 to
+        MAX_CHAT_MESSAGES of them."""
         v = self.get_field(key, False)
-        if v is not None and not (isinstance(v, dict) and set(v) == {"role", "content"}
-                                  and v["role"] in CHAT_ROLES and isinstance(v["content"], str)):
+        items = v if isinstance(v, list) else [v]
+        if v is not None and not (0 < len(items) <= MAX_CHAT_MESSAGES and all(
+                isinstance(m, dict) and set(m) == {"role", "content"} and m["role"] in CHAT_ROLES
+                and isinstance(m["content"], str) for m in items)):
             raise ProtocolError("invalid_chat_message", f"{self.obj.get('type')}: {key} must be a map of exactly role "
-                                f"(one of {list(CHAT_ROLES)}) and content (a string)", request_id=self.request_id,
-                                session=self.session, seq=seq)
+                                f"(one of {list(CHAT_ROLES)}) and content (a string), or a list of 1 to "
+                                f"{MAX_CHAT_MESSAGES} of them", request_id=self.request_id, session=self.session,
+                                seq=seq)
         return v
 
     def sampling_fields(self, obj: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -64,7 +64,7 @@ def user(text: str) -> dict[str, str]:
 
 
 async def test_chat_turns_over_the_wire_equal_the_engine_level_transcript(chat_server: RunningServer) -> None:
-    steps: list[Any] = [user("hello"), None, user("and then?"), None,
+    steps: list[Any] = [[{"role": "system", "content": "Be brief."}, user("hello")], None, user("and then?"), None,
                         {"role": "assistant", "content": "a given answer"}, user("last one"), None]
     async with sc.connect(chat_server.url) as client:
         assert client.hello["chat_template"] is True
@@ -118,7 +118,7 @@ async def test_chat_errors_are_typed(chat_server: RunningServer, monkeypatch: py
         assert e.value.code == "not_chat_session"
         chat = await client.open_session(chat=True)
         for bad in ({"role": "robot", "content": "x"}, {"role": "user", "content": 5}, {"role": "user"},
-                    {"role": "user", "content": "x", "name": "n"}):
+                    {"role": "user", "content": "x", "name": "n"}, [], [user("ok"), {"role": "user"}]):
             with pytest.raises(sc.InvalidInputError) as e:
                 await chat.append(message=bad)
             assert e.value.code == "invalid_chat_message"

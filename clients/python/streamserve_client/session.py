@@ -104,10 +104,12 @@ class Session:
 
     async def append(self, text: str | None = None, token_ids: list[int] | None = None,
                      audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | None = None, *,
-                     message: dict[str, str] | None = None, seq: int | None = None, capture_time: float | None = None,
+                     message: dict[str, str] | list[dict[str, str]] | None = None, seq: int | None = None,
+                     capture_time: float | None = None,
                      deadline_ms: float | None = None, kind: str | None = None) -> Ack:
         """Send a chunk (exactly one of text, token_ids, audio=(pcm, rate), image, or on a chat session
-        message={"role": "system"|"user"|"assistant"|"tool", "content": str}) and wait for its ack.
+        message={"role": "system"|"user"|"assistant"|"tool", "content": str}, or a list of such messages
+        appended together) and wait for its ack.
         `seq` defaults to the next number; `capture_time` (any clock) comes back in the ack's message;
         `deadline_ms`: how soon after it reaches the server the chunk should be in the KV cache."""
         self._check()

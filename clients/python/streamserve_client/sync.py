@@ -99,7 +99,7 @@ class SyncSession:
         self.finish_reason: str | None = None  # of the latest reply
 
     def append(self, text: str | None = None, token_ids: list[int] | None = None, audio: Any = None,
-               image: Any = None, *, message: dict[str, str] | None = None, **kw: Any) -> Ack:
+               image: Any = None, *, message: dict[str, str] | list[dict[str, str]] | None = None, **kw: Any) -> Ack:
         return self.client.run(self.session.append(text, token_ids, audio, image, message=message, **kw))
 
     def respond(self, **params: Any) -> Iterator[Delta]:
