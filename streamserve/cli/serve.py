@@ -6,7 +6,7 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from streamserve.cli.args import add_config_args, config_from_args
+from streamserve.cli.args import add_config_args, config_from_args, resolve_named_model
 from streamserve.config import EngineConfig, SchedulerConfig, ServerConfig, SessionConfig
 
 
@@ -30,7 +30,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from streamserve.server.app import Server, engine_loader, run
 
     server_cfg: ServerConfig = config_from_args(ServerConfig, args)
-    engine_cfg: EngineConfig = config_from_args(EngineConfig, args)
+    # a named model is pulled (and its licence asked for) here, in the foreground, before the port opens
+    engine_cfg: EngineConfig = resolve_named_model(config_from_args(EngineConfig, args))
     scheduler_cfg: SchedulerConfig = config_from_args(SchedulerConfig, args)
     server = Server(server_cfg, engine_loader(engine_cfg, scheduler_cfg), config_from_args(SessionConfig, args))
     run(server, announce=lambda line: print(line, file=sys.stderr, flush=True))

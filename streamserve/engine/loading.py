@@ -12,22 +12,29 @@ import torch
 from streamserve.errors import InvalidInputError, ModelLoadError
 from streamserve.models.gguf import is_gguf
 from streamserve.models.loader import Checkpoint
+from streamserve.models.store import resolve_model
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
-def resolve_model_path(model: str | Path) -> Path:
+def resolve_model_path(model: str | Path, offline: bool = False) -> Path:
+    """"default", a catalog name (its cached file, pulled first unless `offline`), a .gguf file or a folder."""
     if str(model) == "default":
         return DEFAULT_MODEL_DIR
     path = Path(model).expanduser()
+    if not path.exists():
+        named = resolve_model(str(model), offline=offline)  # None: not a catalog name
+        if named is not None:
+            return named
     if path.suffix.lower() == ".gguf" or (path.is_file() and is_gguf(path)):
         if not path.is_file():
             raise ModelLoadError(f"GGUF file {str(model)!r} not found (models are never downloaded)")
         return path  # a file that is not GGUF inside gets its typed error when it is opened
     if not (path / "config.json").exists():
-        raise ModelLoadError(f"model {str(model)!r} not found: pass 'default', a .gguf file or a folder holding "
-                             "config.json, safetensors weights and tokenizer.json (models are never downloaded)")
+        raise ModelLoadError(f"model {str(model)!r} not found: pass 'default', a model name from `streamserve "
+                             "models list`, a .gguf file or a folder holding config.json, safetensors weights and "
+                             "tokenizer.json (only catalog models are downloaded, from the package index)")
     return path
 
 

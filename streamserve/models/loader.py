@@ -139,8 +139,7 @@ def load_model(checkpoint: Path | CheckpointSource, cfg: ModelConfig, device: to
     model = model.to_empty(device=device)
     if cfg.tie_word_embeddings:  # materialising "meta" parameters unties them
         model.lm_head.weight = model.embed_tokens.weight
-    inv_freq, _ = cfg.rope.inv_freq()
-    model.inv_freq = inv_freq.to(device)  # buffers built on "meta" are recomputed for real
+    model.reset_rope(device)  # buffers built on "meta" are recomputed for real
 
     chosen: dict[str, list[Piece]] = {}
     for name, _ in model.named_parameters():

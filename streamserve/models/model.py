@@ -263,11 +263,6 @@ class CausalLM(nn.Module):
         """[hd/2] fp32: the full-attention layers' RoPE table."""
         return self.rope_inv_freq[0]
 
-    @inv_freq.setter
-    def inv_freq(self, value: torch.Tensor) -> None:
-        # the loader assigns `model.inv_freq` after materialising the model: recompute every kind's table there
-        self.reset_rope(value.device)
-
     @torch.inference_mode()
     def forward(self, ids: torch.Tensor, kv: LayerKV, all_logits: bool = False) -> torch.Tensor:
         """ids [T] at positions kv.q_pos -> logits [T, V] if `all_logits` else [V] for the last token (fp32)."""

@@ -289,7 +289,7 @@ def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None
                                       cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
                                       drafter=engine.drafter, max_draft=engine.max_draft,
                                       page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler,
-                                      rewind_reach=engine.rewind_reach)
+                                      rewind_reach=engine.rewind_reach, offline=engine.offline)
     return load
 
 
