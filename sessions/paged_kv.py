@@ -84,6 +84,11 @@ class PagedSessionKV:
     def held_count(self) -> int:
         return sum(len(grp.table) for grp in self.groups)
 
+    @property
+    def held_bytes(self) -> int:
+        """Bytes of the pages held on the pool now, every layer group counted (0 while parked)."""
+        return sum(len(grp.table) * self.pool.group_page_bytes(g) for g, grp in enumerate(self.groups))
+
     def held_in(self, group: int) -> int:
         return len(self.groups[group].table)
 

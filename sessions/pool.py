@@ -134,6 +134,13 @@ class KVPool:
         return self.bytes_per_page(len(self.groups[group].layers), self.num_kv_heads, self.head_dim,
                                    self.page_size, self.dtype)
 
+    def group_stats(self) -> list[dict[str, int | None]]:
+        """Per layer group: its native window, layers, tokens a session keeps, pages in use and in all, page bytes."""
+        a = self.allocator
+        return [{"window": g.window, "layers": len(g.layers), "keep_tokens": g.keep, "pages_used": a.used_in(i),
+                 "pages_total": a.group_pages[i], "page_bytes": self.group_page_bytes(i)}
+                for i, g in enumerate(self.groups)]
+
     @property
     def used_bytes(self) -> int:
         return sum(self.allocator.used_in(g) * self.group_page_bytes(g) for g in range(len(self.groups)))
