@@ -7,9 +7,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from streamserve import __version__
 from streamserve.cli import chat, generate, info, models, serve
 from streamserve.errors import StreamserveError
+from streamserve.version import __version__
 
 # the sub-commands, in the order `streamserve --help` lists them
 COMMANDS = (serve, generate, chat, info, models)

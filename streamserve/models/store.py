@@ -40,7 +40,6 @@ from typing import Any
 
 from tqdm import tqdm
 
-from streamserve import __version__
 from streamserve.models.catalog import (
     CATALOG,
     CatalogEntry,
@@ -54,6 +53,7 @@ from streamserve.models.catalog import (
     parse_sha256sums,
     pull_command,
 )
+from streamserve.version import __version__
 
 try:  # one pull per model at a time; without fcntl (Windows) concurrent pulls of one model are not serialized
     import fcntl

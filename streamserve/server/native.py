@@ -17,7 +17,6 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from streamserve import __version__
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Grant
@@ -39,6 +38,7 @@ from streamserve.server.results import (
 )
 from streamserve.server.service import SessionService
 from streamserve.server.transport import Frame, Transport
+from streamserve.version import __version__
 
 log = logging.getLogger("streamserve.server")
 
