@@ -142,6 +142,11 @@ class KVPool:
                 for i, g in enumerate(self.groups)]
 
     @property
+    def total_bytes(self) -> int:
+        """The pool's storage: every group's pages."""
+        return sum(self.allocator.group_pages[g] * self.group_page_bytes(g) for g in range(len(self.groups)))
+
+    @property
     def used_bytes(self) -> int:
         return sum(self.allocator.used_in(g) * self.group_page_bytes(g) for g in range(len(self.groups)))
 

@@ -9,8 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from chat_checkpoints import IM_END, NL, SPACE, TAB, chat_checkpoint, scripted
 from helpers import make_checkpoint
-from test_cli_chat_checkpoints import IM_END, NL, SPACE, TAB, chat_checkpoint, scripted
 
 from streamserve.models import Tokenizer
 

@@ -12,13 +12,15 @@ import sys
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamserve.cli.args import add_config_args, config_from_args, load_engine
 from streamserve.config import EngineConfig, SamplingConfig, SessionConfig
-from streamserve.engine.chat import ChatReply, ChatTranscript
-from streamserve.engine.work import Ack
 from streamserve.errors import StreamserveError
+
+if TYPE_CHECKING:  # the engine (and torch) load only when the command runs, not for `streamserve --help`
+    from streamserve.engine.chat import ChatTranscript
+    from streamserve.engine.work import Ack
 
 HELP = """commands:
   /rewind   undo the last exchange (your last message and the reply to it)
@@ -53,6 +55,8 @@ class Terminal:
         self.chat = self._open()
 
     def _open(self) -> ChatTranscript:
+        from streamserve.engine.chat import ChatTranscript
+
         sc = self.sc
         session = self.engine.open_session(window=sc.window, sinks=sc.sinks, positions=sc.positions,
                                            seed=self.sampling.seed, page_cap=sc.page_cap)
@@ -67,6 +71,8 @@ class Terminal:
 
     def say(self, line: str, out: Any) -> None:
         """One exchange: the user's line, then the streamed reply (Ctrl-C stops it)."""
+        from streamserve.engine.chat import ChatReply
+
         t0 = time.perf_counter()
         chat, sp = self.chat, self.sampling
         message = {"role": "user", "content": line}

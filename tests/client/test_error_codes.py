@@ -12,7 +12,10 @@ from streamserve.errors import StreamserveError
 
 # raised while loading a model or by offline tools, never sent over the wire; internal_error is the base on purpose
 NEVER_SENT = {"model_load_error", "missing_tensor", "unsupported_architecture", "tensor_shape_mismatch",
-              "snapshot_mismatch", "draft_tokenizer_mismatch", "internal_error"}
+              "snapshot_mismatch", "draft_tokenizer_mismatch", "internal_error",
+              # GGUF files and the model cache: the engine is loaded (and models pulled) before the port opens
+              "bad_gguf_file", "unsupported_tensor_type", "unknown_model", "model_not_installed",
+              "license_not_accepted", "model_pull_failed", "pip_missing", "checksum_mismatch"}
 
 
 def all_codes() -> set[str]:

@@ -8,8 +8,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from chat_checkpoints import END_OF_TURN, EOS_ID, IM_END, NL, SPACE, TAB, chat_checkpoint, scripted
 from helpers import make_checkpoint
-from test_cli_chat_checkpoints import END_OF_TURN, EOS_ID, IM_END, NL, SPACE, TAB, chat_checkpoint, scripted
 
 from streamserve import Engine
 from streamserve.engine.chat import (

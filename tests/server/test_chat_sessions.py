@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 import pytest_asyncio
+from chat_checkpoints import NL, SPACE, TAB, chat_checkpoint, scripted
 from serving import RunningServer, serve
-from test_cli_chat_checkpoints import NL, SPACE, TAB, chat_checkpoint, scripted
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig

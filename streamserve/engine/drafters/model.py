@@ -75,9 +75,7 @@ class DraftModelDrafter:
         dev, dtype, page = target_pool.device, target_pool.dtype, target_pool.page_size
         model = load_model(pretrained.checkpoint, cfg, dev, dtype, ops)
         per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page, dtype)
-        target_bytes = target_pool.num_pages * KVPool.bytes_per_page(
-            target.num_layers, target.num_kv_heads, target.head_dim, page, dtype)
-        pages = max(MIN_POOL_PAGES, target_bytes // POOL_SHARE // per_page)
+        pages = max(MIN_POOL_PAGES, target_pool.total_bytes // POOL_SHARE // per_page)
         pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page, dtype, dev)
         return cls(f"draft:{folder.name}", model, pool)
 

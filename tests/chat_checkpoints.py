@@ -1,7 +1,6 @@
 """Tiny checkpoints with chat templates, shared by the chat tests (engine, server, client, CLI).
 
-(Helpers, not tests: they belong in tests/helpers.py, which the chat work does not own; test modules import
-them from here by this module's name, as tests/ is on the path.)
+(Helpers, not tests: test modules import them by this module's name, as tests/ is on the path.)
 
 - CHATML: SmolLM2-135M-Instruct's template, which inserts a default system prompt on the first turn.
 - GEMMA: Gemma 3's shape: `{{ bos_token }}` first, a system message folded into the first user turn,
