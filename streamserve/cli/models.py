@@ -38,7 +38,7 @@ examples:
   streamserve models list --verify --json       # hash every installed file again
   streamserve models pull smollm2-135m-instruct
   streamserve models pull gemma3-270m --accept-license
-  streamserve generate --model smollm2-135m-instruct --chat   # once engine loading takes catalog names
+  streamserve chat --model smollm2-135m-instruct   # --model NAME pulls a catalog model on first use
 """
 
 

@@ -29,7 +29,8 @@ def resolve_model_path(model: str | Path, offline: bool = False) -> Path:
             return named
     if path.suffix.lower() == ".gguf" or (path.is_file() and is_gguf(path)):
         if not path.is_file():
-            raise ModelLoadError(f"GGUF file {str(model)!r} not found (models are never downloaded)")
+            raise ModelLoadError(f"GGUF file {str(model)!r} not found; pass an existing .gguf file, or a catalog "
+                                 "name from `streamserve models list` (only those are downloaded)")
         return path  # a file that is not GGUF inside gets its typed error when it is opened
     if not (path / "config.json").exists():
         raise ModelLoadError(f"model {str(model)!r} not found: pass 'default', a model name from `streamserve "
