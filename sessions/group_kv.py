@@ -35,9 +35,11 @@ class GroupKV:
         return first if w is None else max(first, pos - w + 1)
 
     def keep_first(self, length: int) -> int:
-        """The oldest non-sink position kept once the session holds `length` tokens (the reach included)."""
+        """The oldest non-sink position kept once the session holds `length` tokens: its last `keep` (window +
+        reach) tokens. A rewind of `reach` tokens truncates the KV to length - reach - 1 (the last kept token
+        runs again), whose query reads from length - reach - window: exactly the oldest kept."""
         first, keep = self.policy.first_needed(length), self.group.keep
-        return first if keep is None else max(first, length - keep + 1)
+        return first if keep is None else max(first, length - keep)
 
     # ---- a step ---------------------------------------------------------------------------------------
     def missing(self, start: int, end: int) -> list[int]:

@@ -65,10 +65,10 @@ def test_a_long_chunked_session_matches_transformers_with_flat_local_pages(arch,
             assert (s.core.logits - ref[end - 1]).abs().max().item() <= 1e-4, end
             held_local.append(held(s, local))
             assert s.kv.held_in(0) == -(-end // PAGE)  # the global layers keep every page
-        # after a commit a local group keeps its last window + reach - 1 tokens: at most 3 pages of 16
-        assert max(max(h) for h in held_local) <= -(-(WINDOW + REACH - 1) // PAGE) + 1
+        # after a commit a local group keeps its last window + reach tokens: at most 3 pages of 16
+        assert max(max(h) for h in held_local) <= -(-(WINDOW + REACH) // PAGE) + 1
         assert s.generate(max_tokens=30, stop_token_ids=()) == gen
-        assert max(held(s, local)) <= -(-(WINDOW + REACH - 1) // PAGE) + 1
+        assert max(held(s, local)) <= -(-(WINDOW + REACH) // PAGE) + 1
     engine.check_integrity()
     assert engine.stats()["kv_pages_used"] == 0
 
@@ -133,7 +133,7 @@ def test_rewind_reach_zero_frees_at_once_and_changes_no_output(mixed) -> None:
             peak.append(max(local[-3:]))
             if engine.pool.groups[1].reach == 0:
                 with pytest.raises(RewindError, match="rewind_reach"):
-                    s.rewind(to=len(s) - 3)
+                    s.rewind(to=len(s) - PAGE - 1)  # past the window's page: the keys are gone
         engine.check_integrity()
     assert outs[0] == outs[1] and peak[0] < peak[1] and peak[0] <= 2
     with pytest.raises(InvalidInputError, match="rewind_reach"):
@@ -191,3 +191,20 @@ def test_pool_pressure_parks_idle_sessions_and_both_go_on_identically(mixed) -> 
     b.close()
     tight.check_integrity()
     assert tight.stats()["kv_pages_used"] == 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "gemma3"])
+def test_a_rewind_of_exactly_the_reach_works_at_every_page_alignment(arch, windowed) -> None:
+    """A user's rewind runs the last kept token again, so a rewind of `rewind_reach` tokens reads one key more
+    than the next query does: the local group must keep window + reach tokens (not one fewer), whatever page
+    boundary the oldest kept key falls on (lengths 40..56 put it at every offset of a 16-token page)."""
+    engine = windowed[arch]
+    for n in range(40, 40 + PAGE + 1):
+        ids, turn = random_ids(n, seed=80 + n), random_ids(REACH, seed=81)
+        with engine.open_session() as s:
+            s.append(token_ids=ids, seq=0)
+            s.append(token_ids=turn, seq=1)  # a last turn of exactly the reach
+            assert s.rewind(to_seq=0) == n, n
+            if n in (40, 47):  # 47: the alignment that lost the key
+                assert s.generate(max_tokens=4, stop_token_ids=()) == greedy(engine, ids, max_tokens=4), n
+    engine.check_integrity()

@@ -78,7 +78,9 @@ def test_a_local_group_keeps_window_plus_reach_and_reads_its_window() -> None:
         step(kv, 5, seed=0)
         assert kv.held_in(0) == -(-kv.length // P)  # global: every page
         kept = sorted(kv.groups[1].table)
-        assert kept[0] * P <= max(0, kv.length - 8 + 1) and kv.held_in(1) <= -(-7 // P) + 1, i
+        assert kept[0] * P <= max(0, kv.length - 8) and kv.held_in(1) <= -(-8 // P) + 1, i
+        # a session's rewind of the reach (2 tokens) truncates the KV to length - 3: its query's window is kept
+        assert kv.can_rewind(max(0, kv.length - 3)), i
     kv.begin(3)  # the step reads [length - 5, length + 3) in the local group, everything in the global one
     assert kv.groups[1].k_pos.tolist() == list(range(kv.length - 5, kv.length + 3))
     assert kv.groups[0].k_pos.tolist() == list(range(kv.length + 3))
