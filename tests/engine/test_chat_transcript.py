@@ -226,3 +226,16 @@ def test_a_system_prompt_goes_in_with_the_first_message_where_the_template_folds
         chat.add({"role": "user", "content": "more"})
         assert_stands_for_rendering(chat)
         assert chat.rewind(1) == 0 and chat.messages == []  # inside the pair: both go
+
+
+def test_an_empty_list_of_messages_is_refused_and_the_chat_goes_on(engines: dict[str, Engine]) -> None:
+    with engines["chatml-im_end"].open_session() as s:
+        chat = ChatTranscript(s)
+        chat.add({"role": "user", "content": "hello"})
+        chat.reply(max_tokens=8).wait()  # the "\n" closing its turn is pending: an empty list would append it alone
+        before = list(s.token_ids)
+        with pytest.raises(ChatMessageError, match="at least one"):
+            chat.add([])
+        assert s.token_ids == before and chat.pending == "\n"
+        chat.add({"role": "user", "content": "more"})  # not taken for a reply's generation prompt
+        assert_stands_for_rendering(chat)
