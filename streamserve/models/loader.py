@@ -31,7 +31,9 @@ from streamserve.models.tokenizer import Tokenizer
 
 log = logging.getLogger("streamserve")
 
-PROGRESS_MIN_BYTES = 256 * 2**20  # show a progress bar for loads larger than this
+# show a progress bar when the weights take more than this in memory: the loaded size, not the stored one, is
+# what the time follows (a Q4 GGUF file is an eighth of its fp32 weights, and every value is dequantized)
+PROGRESS_MIN_BYTES = 256 * 2**20
 _ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
              "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",  # buffers some old checkpoints carry
@@ -157,10 +159,11 @@ def load_model(checkpoint: Path | CheckpointSource, cfg: ModelConfig, device: to
                                        f"the config implies {list(p.shape)}")
         chosen[name] = layout
 
-    total = sum(ckpt.nbytes(p.name) for layout in chosen.values() for p in layout)
+    total = sum(ckpt.nbytes(p.name) for layout in chosen.values() for p in layout)  # the bar counts stored bytes
     params = dict(model.named_parameters())
+    loaded = sum(p.numel() * p.element_size() for p in params.values())
     with tqdm(total=total, unit="B", unit_scale=True, desc=f"loading {label}",
-              disable=total < PROGRESS_MIN_BYTES) as bar, torch.no_grad():
+              disable=loaded < PROGRESS_MIN_BYTES) as bar, torch.no_grad():
         for name, layout in chosen.items():
             dst = params[name].data
             flat = dst.view(-1) if dst.dim() == 1 else dst.view(-1, dst.shape[-1])

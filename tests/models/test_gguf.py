@@ -37,7 +37,11 @@ GGUF_CONFIGS: dict[str, dict[str, Any]] = {
 K_QUANT_CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                   rope_parameters=DEFAULT_ROPE),
+    "qwen2": dict(GGUF_CONFIGS["qwen2"], hidden_size=256, intermediate_size=512, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=64),
+    "qwen3": dict(GGUF_CONFIGS["qwen3"], hidden_size=256, intermediate_size=512),
     "qwen3_moe": dict(GGUF_CONFIGS["qwen3_moe"], hidden_size=256, head_dim=128),
+    "gemma3": dict(GGUF_CONFIGS["gemma3"], hidden_size=256, intermediate_size=512),
 }
 # the fp16 scale fields of each block type (byte offsets): random bytes elsewhere are valid blocks
 SCALE_OFFSETS = {Q.Q4_0: (0,), Q.Q4_1: (0, 2), Q.Q5_0: (0,), Q.Q5_1: (0, 2), Q.Q8_0: (0,), Q.Q4_K: (0, 2),
@@ -160,3 +164,15 @@ def test_dequantization_of_every_type_matches_gguf_quants(qtype: Q, tmp_path: Pa
     assert np.isfinite(expect).all()
     np.testing.assert_array_equal(got.numpy(), expect)
     np.testing.assert_array_equal(ckpt.head("model.embed_tokens.weight", 2).numpy(), expect[:2])
+
+
+def test_a_quantized_file_whose_weights_are_large_shows_a_progress_bar(monkeypatch, capsys, gguf_models) -> None:
+    """The bar follows the weights' loaded size, not the file's: Gemma 3 270M's Q4_K_M file is under the
+    threshold, yet dequantizing it into 1 GB of fp32 weights is the slowest part of its load."""
+    from streamserve.models import loader
+
+    folder, _ = gguf_models["llama-k"]
+    path = write_gguf(folder, folder / "bar.gguf", q4_k_m, quantizer=k_quantizer)
+    monkeypatch.setattr(loader, "PROGRESS_MIN_BYTES", path.stat().st_size)  # above the file, below fp32 weights
+    Engine.from_pretrained(path, device="cpu", kv_memory="16MiB")
+    assert "loading bar.gguf" in capsys.readouterr().err
