@@ -46,11 +46,11 @@ MAX_BAD_MESSAGES = 16  # malformed frames tolerated per connection before it is 
 
 
 # ---- rendering: neutral results -> native messages ------------------------------------------------------
-def render_hello(info: ServerInfo, chat_template: bool = False) -> dict[str, Any]:
+def render_hello(info: ServerInfo) -> dict[str, Any]:
     lim = info.limits
     return {"type": "hello", "protocol": P.PROTOCOL_VERSION, "server": f"streamserve {__version__}",
             "model": info.model, "architecture": info.architecture, "modalities": list(info.modalities),
-            "chat_template": chat_template,
+            "chat_template": info.chat_template,
             "vocab_size": info.vocab_size, "max_context": info.max_context,
             "limits": {"max_frame_bytes": lim.max_frame_bytes, "max_chunk_tokens": lim.max_chunk_tokens,
                        "max_sessions": lim.max_sessions, "messages_per_second": lim.messages_per_second,
@@ -81,7 +81,7 @@ def render(result: Any, request_id: Any = None) -> dict[str, Any]:
         return {"type": "opened", "id": request_id, "session": result.session, "resume_token": result.resume_token,
                 "resumed": result.resumed, "next_seq": result.next_seq, "tokens": result.tokens,
                 "window": result.window, "sinks": result.sinks, "positions": result.positions,
-                "chunk_budget_ms": result.chunk_budget_ms, "reserved_pages": result.reserved_pages}
+                "chunk_budget_ms": result.chunk_budget_ms, "reserved_pages": result.reserved_pages, "chat": result.chat}
     if isinstance(result, Rewound):
         return {"type": "rewound", "id": request_id, "session": result.session, "tokens": result.tokens,
                 "next_seq": result.next_seq}
@@ -113,11 +113,7 @@ class NativeConnection(ProtocolAdapter):
         await self.transport.send(P.encode(message))
 
     async def greet(self) -> None:
-        await self.send(render_hello(self.service.info(), self.service.chats.available))
-
-    async def send_opened(self, opened: Opened, request_id: Any) -> None:
-        """`opened`, saying whether the session is a chat session (its appends are messages)."""
-        await self.send({**render(opened, request_id), "chat": self.service.chats.get(opened.session) is not None})
+        await self.send(render_hello(self.service.info()))
 
     async def handle(self, frame: Frame) -> None:
         try:
@@ -137,16 +133,15 @@ class NativeConnection(ProtocolAdapter):
             await self.send(render(service_error(e, m.session, m.fields.get("seq")), m.id))
 
     # ---- one handler per client message type: fields -> service call ----------------------------------
-    async def on_open(self, m: P.ClientMessage) -> None:
+    async def on_open(self, m: P.ClientMessage) -> Opened:
         f = m.fields
-        opened = await self.service.open(self.ctx, OpenRequest(f["window"], f["sinks"], f["positions"], f["drafter"],
-                                                               f["chunk_budget_ms"], f["sampling"]), bool(f["chat"]))
-        await self.send_opened(opened, m.id)
+        return await self.service.open(self.ctx, OpenRequest(f["window"], f["sinks"], f["positions"], f["drafter"],
+                                                             f["chunk_budget_ms"], f["sampling"]), bool(f["chat"]))
 
     async def on_resume(self, m: P.ClientMessage) -> None:
         assert m.session is not None
         opened, recent = await self.service.resume(self.ctx, m.session, m.fields["resume_token"])
-        await self.send_opened(opened, m.id)
+        await self.send(render(opened, m.id))
         for result in recent:  # the latest chunks' results: the client takes those it waits for
             await self.push(result)
 

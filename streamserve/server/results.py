@@ -56,6 +56,7 @@ class ServerInfo:
     max_context: int
     modalities: tuple[str, ...]
     limits: Limits
+    chat_template: bool = False  # whether the model has one: sessions may be opened with `chat`
 
 
 @dataclass(frozen=True)
@@ -70,6 +71,7 @@ class Opened:
     positions: str
     chunk_budget_ms: float
     reserved_pages: int | None  # what the session counts against its connection's page quota
+    chat: bool = False  # a chat session: its appends are messages, its replies the assistant's messages
 
 
 @dataclass(frozen=True)

@@ -102,7 +102,7 @@ class SessionService:
                               c.max_frame_bytes, c.max_chunk_tokens, c.max_sessions_per_connection,
                               c.messages_per_second, c.bytes_per_second, c.resume_ttl, c.max_reply_tokens,
                               self.max_window(), c.max_pages_per_connection, c.max_queued_tokens_per_connection,
-                              c.min_deadline_ms))
+                              c.min_deadline_ms), self.chats.available)
 
     def max_window(self) -> int:
         """The largest window + sinks a session may ask for."""
@@ -225,7 +225,7 @@ class SessionService:
         s = e.session
         window, sinks, mode = session_window(s)
         return Opened(s.id, e.resume_token, resumed, s.next_seq, len(s.token_ids), window, sinks, mode,
-                      s.chunk_budget * 1e3, e.reserved_pages)
+                      s.chunk_budget * 1e3, e.reserved_pages, self.chats.get(s.id) is not None)
 
     async def resume(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:
         """-> (the session, the results of its latest chunks, sent again for the client to pick from)."""
