@@ -55,6 +55,8 @@ def test_chat_answers_each_line_and_rewind_reset_stats_work(scripted_model: Path
     # with the next message)
     assert tokens == [rendered("hello") - 1, rendered("hello", "again") - 1, rendered("hello"), 0]
     assert "last reply: 5 tokens" in done.stdout and "kv pages held:" in done.stdout
+    stats = done.stdout.split("session tokens:")[1:]  # each /stats' lines
+    assert ["last reply:" in block for block in stats] == [True, True, True, False]  # none after /reset
     assert "/rewind   undo the last exchange" in done.stdout and "unknown command /nonsense" in done.stdout
 
 

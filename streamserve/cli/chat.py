@@ -124,6 +124,7 @@ class Terminal:
     def reset(self) -> str:
         self.close()
         self.chat = self._open()
+        self.last = {}  # /stats speaks of this conversation's replies only
         return "new conversation"
 
     def stats(self) -> str:
