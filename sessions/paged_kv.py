@@ -225,6 +225,16 @@ class PagedSessionKV:
             if bad:
                 raise ValueError(f"pages of shape {bad[0]} in layer {layer}, expected {list(shape)}")
 
+    def regrouped(self, host: HostPages) -> HostPages:
+        """`host` checked (ValueError) for this pool. A snapshot written before layer groups existed has one list
+        of page numbers, every layer's pages [n, P, KVH, hd] following it: on a pool whose layers now form
+        several groups, every group holds those pages (a local group gives back what it no longer keeps at the
+        next commit). The tensors are shared, not copied."""
+        if len(self.groups) > 1 and isinstance(host.logical, list) and len(host.logical) == 1:
+            host = HostPages([list(host.logical[0]) for _ in self.groups], host.k, host.v)
+        self.check_host(host)
+        return host
+
     def load_host(self, host: HostPages) -> None:
         """Take pages for `host` from the pool (CapacityError: nothing taken) and copy it in."""
         self.check_host(host)

@@ -240,13 +240,13 @@ class Engine:
         s = self.open_session(snap.policy.window, snap.policy.sinks, snap.policy.mode, page_cap=snap.page_cap)
         try:
             try:
-                s.kv.check_host(snap.pages)
+                pages = s.kv.regrouped(snap.pages)  # checked; a file from before layer groups fits them all
             except ValueError as e:
                 raise SnapshotError(f"damaged snapshot: {e}") from None
             if not snap.kv_length <= len(snap.token_ids) <= snap.kv_length + 1:
                 raise SnapshotError(f"damaged snapshot: {len(snap.token_ids)} tokens for a KV of {snap.kv_length}")
             vectors = self._snapshot_vectors(snap)
-            self.admission.admit(s.core, lambda: s.kv.load_host(snap.pages), [len(g) for g in snap.pages.logical])
+            self.admission.admit(s.core, lambda: s.kv.load_host(pages), [len(g) for g in pages.logical])
             # copies: the caller keeps the Snapshot and may change or reuse its tensors
             s.core.load(snap.token_ids, snap.timeline, snap.kv_length, snap.next_seq,
                         None if snap.logits is None else snap.logits.to(self.device, copy=True), snap.logits_at,

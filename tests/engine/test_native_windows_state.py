@@ -157,3 +157,31 @@ def test_a_draft_model_on_a_grouped_target_is_greedy_identical(paths, tmp_path, 
     assert outs[0] == outs[1]
     assert engine.stats()["speculative"] and engine.stats()["kv_pages_used"] == 0
     assert engine.drafters.make(draft)[0].pool.allocator.used_count == 0
+
+
+def test_a_snapshot_file_from_before_layer_groups_restores_on_a_grouped_model(paths, tmp_path) -> None:
+    """Format version 1 before layer groups: one flat list of page numbers, every layer's keys [n, P, KVH, hd]
+    following it (a Qwen3 model with windowed layers kept every page of every layer). The same model, now in
+    two groups, restores it and continues exactly; then the local group gives back what it no longer keeps."""
+    import torch
+
+    from streamserve.engine.snapshot import Snapshot
+
+    keep_all = Engine.from_pretrained(paths["qwen3"], device="cpu", kv_memory="16MiB", rewind_reach=10**9)
+    ids, more = random_ids(70, seed=79), random_ids(9, seed=80)
+    with fed(keep_all, ids) as s:  # every layer holds every page: what a build without groups wrote
+        s.generate(max_tokens=3, stop_token_ids=())
+        d = s.snapshot().to_dict()
+        s.append(token_ids=more)
+        expected = s.generate(max_tokens=8, stop_token_ids=())
+    assert d["logical_pages"][0] == d["logical_pages"][1]
+    d["logical_pages"] = d["logical_pages"][0]  # the old file's flat list
+    torch.save(d, tmp_path / "old.pt")
+    engine = Engine.from_pretrained(paths["qwen3"], device="cpu", kv_memory="16MiB", rewind_reach=REACH)
+    assert len(Snapshot.load(tmp_path / "old.pt").pages.logical) == 1
+    with engine.restore(tmp_path / "old.pt") as r:
+        r.append(token_ids=more)
+        assert r.generate(max_tokens=8, stop_token_ids=()) == expected
+        assert r.kv.held_in(1) <= 3 < r.kv.held_in(0)
+    engine.check_integrity()
+    assert engine.stats()["kv_pages_used"] == 0
