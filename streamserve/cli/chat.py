@@ -104,6 +104,10 @@ class Terminal:
                 if reply is not None:  # the reply ends within one step; what it produced is recorded
                     reply.stream.cancel()
                     reply.wait()
+            except StreamserveError:  # no reply (e.g. its generation prompt would pass the context): the turn
+                if reply is None:  # is refused whole, or the next message would follow an unanswered one
+                    chat.rewind(len(chat.messages) - 1)
+                raise
         if stopped:
             out.write(" [stopped]")
         end = time.perf_counter()
