@@ -167,6 +167,8 @@ class Store:
         if not folder.exists():
             return False
         with self._locked(name):
+            if not folder.exists():  # another process removed it while this one waited for the lock
+                return False
             trash = Path(tempfile.mkdtemp(prefix=f"{name}.", dir=self.home / "tmp"))
             os.replace(folder, trash / "old")  # gone from models/ in one step, then deleted
             shutil.rmtree(trash, ignore_errors=True)

