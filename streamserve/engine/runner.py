@@ -176,9 +176,9 @@ class Runner:
                 s.check_cut(rec.start)
                 self.admission.unpark(s)
             s.cut(rec.start, renumber=False)
-        except RewindError:
+        except RewindError as e:  # its reason names what dropped the keys: the session's window or the model's
             error.args = (f"{error} ({chunk.done} of its {len(chunk.token_ids)} tokens had entered the session and "
-                          "stay: the window dropped what undoing them needs)",)
+                          f"stay: undoing them needs keys already given back; {e})",)
         return error
 
     def _decode(self, s: SessionState, r: Response) -> ItemResult:

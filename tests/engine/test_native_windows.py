@@ -208,3 +208,20 @@ def test_a_rewind_of_exactly_the_reach_works_at_every_page_alignment(arch, windo
             if n in (40, 47):  # 47: the alignment that lost the key
                 assert s.generate(max_tokens=4, stop_token_ids=()) == greedy(engine, ids, max_tokens=4), n
     engine.check_integrity()
+
+
+def test_a_chunk_failing_past_the_reach_says_the_sliding_window_layers_keep_its_start(mixed) -> None:
+    """A long chunk runs in 16-token steps; the global layers run out of pages after the local layers already
+    gave back its first tokens (past window + reach): it cannot be taken out again, and the error says why
+    in terms of the model's sliding-window layers and rewind_reach (the session has no window of its own)."""
+    from streamserve.config import SchedulerConfig
+
+    engine = Engine.from_pretrained(mixed["gemma3"][0], device="cpu", kv_memory=200_000, rewind_reach=REACH,
+                                    scheduler=SchedulerConfig(step_tokens=16, min_append_tokens=16))
+    with engine.open_session() as s:
+        s.append(token_ids=random_ids(6, seed=82))
+        with pytest.raises(CapacityError, match=r"entered the session and stay.*sliding-window layers.*rewind_reach"):
+            s.append(token_ids=random_ids(PAGE * (engine.pool.allocator.group_pages[0] + 1), seed=83))
+        assert len(s) > 6 + WINDOW + REACH  # what ran stays
+        s.append(token_ids=[7, 8])  # and the session goes on
+    engine.check_integrity()
