@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from chat_checkpoints import IM_END, NL, SPACE, TAB, chat_checkpoint, scripted
+from chat_checkpoints import IM_END, NL, SPACE, TAB, chat_checkpoint, scripted, write_chat_tokenizer
 from helpers import make_checkpoint
 
 from streamserve.models import Tokenizer
@@ -80,6 +80,17 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tmp_path: Path) -> None:
     assert " [stopped]\n" in out and out.index(" [stopped]") < 300
     before, after = session_tokens(out)
     assert after > before  # the next exchange ran on the same session, after the stopped reply
+
+
+def test_a_refused_rewind_is_an_error_and_the_chat_goes_on(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "gemma3")  # sliding-window layers of 16 tokens, keeping none past it (reach 0)
+    write_chat_tokenizer(tmp_path, "chatml")
+    done = run_chat(tmp_path, ["hello", "and again", "/rewind", "/stats", "third", "/stats"], "--max-tokens", "4",
+                    "--rewind-reach", "0")
+    assert done.returncode == 0, done.stderr
+    assert "cannot rewind" in done.stderr and "rewind_reach" in done.stderr  # the second exchange is far back
+    messages = [int(line.split(":")[1]) for line in done.stdout.splitlines() if line.startswith("messages:")]
+    assert messages == [4, 6]  # nothing undone; the third exchange went on the same conversation
 
 
 def test_a_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:

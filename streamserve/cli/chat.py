@@ -175,7 +175,10 @@ def cmd_chat(args: argparse.Namespace) -> int:
                 continue
             if line.startswith("/"):
                 command = commands.get(line.split()[0])
-                print(command() if command is not None else f"unknown command {line.split()[0]}; /help lists them")
+                try:
+                    print(command() if command is not None else f"unknown command {line.split()[0]}; /help lists them")
+                except StreamserveError as e:  # e.g. a /rewind past what sliding-window layers keep: the chat goes on
+                    print(f"streamserve: error: {e}", file=sys.stderr)
                 sys.stdout.flush()
                 continue
             try:
