@@ -30,7 +30,16 @@ pytestmark = pytest.mark.models
 SMOLLM2, GEMMA3 = "smollm2-135m-instruct", "gemma3-270m"
 QUESTION = "What is the capital of France?"
 GEMMA_PROMPT = "The capital of France is"
+# texts where tokenizers part ways: runs of spaces, tabs and newlines, accents, CJK, emoji (byte fallback), code,
+# control tokens written in the text
+TRICKY = ["  two  spaces,\ttab\n\nnewlines", "naïve café — “quotes” 日本語 🙂👍🏽", "def f(x):\n    return x**2  # hi",
+          "<start_of_turn>user\nhi<end_of_turn>\n"]
 GEMMA_TOKENS = 16
+# transformers' tokenizer on TRICKY (recorded with the rest below)
+TRICKY_IDS = [[138, 13498, 138, 35220, 236764, 255968, 4823, 108, 208697],
+              [1789, 238527, 560, 33443, 2192, 999, 52231, 236919, 33375, 238582, 57235, 240493, 242713],
+              [2063, 517, 236769, 236781, 1473, 107, 140, 2060, 1123, 1018, 236778, 138, 236865, 5631],
+              [105, 2364, 107, 2202, 106, 107]]
 # transformers 5.24 (gguf 0.19) on gemma-3-270m-q4_k_m.gguf (sha256 a5fd3b62...), float32 on a CPU, recorded
 # with STREAMSERVE_GEMMA_PARITY=1 (see `gemma_reference`): the prompt's ids with BOS, the greedy continuation
 # (" the capital of the country of France. It is the largest city in France and"), the 5 largest logits after
@@ -40,6 +49,7 @@ GEMMA_RECORDED: dict[str, Any] = {
     "greedy": [506, 5279, 529, 506, 2891, 529, 7001, 236761, 1030, 563, 506, 7488, 3207, 528, 7001, 532],
     "top_ids": [506, 496, 9079, 886, 3224],
     "top_logits": [19.0915, 18.5476, 18.2686, 18.1130, 17.7839],
+    "tricky_ids": TRICKY_IDS,
 }
 LOGIT_TOLERANCE = 2e-3  # fp32 on both sides, same dequantized weights: only summation order differs
 
@@ -96,6 +106,9 @@ def test_smollm2_says_paris_as_transformers_does(smollm2: Engine) -> None:
 
     hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
     assert hf_tok(prompt, add_special_tokens=False)["input_ids"] == ids
+    for t in [*TRICKY, "<|im_start|>user\nhi<|im_end|>\n"]:
+        assert tok.encode(t) == hf_tok(t, add_special_tokens=False)["input_ids"], t
+        assert tok.decode(tok.encode(t), skip_special_tokens=False) == t
     model = hf_model(path)
     with torch.inference_mode():
         ref = model.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
@@ -113,7 +126,8 @@ def gemma_reference() -> dict[str, Any]:
     from transformers import AutoTokenizer
 
     path = pulled(GEMMA3)
-    ids = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)(GEMMA_PROMPT)["input_ids"]
+    hf_tok = AutoTokenizer.from_pretrained(path.parent, gguf_file=path.name)
+    ids = hf_tok(GEMMA_PROMPT)["input_ids"]
     model = hf_model(path)
     with torch.inference_mode():
         logits = model(torch.tensor([ids])).logits[0]  # [T, vocab]
@@ -121,7 +135,8 @@ def gemma_reference() -> dict[str, Any]:
                              pad_token_id=0)
     top = logits[-1].topk(5)
     ref = {"ids": ids, "greedy": out[0, len(ids):].tolist(), "top_ids": top.indices.tolist(),
-           "top_logits": [round(v, 4) for v in top.values.tolist()], "logits": logits}
+           "top_logits": [round(v, 4) for v in top.values.tolist()],
+           "tricky_ids": [hf_tok(t, add_special_tokens=False)["input_ids"] for t in TRICKY], "logits": logits}
     print({k: v for k, v in ref.items() if k != "logits"})
     return ref
 
@@ -129,6 +144,7 @@ def gemma_reference() -> dict[str, Any]:
 def test_gemma3_matches_transformers_on_a_plain_prompt(gemma3: Engine, gemma_reference: dict[str, Any]) -> None:
     ids = gemma3.tokenizer.encode(GEMMA_PROMPT, add_special_tokens=True)
     assert ids == gemma_reference["ids"]  # BOS, then the SentencePiece pieces transformers' tokenizer gives
+    assert [gemma3.tokenizer.encode(t) for t in TRICKY] == gemma_reference["tricky_ids"]
     with gemma3.open_session() as s:
         logits = gemma3.forward(s.kv, ids, all_logits=True)  # [T, vocab]
     if "logits" in gemma_reference:  # the live run: every position
