@@ -27,3 +27,18 @@ def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert isinstance(last, dict) and last
+
+
+@pytest.mark.models
+def test_real_models_benchmark_runs_on_smollm2() -> None:
+    from streamserve.models.store import installed
+
+    if installed("smollm2-135m-instruct") is None:
+        pytest.skip("needs `streamserve models pull smollm2-135m-instruct`")
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "real_models.py"), "--quick", "--models",
+                          "smollm2-135m-instruct"], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    last = json.loads(out.stdout.strip().splitlines()[-1])
+    res = last["smollm2-135m-instruct"]
+    assert res["decode_ours_over_hf"] > 0 and res["kv_bytes"]["1000"] > 0
+    assert res["session_workload"]["turns"] == 12
