@@ -156,3 +156,28 @@ async def test_a_cancel_mid_reply_then_another_turn(tmp_path: Path) -> None:
         full = chat.render(chat.messages)  # the session stands for the rendering, all but the pending end of turn
         assert srv.engine.get_session(s.id).token_ids == chat.encode(full[:len(full) - len(chat.pending)])
         assert chat.messages[1]["content"] == (" hi\t\n" * 50)[:n] and chat.pending == "<|im_end|>\n"
+
+
+async def test_a_connection_dropped_mid_reply_leaves_the_reply_recorded_and_the_chat_consistent(
+        tmp_path: Path) -> None:
+    path = chat_checkpoint(tmp_path, "chatml", [NL, SPACE, *scripted("hi"), TAB])  # replies never end by themselves
+    endless = " hi\t\n" * 100
+    async with serve(CONFIG, loader(path)) as srv, sc.connect(srv.url) as client:
+        s = await client.open_session(chat=True, temperature=0.0)
+        await s.append(message=user("talk"))
+        r = s.respond(max_tokens=300)
+        seen = ""
+        with pytest.raises(sc.ConnectionLostError):
+            async for d in r:
+                seen += d.text
+                if len(seen) >= 3:
+                    await client.drop_connection()  # the server cancels the reply and records what it made
+        await s.append(message=user("again"))  # after the resume; goes in after the reply's record
+        assert "".join([d.text async for d in s.respond(max_tokens=4)]) == " hi\t"
+        chat = server_chat(srv, s.id)
+        assert [m["role"] for m in chat.messages] == ["user", "assistant", "user", "assistant"]
+        cut = chat.messages[1]["content"]
+        assert cut.startswith(seen) and endless.startswith(cut) and len(cut) < len(endless)
+        full = chat.render(chat.messages)
+        assert srv.engine.get_session(s.id).token_ids == chat.encode(full[:len(full) - len(chat.pending)])
+        assert await s.rewind(to_message=1) == len(chat.encode(chat.render(chat.messages[:1])))  # re-sync: drop it
