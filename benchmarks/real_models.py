@@ -6,7 +6,9 @@ The models come from the cache of `streamserve models pull` (pull them first; a 
 out and said so). For each, in one run:
 1. load time: streamserve (GGUF dequantized at load) and transformers (`gguf_file=`), both float32;
 2. prefill tokens/s of a 256-token English prompt and decode tokens/s of 64 greedy tokens after it,
-   streamserve against transformers with its KV cache (each the median of 3 runs, interleaved);
+   streamserve against transformers with its KV cache (each the median of 3 runs, interleaved, after a
+   warm-up); streamserve's prefill is an append, run in the engine loop's steps (64 tokens on a CPU, so
+   that other sessions' chunks are never stuck behind a long prompt), transformers' one forward;
 3. KV bytes a session holds per 1,000 tokens, at 1,000 and at 4,000 tokens; for models with native
    sliding-window layers (Gemma 3) both with native window freeing (the engine's default) and without
    (a rewind reach beyond the stream, so that no local-layer page is ever freed);
@@ -100,6 +102,8 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     res["hf_load_s"] = round(res["hf_load_s"], 2)
     ids = engine.tokenizer.encode(TEXT)[:PROMPT_TOKENS]
     runs: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
+    ours_prefill_decode(engine, ids[:32])  # warm-up of both: first-touch of the pool, allocator and caches
+    hf_prefill_decode(hf, ids[:32])
     for _ in range(1 if quick else 3):  # interleaved: both see the same machine load
         runs["ours"].append(ours_prefill_decode(engine, ids))
         runs["hf"].append(hf_prefill_decode(hf, ids))
