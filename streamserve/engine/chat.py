@@ -6,19 +6,16 @@ tokens stand for the template's rendering of it, yet only each new turn's text i
   (else: `TemplateNotIncrementalError`, nothing changes) and only the difference is appended. A default
   system prompt a template inserts on the first turn (SmolLM2's) or its BOS (Gemma's) is part of the
   first difference (appended without the tokenizer's own special tokens: a BOS is never doubled).
-- A reply: the generation prompt (what `add_generation_prompt=True` adds) is appended first. The model's
-  tokens join the session as they are generated, the stop token included (the engine commits it). At
-  the end the generated text becomes the assistant message and the conversation is rendered again: the
-  generated tokens are kept as far as their text agrees with that rendering, the rest is cut (a stop
-  token that is not the template's end of turn, whitespace the template trims: Gemma's `| trim`), and
-  the rendering's remainder (the end of turn after max_tokens or a cancel, the newline after an end-of-turn
-  token) is `pending`: it goes in with the next turn's chunk (no extra step or chunk number), or `settle()`.
+- A reply: the generation prompt is appended first; the model's tokens join the session as generated, the
+  stop token included. The generated text becomes the assistant message; its tokens are kept as far as their
+  text agrees with the conversation rendered again, the rest is cut (a stop token that is not the end of
+  turn, whitespace Gemma's `| trim` drops), and the rendering's remainder (the end of turn after max_tokens
+  or a cancel) is `pending`: it goes in with the next turn's chunk, or `settle()`.
 - `rewind(n)` keeps the first n messages: the session goes back to where message n's rendering began.
 
 Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones the session
-service, one operation at a time in the order asked (`turns`), blocking work on `offload`. A turn renders the
-whole conversation (templates read `loop.first`, `messages[0]`, `loop.index0`: rendering a suffix alone is not
-sound) but tokenizes only the new text: ~3 ms of rendering at 200 messages, plus the template's compilation.
+service, one at a time in the order asked (`turns`). A turn renders the whole conversation (templates read
+`loop.first`, `messages[0]`: a suffix alone is not sound) but tokenizes only the new text.
 """
 
 from __future__ import annotations
@@ -36,6 +33,7 @@ from streamserve.engine.work import Ack
 from streamserve.errors import ChatTemplateError, InvalidInputError, ResponseInProgressError, RewindError
 
 ROLES = ("system", "user", "assistant", "tool")
+MIN_REWIND_REACH = 16  # the most a reply's end may be cut back (stop token, trimmed whitespace, broken bytes)
 Message = dict[str, str]
 Offload = Callable[..., Awaitable[Any]]  # offload(fn, *args) runs fn off the event loop, -> its result
 OnDelta = Callable[[ResponseStream, Delta], Awaitable[None]]
@@ -70,8 +68,8 @@ def check_message(message: Any) -> Message:
 
 @dataclass(frozen=True)
 class Turn:
-    """One append the transcript plans: `ids` (the pending end of the last turn, then the new text), `start`
-    (the session position where the new messages' rendering begins) and `rendered` (the text once in)."""
+    """One planned append: `ids` (the pending end of the last turn, then the new text), `start` (where the new
+    messages' rendering begins in the session), `rendered` (the text once in)."""
 
     ids: list[int]
     start: int
@@ -98,10 +96,12 @@ class ChatTranscript:
                                       "has no chat_template): use `streamserve generate`, or append plain text")
         if session.token_ids:
             raise InvalidInputError("a chat transcript starts on an empty session; open a new session for it")
+        if any(g.window is not None and g.reach < MIN_REWIND_REACH for g in session.engine.pool.groups):
+            raise InvalidInputError(f"chat on a model with sliding-window layers needs --rewind-reach >= "
+                                    f"{MIN_REWIND_REACH}: a reply's end may be cut back by a few tokens")
         self.session, self.tokenizer = session, tok
         self.messages: list[Message] = []
-        # the template's rendering of `messages` (no generation prompt); its tail not in the session yet (the end
-        self.rendered = self.pending = ""  # of the last reply's turn)
+        self.rendered = self.pending = ""  # `messages` rendered (no generation prompt); its tail not in the session
         self.length = 0  # the session's tokens the transcript accounts for
         self.starts: list[int] = []  # per message: the session position where its rendering begins
         self.offsets: list[int] = []  # per message: where its rendering begins in `rendered`

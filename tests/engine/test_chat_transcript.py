@@ -18,7 +18,7 @@ from streamserve.engine.chat import (
     NoChatTemplateError,
     TemplateNotIncrementalError,
 )
-from streamserve.errors import ResponseInProgressError
+from streamserve.errors import InvalidInputError, ResponseInProgressError
 
 # name -> (template kind, the scripted reply's chain after the generation prompt's "\n", or None: random)
 KINDS: dict[str, tuple[str, list[int] | None]] = {
@@ -239,3 +239,22 @@ def test_an_empty_list_of_messages_is_refused_and_the_chat_goes_on(engines: dict
         assert s.token_ids == before and chat.pending == "\n"
         chat.add({"role": "user", "content": "more"})  # not taken for a reply's generation prompt
         assert_stands_for_rendering(chat)
+
+
+def test_chat_needs_a_rewind_reach_on_models_with_sliding_window_layers(tmp_path: Path) -> None:
+    """A reply's end is cut back by a few tokens: with local pages freed at once that rewind fails, and the chat
+    would break on the turn after; refused up front instead, naming the flag."""
+    folder = tmp_path / "gemma"
+    make_checkpoint(folder, "gemma3")
+    chat_checkpoint(tmp_path / "chat", "chatml")  # a template to borrow: the random gemma3 has none
+    tok = Engine.from_pretrained(tmp_path / "chat", device="cpu", kv_memory="16MiB").tokenizer
+    for reach, ok in ((0, False), (8, False), (16, True)):
+        engine = Engine.from_pretrained(folder, device="cpu", kv_memory="16MiB", rewind_reach=reach)
+        engine.tokenizer.chat_template = tok.chat_template
+        with engine.open_session() as s:
+            if ok:
+                ChatTranscript(s)
+            else:
+                with pytest.raises(InvalidInputError, match="--rewind-reach >= 16"):
+                    ChatTranscript(s)
+        engine.shutdown()
