@@ -108,7 +108,21 @@ def _check_type(t: TensorEntry) -> None:
 def dequantized(t: TensorEntry) -> np.ndarray:
     """The tensor as fp32 values in torch order (quantized rows expand from bytes to values)."""
     _check_type(t)
+    if t.ggml_type == Q.Q8_0:
+        return _q8_0(t.data).reshape(t.shape)
     return dequantize(t.data, t.ggml_type).reshape(t.shape)
+
+
+Q8_0_BLOCK = 34  # bytes: an fp16 scale, then 32 int8 values
+
+
+def _q8_0(data: np.ndarray) -> np.ndarray:
+    """Q8_0 blocks -> fp32 scale * value, the same bits as gguf.quants (both factors are exact in fp32, one
+    rounding), in torch's threaded kernels: Gemma 3 270M's Q8_0 embedding [262144, 640] takes 1 s, not 8-15 s."""
+    blocks = np.asarray(data).reshape(-1, Q8_0_BLOCK)  # [n_blocks, 34] bytes, still the mapped file
+    scale = torch.from_numpy(blocks[:, :2].copy().view(np.float16)).float()  # [n_blocks, 1]
+    values = torch.from_numpy(blocks[:, 2:].copy().view(np.int8)).float()  # [n_blocks, 32]
+    return values.mul_(scale).numpy()
 
 
 class GGUFCheckpoint:
