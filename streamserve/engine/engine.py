@@ -205,7 +205,7 @@ class Engine:
 
         window/sinks: keep the first `sinks` and the last `window` tokens (None: everything, up to the
         model's context). positions: "absolute" or "rolling" (default: rolling with a window, else
-        absolute). seed: seeds the session's sampling. page_cap: the most KV pages it may hold.
+        absolute). seed: seeds the session's sampling. page_cap: the most KV pages it may hold in each layer group.
         chunk_budget: seconds from a chunk's capture to its default deadline. drafter: this session's
         drafter for speculative decoding (default: the engine's; "none", "ngram", "draft:PATH", "auto").
         """
