@@ -156,7 +156,10 @@ def test_a_draft_model_on_a_grouped_target_is_greedy_identical(paths, tmp_path, 
         engine.check_integrity()
     assert outs[0] == outs[1]
     assert engine.stats()["speculative"] and engine.stats()["kv_pages_used"] == 0
-    assert engine.drafters.make(draft)[0].pool.allocator.used_count == 0
+    draft_pool = engine.drafters.make(draft)[0].pool
+    assert draft_pool.allocator.used_count == 0
+    assert [g.window for g in draft_pool.groups] == [None, 16]  # the draft frees its local pages too
+    assert draft_pool.groups[1].reach == REACH
 
 
 def test_a_snapshot_file_from_before_layer_groups_restores_on_a_grouped_model(paths, tmp_path) -> None:

@@ -29,7 +29,7 @@ from streamserve.engine.drafters.verify import target_probs
 from streamserve.errors import CapacityError, ContextLengthError, InvalidInputError, RewindError, StreamserveError
 from streamserve.kernels.reference import MIN_TEMPERATURE
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model, open_pretrained
-from streamserve.sessions import KVPool, PagedSessionKV
+from streamserve.sessions import DEFAULT_REWIND_REACH, KVPool, PagedSessionKV, layer_groups, split_pages
 
 if TYPE_CHECKING:
     from streamserve.engine.drafters.base import DraftContext
@@ -74,9 +74,13 @@ class DraftModelDrafter:
                                       "a draft must use exactly the target's tokenizer")
         dev, dtype, page = target_pool.device, target_pool.dtype, target_pool.page_size
         model = load_model(pretrained.checkpoint, cfg, dev, dtype, ops)
-        per_page = KVPool.bytes_per_page(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page, dtype)
-        pages = max(MIN_POOL_PAGES, target_pool.total_bytes // POOL_SHARE // per_page)
-        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page, dtype, dev)
+        # a draft with native sliding-window layers frees their old pages as the target does (the target's reach)
+        reach = max((g.reach for g in target_pool.groups if g.window is not None), default=DEFAULT_REWIND_REACH)
+        groups = layer_groups(cfg.sliding_windows, reach)
+        token_bytes = KVPool.bytes_per_page(1, cfg.num_kv_heads, cfg.head_dim, 1, dtype)  # one token, one layer
+        budget = max(target_pool.total_bytes // POOL_SHARE, MIN_POOL_PAGES * page * token_bytes * cfg.num_layers)
+        pages = split_pages(groups, budget, token_bytes, page, cfg.max_position_embeddings)
+        pool = KVPool(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, pages, page, dtype, dev, groups)
         return cls(f"draft:{folder.name}", model, pool)
 
     # ---- the Drafter interface ------------------------------------------------------------------------
