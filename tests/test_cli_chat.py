@@ -83,14 +83,21 @@ def test_ctrl_c_stops_a_reply_and_the_chat_goes_on(tmp_path: Path) -> None:
 
 
 def test_a_refused_rewind_is_an_error_and_the_chat_goes_on(tmp_path: Path) -> None:
-    make_checkpoint(tmp_path, "gemma3")  # sliding-window layers of 16 tokens, keeping none past it (reach 0)
+    make_checkpoint(tmp_path, "gemma3")  # sliding-window layers of 16 tokens, keeping 16 past it (the least chat takes)
     write_chat_tokenizer(tmp_path, "chatml")
-    done = run_chat(tmp_path, ["hello", "and again", "/rewind", "/stats", "third", "/stats"], "--max-tokens", "4",
-                    "--rewind-reach", "0")
+    done = run_chat(tmp_path, ["hello", "and again, a message longer than the reach", "/rewind", "/stats", "third",
+                               "/stats"], "--max-tokens", "4", "--rewind-reach", "16")
     assert done.returncode == 0, done.stderr
     assert "cannot rewind" in done.stderr and "rewind_reach" in done.stderr  # the second exchange is far back
     messages = [int(line.split(":")[1]) for line in done.stdout.splitlines() if line.startswith("messages:")]
     assert messages == [4, 6]  # nothing undone; the third exchange went on the same conversation
+
+
+def test_chat_with_too_small_a_rewind_reach_is_refused_naming_the_flag(tmp_path: Path) -> None:
+    make_checkpoint(tmp_path, "gemma3")
+    write_chat_tokenizer(tmp_path, "chatml")
+    done = run_chat(tmp_path, ["hello"], "--rewind-reach", "0")
+    assert done.returncode == 1 and "--rewind-reach >= 16" in done.stderr
 
 
 def test_a_model_without_a_chat_template_is_refused(tmp_path: Path) -> None:
