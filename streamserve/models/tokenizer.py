@@ -23,6 +23,14 @@ def _token_text(tok: Any) -> str | None:
     return tok.get("content") if isinstance(tok, dict) else tok
 
 
+def byte_level_chars() -> list[str]:
+    """The byte-level BPE character of each byte value 0..255 (GPT-2's printable remapping): printable Latin-1
+    bytes stand for themselves, the others for the code points from 256 on, in byte order."""
+    keep = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    extra = iter(range(256, 512))
+    return [chr(b) if b in keep else chr(next(extra)) for b in range(256)]
+
+
 def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None,
             separators: tuple[str, str] | None = None, sort_keys: bool = False) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)

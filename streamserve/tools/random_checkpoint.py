@@ -16,23 +16,12 @@ from typing import Any
 
 import torch
 
+from streamserve.models.tokenizer import byte_level_chars
+
 CONFIG_CLASSES = {"qwen3_moe": "Qwen3MoeConfig", "qwen3": "Qwen3Config", "mixtral": "MixtralConfig",
                   "olmoe": "OlmoeConfig", "llama": "LlamaConfig", "qwen2": "Qwen2Config",
                   "gemma3": "Gemma3TextConfig"}
 EOS_ID = 256
-
-
-def byte_level_chars() -> list[str]:
-    """The byte-level BPE character of each byte value 0..255 (GPT-2's printable remapping)."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    chars, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + extra)
-            extra += 1
-    return [chars[b] for b in range(256)]
 
 
 def write_byte_tokenizer(folder: Path) -> None:

@@ -23,7 +23,7 @@ from streamserve.errors import ModelLoadError, SnapshotError, UnsupportedArchite
 from streamserve.models.config import ModelConfig
 from streamserve.models.gguf import BadGGUFError, UnsupportedTensorTypeError, gguf_config, open_gguf
 from streamserve.models.gguf.writer import write_gguf
-from streamserve.tools.random_checkpoint import byte_level_chars
+from streamserve.models.tokenizer import byte_level_chars
 
 # configs a GGUF file can state in full (Gemma 3: every 6th layer global, local RoPE base 10000, query scale
 # by head_dim; Qwen2: no windows; Qwen3-MoE: every layer sparse); the others' rope scalings are in ARCH_CONFIGS

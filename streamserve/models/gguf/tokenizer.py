@@ -20,7 +20,7 @@ from tokenizers import Tokenizer as HFTokenizer
 
 from streamserve.errors import ModelLoadError
 from streamserve.models.gguf.reader import GGUFFile
-from streamserve.models.tokenizer import Tokenizer
+from streamserve.models.tokenizer import Tokenizer, byte_level_chars
 
 NORMAL, CONTROL, USER_DEFINED = 1, 3, 4  # llama.cpp's token types
 SPIECE_SPACE = "\u2581"
@@ -80,15 +80,7 @@ def _byte_alphabet() -> set[str]:
 
 
 def _byte_table() -> dict[int, str]:
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    table, extra = {}, 0
-    for b in range(256):
-        if b in keep:
-            table[b] = chr(b)
-        else:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return table
+    return dict(enumerate(byte_level_chars()))
 
 
 def _byte_level(f: GGUFFile, tokens: list[str]) -> HFTokenizer:
