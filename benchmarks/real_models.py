@@ -100,6 +100,7 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     res: dict[str, Any] = {"file": path.name, "load_s": round(time.perf_counter() - t0, 2)}
     hf, res["hf_load_s"] = hf_model(path)
     res["hf_load_s"] = round(res["hf_load_s"], 2)
+    res["load_hf_over_ours"] = round(res["hf_load_s"] / res["load_s"], 2)
     ids = engine.tokenizer.encode(TEXT)[:PROMPT_TOKENS]
     runs: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
     ours_prefill_decode(engine, ids[:32])  # warm-up of both: first-touch of the pool, allocator and caches
