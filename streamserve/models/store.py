@@ -33,7 +33,6 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ from streamserve.models.catalog import (
     ChecksumError,
     LicenseNotAcceptedError,
     ModelNotInstalledError,
+    ModelStatus,
     PipMissingError,
     PullError,
     UnknownModelError,
@@ -67,24 +67,6 @@ def default_home() -> Path:
     """$STREAMSERVE_HOME, or ~/.cache/streamserve."""
     env = os.environ.get("STREAMSERVE_HOME")
     return Path(env).expanduser() if env else Path.home() / ".cache" / "streamserve"
-
-
-@dataclass(frozen=True)
-class ModelStatus:
-    """One catalog model as `streamserve models list` shows it."""
-
-    name: str
-    description: str
-    installed: bool
-    path: str           # the GGUF file, or where a pull would put it
-    size: int           # bytes
-    license: str
-    license_url: str
-    pulled_at: str | None
-    verified: bool | None  # the SHA-256 checked now: True/False; None when not checked (or not installed)
-
-    def to_json(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def _stderr(line: str) -> None:
@@ -155,7 +137,7 @@ class Store:
     def status(self, name: str, verify: bool = False, progress: bool = False) -> ModelStatus:
         entry, path = self.entry(name), self.installed(name)
         manifest = self.manifest(name) if path else None
-        return ModelStatus(name=name, description=entry.description, installed=path is not None,
+        return ModelStatus(name=name, kind=entry.kind, description=entry.description, installed=path is not None,
                            path=str(path or self.model_dir(name) / entry.filename), size=entry.size,
                            license=entry.license, license_url=entry.license_url,
                            pulled_at=manifest.get("pulled_at") if manifest else None,
@@ -347,6 +329,8 @@ class Store:
         """None when `name` is not a catalog name; else its GGUF file, pulled first unless `offline`."""
         if name not in self.catalog:
             return None
+        if (kind := self.catalog[name].kind) != "llm":
+            raise UnknownModelError(f"{name} is a voice model ({kind}), not an LLM for --model")
         if path := self.installed(name):
             return path
         if offline:
@@ -357,7 +341,6 @@ class Store:
 
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
-
 
 # ---- the module-level API: the default cache ($STREAMSERVE_HOME or ~/.cache/streamserve) ----
 def pull(name: str, *, accept_license: bool = False, confirm: Callable[[str], bool] | None = None,

