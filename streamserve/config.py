@@ -87,6 +87,13 @@ class ServerConfig:
     max_queued_tokens_per_connection: int | None = field(default=16384, metadata={
         "help": "tokens one connection may have submitted and not yet acknowledged; an append over it is "
                 "refused at once (quota_exceeded)"})
+    no_voice: bool = field(default=False, metadata={
+        "help": "do not load the voice models (speech to text, text to speech, voice activity): audio is refused. "
+                "Without this flag they load at start when the voice extra (pip install \"streamserve[voice]\") "
+                "and the models (streamserve models pull whisper-base piper-joe silero-vad) are there"})
+    max_audio_buffer_s: float = field(default=30.0, metadata={
+        "help": "most seconds of input audio one stream may hold untranscribed (an utterance longer than this is "
+                "committed as it stands; audio sent faster than it is processed past this is refused)"})
     min_deadline_ms: float = field(default=20.0, metadata={
         "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
                 "client cannot jump the queue by claiming a 0 ms deadline"})
@@ -106,7 +113,7 @@ class ServerConfig:
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
         for name, low in (("messages_per_second", None), ("bytes_per_second", None), ("resume_ttl", 0.0),
-                          ("min_deadline_ms", 0.0)):
+                          ("min_deadline_ms", 0.0), ("max_audio_buffer_s", None)):
             v = getattr(self, name)
             ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
             if not ok or (v <= 0 if low is None else v < low):

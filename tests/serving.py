@@ -26,8 +26,9 @@ class RunningServer:
         self.stopped = False
 
     @classmethod
-    async def start(cls, config: ServerConfig, load: Callable[[], Engine]) -> RunningServer:
-        server = Server(replace(config, host="127.0.0.1", port=0), load)
+    async def start(cls, config: ServerConfig, load: Callable[[], Engine], voice: bool = False) -> RunningServer:
+        """`voice`: load the voice models too (slower to start; tests of audio ask for it)."""
+        server = Server(replace(config, host="127.0.0.1", port=0, no_voice=config.no_voice or not voice), load)
         runner, port = await start(server)
         await asyncio.wait_for(server.ready.wait(), 120)
         assert server.engine is not None, server.load_error
@@ -53,8 +54,9 @@ class RunningServer:
 
 
 @contextlib.asynccontextmanager
-async def serve(config: ServerConfig, load: Callable[[], Engine] | None = None) -> AsyncIterator[RunningServer]:
-    srv = await RunningServer.start(config, load or default_engine)
+async def serve(config: ServerConfig, load: Callable[[], Engine] | None = None,
+                voice: bool = False) -> AsyncIterator[RunningServer]:
+    srv = await RunningServer.start(config, load or default_engine, voice)
     try:
         yield srv
     finally:

@@ -14,7 +14,9 @@ FORBIDDEN = {
                 "streamserve.cli"),
     "sessions": ("streamserve.engine", "streamserve.models", "streamserve.server", "streamserve.cli"),
     "streamserve/models": ("streamserve.engine", "streamserve.server", "streamserve.cli"),
-    "streamserve/engine": ("streamserve.server", "streamserve.cli"),
+    "streamserve/engine": ("streamserve.server", "streamserve.cli", "streamserve.media"),
+    # media: I/O-free building blocks (audio, VAD, speech to text, text to speech) that the server schedules
+    "streamserve/media": ("streamserve.engine", "streamserve.server", "streamserve.cli", "streamserve.sessions"),
     "streamserve/server": ("streamserve.cli",),
     # clients speak the wire protocol only: no engine, no torch
     "clients/python": ("streamserve.", "torch"),

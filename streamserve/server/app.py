@@ -28,7 +28,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import Counter, Gauge
@@ -50,6 +50,9 @@ from streamserve.server.results import service_error
 from streamserve.server.secrets_route import mint_client_secret
 from streamserve.server.service import SessionService
 from streamserve.server.transport import RateLimiter, Transport, WebSocketChannel
+
+if TYPE_CHECKING:
+    from streamserve.server.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.server")
 
@@ -124,7 +127,8 @@ class Server:
         # depend on its device, unless the caller fixes it
         limits = engine.scheduler.limits
         step = self.step_tokens or max(limits.step_tokens or 0, limits.min_append_tokens)
-        self.service = SessionService(engine, self.config, self.session_defaults, step)
+        voice = None if self.config.no_voice else await asyncio.to_thread(load_voice)
+        self.service = SessionService(engine, self.config, self.session_defaults, step, voice)
         reg = engine.metrics.registry
         self.server_metrics = ServerMetrics(
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),
@@ -261,6 +265,19 @@ class Server:
         finally:
             self.connections.discard(conn)
         return ws
+
+
+def load_voice() -> VoiceRuntime | None:
+    """The voice models, or None (logged: what to install) when the voice extra or a model is missing."""
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+    try:
+        return VoiceRuntime.load()
+    except StreamserveError as e:
+        log.warning("streamserve: no voice (audio is refused): %s", e)
+    except Exception:  # a damaged voice model must not take text serving down with it
+        log.exception("streamserve: the voice models failed to load (audio is refused)")
+    return None
 
 
 def error_response(status: int, code: str, message: str, request_id: str | None = None,

@@ -1,15 +1,14 @@
 """The session service: every session operation a front end offers, protocol-neutral.
 
-Protocol adapters (server/native.py; later OpenAI Realtime, openpi) decode their frames into calls on
-this service and render what it returns (server/results.py). It owns the registry of resumable sessions,
-the limits and quotas (checked before anything is taken), sampling checks and the client-secret scope.
-It never waits for the model on the event loop: operations that take the engine lock (open, rewind,
-close) run on a small executor of their own, long texts are tokenized on another, so a burst of long
-texts can never delay an open or a close.
+Protocol adapters (server/native.py, server/realtime/) decode their frames into calls on this service and render
+what it returns (server/results.py). It owns the registry of resumable sessions, the limits and quotas (checked
+before anything is taken), sampling checks and the client-secret scope. It never waits for the model on the event
+loop: operations that take the engine lock (open, rewind, close) run on a small executor of their own, long texts
+are tokenized on another, so a burst of long texts can never delay an open or a close.
 
-Per connection (`ClientContext`): the sessions it holds (the registry), the KV pages their page caps
-reserve (`max_pages_per_connection`), the tokens it submitted that are not acked yet
-(`max_queued_tokens_per_connection`), its reply-forwarding tasks, and its authorization (`Grant`).
+Per connection (`ClientContext`): the sessions it holds (the registry), the KV pages their page caps reserve
+(`max_pages_per_connection`), the tokens it submitted that are not acked yet (`max_queued_tokens_per_connection`),
+its reply-forwarding tasks, and its authorization (`Grant`).
 """
 
 from __future__ import annotations
@@ -19,7 +18,7 @@ import logging
 import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from streamserve.config import ACCELERATOR_STEP_TOKENS, SAMPLING_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
 from streamserve.engine import Engine, Session
@@ -49,6 +48,8 @@ from streamserve.server.results import (
     service_error,
 )
 
+if TYPE_CHECKING:  # pragma: no cover
+    from streamserve.server.voice.runtime import VoiceRuntime
 log = logging.getLogger("streamserve.server")
 
 MAX_PENDING_ACKS = 256  # appends in flight per connection; past it the adapter's read loop waits (backpressure)
@@ -58,11 +59,6 @@ ENGINE_WORKERS = 4  # threads for calls that wait for the engine lock (open, rew
 TOKENIZE_WORKERS = 2
 STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_pages_total", "steps",
               "queued_chunks", "queued_tokens", "responding", "chunks_shed", "decode_tokens_per_s")
-
-
-def session_window(s: Session) -> tuple[int | None, int, str]:
-    """(window, sinks, position mode) of a session."""
-    return s.policy.window, s.policy.sinks, str(s.policy.mode)
 
 
 class ClientContext:
@@ -84,8 +80,9 @@ class ClientContext:
 
 class SessionService:
     def __init__(self, engine: Engine, config: ServerConfig, session_defaults: SessionConfig = SESSION_DEFAULTS,
-                 step_tokens: int = ACCELERATOR_STEP_TOKENS) -> None:
+                 step_tokens: int = ACCELERATOR_STEP_TOKENS, voice: VoiceRuntime | None = None) -> None:
         self.engine, self.config, self.defaults = engine, config, session_defaults
+        self.voice = voice  # the voice models (server/voice): None when not loaded, and audio is refused
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
                                         config.max_chunk_tokens, config.max_sessions)
@@ -223,7 +220,7 @@ class SessionService:
 
     def opened(self, e: Entry, resumed: bool) -> Opened:
         s = e.session
-        window, sinks, mode = session_window(s)
+        window, sinks, mode = s.policy.window, s.policy.sinks, str(s.policy.mode)
         return Opened(s.id, e.resume_token, resumed, s.next_seq, len(s.token_ids), window, sinks, mode,
                       s.chunk_budget * 1e3, e.reserved_pages, self.chats.get(s.id) is not None)
 
@@ -398,3 +395,5 @@ class SessionService:
         await self.run_engine(self.engine.shutdown)
         self.engine_executor.shutdown(wait=False)
         self.tokenize_executor.shutdown(wait=False)
+        if self.voice is not None:
+            self.voice.close()
