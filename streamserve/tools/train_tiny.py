@@ -26,6 +26,10 @@ from pathlib import Path
 import torch
 
 EOS = "<|endoftext|>"
+# Plain turns ("User: ...", "Assistant:"): the corpus has no chat format, yet chat sessions and /v1/realtime need a
+# template to lay a conversation out on one session; every rendering extends the previous one (incremental).
+CHAT_TEMPLATE = ("{%- for message in messages -%}{{ message['role'] | capitalize }}: {{ message['content'] | trim }}"
+                 "{{ '\\n\\n' }}{%- endfor -%}{%- if add_generation_prompt -%}Assistant:{%- endif -%}")
 SPECIAL_TOKENS = [EOS]
 
 
@@ -169,7 +173,8 @@ def main(argv: list[str] | None = None) -> None:
     tok.save(str(args.out / "tokenizer.json"))
     (args.out / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "eos_token": EOS, "bos_token": EOS,
-        "model_max_length": args.max_positions, "add_bos_token": False}, indent=2) + "\n")
+        "model_max_length": args.max_positions, "add_bos_token": False,
+        "chat_template": CHAT_TEMPLATE}, indent=2) + "\n")
     (args.out / "training.json").write_text(json.dumps({
         "corpus": str(args.text) if args.text else "King James Bible (Debian bible-kjv-text)",
         "corpus_tokens": len(data), "parameters": n_params, "steps": args.steps, "batch": args.batch,
