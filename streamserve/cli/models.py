@@ -52,7 +52,8 @@ def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     pull = sub.add_parser("pull", help="download a catalog model into the cache (once; verified by SHA-256)",
                           description="Download catalog model NAME into the cache and print its path. An installed "
                           "model is hashed again and kept when it matches.")
-    pull.add_argument("name", metavar="NAME", help="a catalog name (`streamserve models list` shows them)")
+    pull.add_argument("names", metavar="NAME", nargs="+",
+                      help="catalog names (`streamserve models list` shows them), pulled in order")
     pull.add_argument("--accept-license", action="store_true",
                       help="accept the model's terms (Gemma Terms of Use) without being asked")
     pull.add_argument("--force", action="store_true", help="download again even if the model is installed")
@@ -93,9 +94,8 @@ def cmd_pull(args: argparse.Namespace, store: Store | None = None) -> int:
     store = store or _store()
     # ask on a terminal only; without one, a model with terms needs --accept-license (a typed error says so)
     confirm = _ask if sys.stdin.isatty() else None
-    path = store.pull(args.name, accept_license=args.accept_license, confirm=confirm, force=args.force,
-                      progress=True)
-    print(path)
+    for name in args.names:
+        print(store.pull(name, accept_license=args.accept_license, confirm=confirm, force=args.force, progress=True))
     return 0
 
 
