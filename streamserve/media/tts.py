@@ -1,0 +1,107 @@
+"""Text to speech: a Piper voice (VITS, ONNX) through onnxruntime, and a sentence splitter for streamed replies.
+
+PiperVoice turns text into eSpeak NG phonemes (media.phonemes), phonemes into the voice's symbol ids (its config's
+phoneme_id_map: BOS, each phoneme's ids followed by the pad id, EOS, as Piper encodes them) and runs the model once
+per sentence. The server calls `synthesize` on its media executor, never on the event loop.
+
+SentenceSplitter cuts a reply streaming in as text deltas into pieces worth a model run: whole sentences, except
+that the reply's first piece may end at a clause so that the first audio leaves sooner.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streamserve.errors import InvalidInputError, ModelLoadError
+from streamserve.media import require
+from streamserve.media.phonemes import Phonemizer
+
+BOS, EOS, PAD = "^", "$", "_"
+SENTENCE_PAUSE_S = 0.2  # silence between two sentences of one synthesize call (Piper's default)
+
+
+class PiperVoice:
+    """A Piper voice: text -> float32 mono audio at `sample_rate`. `synthesize` may run on several threads."""
+
+    def __init__(self, model_path: str | Path, config_path: str | Path | None = None, threads: int = 1) -> None:
+        ort = require("onnxruntime")
+        model_path = Path(model_path)
+        config_path = Path(config_path) if config_path is not None else Path(f"{model_path}.json")
+        for path in (model_path, config_path):
+            if not path.is_file():
+                raise ModelLoadError(f"Piper voice file {path} is missing; pull the voice: "
+                                     "streamserve models pull piper-joe")
+        try:
+            config: dict[str, Any] = json.loads(config_path.read_text(encoding="utf-8"))
+            self.sample_rate: int = int(config["audio"]["sample_rate"])
+            self.phoneme_ids: dict[str, list[int]] = {k: list(v) for k, v in config["phoneme_id_map"].items()}
+            inference = config.get("inference", {})
+            voice = config.get("espeak", {}).get("voice", "en-us")
+            num_speakers = int(config.get("num_speakers", 1))
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ModelLoadError(f"{config_path} is not a Piper voice config ({e!r}); pull the voice again: "
+                                 "streamserve models pull piper-joe") from e
+        for symbol in (BOS, EOS, PAD):
+            if symbol not in self.phoneme_ids:
+                raise ModelLoadError(f"{config_path}: phoneme_id_map has no {symbol!r}; not a Piper voice config")
+        # scales input: [noise_scale, length_scale, noise_w] (float32 [3])
+        self.scales = np.array([inference.get("noise_scale", 0.667), inference.get("length_scale", 1.0),
+                                inference.get("noise_w", 0.8)], dtype=np.float32)
+        options = ort.SessionOptions()
+        options.intra_op_num_threads = threads
+        options.inter_op_num_threads = 1
+        try:
+            self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
+        except Exception as e:  # onnxruntime raises its own exception types for a damaged file
+            raise ModelLoadError(f"onnxruntime could not load {model_path} ({e}); pull the voice again: "
+                                 "streamserve models pull piper-joe") from e
+        self._inputs = {i.name for i in self.session.get_inputs()}
+        # a multi-speaker voice takes a speaker id; speaker 0 is the config's first
+        self._sid = np.zeros(1, dtype=np.int64) if num_speakers > 1 and "sid" in self._inputs else None
+        self.phonemizer = Phonemizer(voice)
+
+    def ids(self, phonemes: str) -> list[int]:
+        """Piper's symbol ids of one sentence's phonemes: BOS, pad, then each phoneme's ids and a pad, EOS.
+        Phonemes the voice has no id for are left out (Piper does the same)."""
+        pad = self.phoneme_ids[PAD]
+        out = self.phoneme_ids[BOS] + pad
+        for ph in phonemes:
+            ids = self.phoneme_ids.get(ph)
+            if ids is not None:
+                out += ids + pad
+        return out + self.phoneme_ids[EOS]
+
+    def synthesize_phonemes(self, phonemes: str) -> np.ndarray:
+        """One model run: one sentence's phonemes -> float32 [n] at sample_rate."""
+        ids = self.ids(phonemes)
+        feeds: dict[str, np.ndarray] = {
+            "input": np.array([ids], dtype=np.int64),  # [1, n_ids]
+            "input_lengths": np.array([len(ids)], dtype=np.int64),  # [1]
+            "scales": self.scales,  # [3]
+        }
+        if self._sid is not None:
+            feeds["sid"] = self._sid
+        (audio,) = self.session.run(None, feeds)  # [1, 1, 1, n_samples] (or [1, 1, n_samples])
+        return np.asarray(audio, dtype=np.float32).reshape(-1)
+
+    def synthesize(self, text: str) -> np.ndarray:
+        """Speech for `text`: float32 mono in [-1, 1] at sample_rate, one model run per sentence, sentences joined
+        by a short pause. Text with nothing to speak gives an empty array."""
+        if not isinstance(text, str):
+            raise InvalidInputError(f"synthesize takes text (str), not {type(text).__name__}")
+        pause = np.zeros(int(SENTENCE_PAUSE_S * self.sample_rate), dtype=np.float32)
+        parts: list[np.ndarray] = []
+        for phonemes in self.phonemizer.phonemize(text):
+            audio = self.synthesize_phonemes(phonemes)
+            if audio.size:
+                if parts:
+                    parts.append(pause)
+                parts.append(audio)
+        if not parts:
+            return np.zeros(0, dtype=np.float32)
+        # VITS output can overshoot [-1, 1] a little; clip rather than let an encoder wrap around
+        return np.clip(np.concatenate(parts), -1.0, 1.0)
