@@ -167,7 +167,7 @@ def decode(data: bytes, fmt: AudioFormat) -> np.ndarray:
     else:
         x = alaw_decode(data)
     if fmt.channels > 1:  # [n_frames * channels] interleaved -> [n_frames]
-        x = x.reshape(-1, fmt.channels).mean(axis=1, dtype=np.float32)
+        x = x.reshape(-1, fmt.channels).mean(axis=1, dtype=np.float64).astype(np.float32)  # exact for equal channels
     return x
 
 
