@@ -33,9 +33,8 @@ _QUOTES = "\"'()[]{}«»“”‘’"
 # Abbreviations whose period eSpeak ends a clause on ("Mr. Smith" -> "Mr." | "Smith"); a Piper voice would pause
 # there as at a sentence end, so such a clause goes on without the period. Shared with the sentence splitter.
 ABBREVIATIONS = frozenset({
-    "mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "etc", "e.g", "i.e", "approx", "dept", "fig",
-    "inc", "ltd", "co", "corp", "no", "vol", "mt", "ft", "gen", "gov", "sgt", "capt", "lt", "col", "rev", "jan",
-    "feb", "mar", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov", "dec",
+    "mr", "mrs", "ms", "dr", "prof", "st", "jr", "sr", "vs", "etc", "e.g", "i.e", "approx", "dept", "inc", "ltd",
+    "corp", "vol", "sgt", "capt", "lt", "jan", "feb", "apr", "jun", "jul", "aug", "sep", "sept", "oct", "nov",
 })
 # eSpeak marks words it reads in another language as "(fr)...(en)"; Piper's ids have no such symbols
 _LANG_SWITCH = re.compile(r"\([a-z]{2,3}(?:-[a-z0-9]+)*\)")

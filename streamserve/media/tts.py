@@ -11,6 +11,7 @@ that the reply's first piece may end at a clause so that the first audio leaves 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ import numpy as np
 
 from streamserve.errors import InvalidInputError, ModelLoadError
 from streamserve.media import require
-from streamserve.media.phonemes import Phonemizer
+from streamserve.media.phonemes import ABBREVIATIONS, Phonemizer
 
 BOS, EOS, PAD = "^", "$", "_"
 SENTENCE_PAUSE_S = 0.2  # silence between two sentences of one synthesize call (Piper's default)
@@ -105,3 +106,110 @@ class PiperVoice:
             return np.zeros(0, dtype=np.float32)
         # VITS output can overshoot [-1, 1] a little; clip rather than let an encoder wrap around
         return np.clip(np.concatenate(parts), -1.0, 1.0)
+
+
+FIRST_PIECE_WORDS = 4  # the first piece may end at a clause (, ; :) once it has this many words
+LONG_PIECE_CHARS = 200  # later pieces end at a clause only past this length
+MAX_PIECE_CHARS = 400  # a piece without any boundary is cut at the first space past this length
+_TERMINATORS = ".!?"
+_CLAUSES = ",;:"
+_CLOSERS = "\"')]}»”’"  # may follow a sentence's punctuation: 'He said "no." Then'
+_MARKDOWN = re.compile(r"[*#`]+|^[ \t]*[-+][ \t]+", re.MULTILINE)  # emphasis, headings, code, list bullets
+_SPACES = re.compile(r"\s+")
+_WORD_BEFORE = re.compile(r"(\S+)$")
+_DOTTED = re.compile(r"(?:[^\W\d_]\.)+[^\W\d_]")  # "u.s", "e.g", "p.m": letters between periods
+
+
+def speakable(text: str) -> str:
+    """`text` as it is spoken: markdown symbols (* # ` and line-leading - + bullets) dropped, whitespace runs
+    made one space, stripped."""
+    return _SPACES.sub(" ", _MARKDOWN.sub("", text)).strip()
+
+
+def _abbreviation(before: str) -> bool:
+    """Whether the period after `before` (the text up to it) belongs to a word, not a sentence end:
+    "Mr.", "e.g.", "U.S.", an initial ("J. K. Rowling")."""
+    match = _WORD_BEFORE.search(before)
+    if match is None:
+        return False
+    word = match.group(1).lstrip("(\"'[“‘").lower()
+    return word in ABBREVIATIONS or _DOTTED.fullmatch(word) is not None or (len(word) == 1 and word.isalpha())
+
+
+class SentenceSplitter:
+    """A reply streaming in as text deltas -> pieces to speak, each one model run.
+
+    A piece ends at . ! ? (and closing quotes after them) followed by whitespace, unless the period is an
+    abbreviation's or an initial's ("Mr.", "e.g.", "J."); decimals ("3.14") have no space after the period. A newline
+    ends a piece too. The reply's first piece may also end at a clause (, ; : and a space) once it has
+    FIRST_PIECE_WORDS words, so the first audio leaves sooner; a later piece ends at a clause only when it has grown
+    past LONG_PIECE_CHARS. The pieces depend on the text only, never on how it was split into deltas: a boundary
+    is decided once the character after it has arrived (or at flush). Pieces are `speakable` (no markdown symbols).
+    """
+
+    def __init__(self) -> None:
+        self._buf = ""  # text not yet returned as a piece
+        self._pos = 0  # _buf[:_pos] holds no boundary
+        self._first = True  # no piece of this reply returned yet
+
+    def push(self, delta: str) -> list[str]:
+        """Add a text delta; the pieces it completes (often none)."""
+        self._buf += delta
+        return self._cut(final=False)
+
+    def flush(self) -> list[str]:
+        """The end of the reply: the pieces left (the last one need not end with punctuation). The splitter is
+        then ready for the next reply."""
+        pieces = self._cut(final=True)
+        rest = speakable(self._buf)
+        if rest:
+            pieces.append(rest)
+        self._buf, self._pos, self._first = "", 0, True
+        return pieces
+
+    def _cut(self, final: bool) -> list[str]:
+        pieces: list[str] = []
+        buf, i = self._buf, self._pos
+        while i < len(buf):
+            end = self._boundary(buf, i, final)
+            if end is None:  # the character after buf[i] has not arrived yet
+                break
+            if end < 0:
+                i += 1
+                continue
+            piece = speakable(buf[:end])
+            buf, i = buf[end:], 0
+            if piece:
+                pieces.append(piece)
+                self._first = False
+        self._buf, self._pos = buf, i
+        return pieces
+
+    def _boundary(self, buf: str, i: int, final: bool) -> int | None:
+        """Where a piece ending at buf[i] ends (exclusive), -1 if none ends there, None if that depends on text
+        not yet received."""
+        c = buf[i]
+        if c == "\n":
+            return i + 1
+        if c in _TERMINATORS:
+            j = i
+            while j + 1 < len(buf) and (buf[j + 1] in _TERMINATORS or buf[j + 1] in _CLOSERS):
+                j += 1  # "..." "?!" '."'
+            if j + 1 == len(buf):
+                return None if not final else -1  # at the very end: flush speaks the rest anyway
+            if not buf[j + 1].isspace():
+                return -1  # "3.14", "e.g.x", "www.site"
+            if c == "." and j == i and _abbreviation(buf[:i]):
+                return -1
+            return j + 1
+        if c in _CLAUSES:
+            if i + 1 == len(buf):
+                return None if not final else -1
+            if not buf[i + 1].isspace():
+                return -1  # "3,000", "12:30"
+            if self._first and len(speakable(buf[:i]).split()) >= FIRST_PIECE_WORDS:
+                return i + 1
+            return i + 1 if i + 1 >= LONG_PIECE_CHARS else -1
+        if c.isspace() and i >= MAX_PIECE_CHARS:
+            return i + 1
+        return -1
