@@ -15,7 +15,8 @@ tokens stand for the template's rendering of it, yet only each new turn's text i
 
 Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones the session
 service, one at a time in the order asked (`turns`). A turn renders the whole conversation (templates read
-`loop.first`, `messages[0]`: a suffix alone is not sound) but tokenizes only the new text.
+`loop.first`, `messages[0]`: a suffix alone is not sound) but tokenizes only the new text. The template half
+(messages checked, renderings, their tokens, the extension checks) is engine/chat_render.py.
 """
 
 from __future__ import annotations
@@ -26,55 +27,27 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
-from streamserve.engine.sampling import check_sampling, check_seed, check_stop
+from streamserve.engine.chat_render import (
+    ROLES,
+    ChatMessageError,
+    ChatTemplate,
+    Message,
+    NoChatTemplateError,
+    TemplateNotIncrementalError,
+    Turn,
+    check_message,
+    check_reply_params,
+)
 from streamserve.engine.session import Session
 from streamserve.engine.streams import Delta, ResponseStream
 from streamserve.engine.work import Ack
 from streamserve.errors import ChatTemplateError, InvalidInputError, ResponseInProgressError, RewindError
 
-ROLES = ("system", "user", "assistant", "tool")
 MIN_REWIND_REACH = 16  # the most a reply's end may be cut back (stop token, trimmed whitespace, broken bytes)
-Message = dict[str, str]
 Offload = Callable[..., Awaitable[Any]]  # offload(fn, *args) runs fn off the event loop, -> its result
 OnDelta = Callable[[ResponseStream, Delta], Awaitable[None]]
-
-
-class NoChatTemplateError(ChatTemplateError):
-    code = "no_chat_template"  # the model has no chat template: chat is refused (plain appends still work)
-
-
-class TemplateNotIncrementalError(ChatTemplateError):
-    code = "chat_template_not_incremental"  # rendering a longer conversation does not extend the shorter one's
-
-
-class ChatMessageError(InvalidInputError):
-    code = "invalid_chat_message"  # not {"role": one of ROLES, "content": str}
-
-
-def check_message(message: Any) -> Message:
-    """A chat message, checked: a map of exactly `role` (one of ROLES) and `content` (a string)."""
-    if not isinstance(message, Mapping):
-        raise ChatMessageError(f"a chat message is a map {{role, content}}, got {type(message).__name__}")
-    extra = sorted(str(k) for k in message if k not in ("role", "content"))
-    if extra:
-        raise ChatMessageError(f"a chat message has only 'role' and 'content'; remove {extra}")
-    role, content = message.get("role"), message.get("content")
-    if role not in ROLES:
-        raise ChatMessageError(f"a chat message's role must be one of {list(ROLES)}, got {role!r}")
-    if not isinstance(content, str):
-        raise ChatMessageError(f"a chat message's content must be a string, got {type(content).__name__}")
-    return {"role": role, "content": content}
-
-
-@dataclass(frozen=True)
-class Turn:
-    """One planned append: `ids` (the pending end of the last turn, then the new text), `start` (where the new
-    messages' rendering begins in the session), `rendered` (the text once in)."""
-
-    ids: list[int]
-    start: int
-    rendered: str
-    messages: tuple[Message, ...]  # none: a generation prompt
+__all__ = ["MIN_REWIND_REACH", "ROLES", "ChatMessageError", "ChatReply", "ChatTranscript", "Message",
+           "NoChatTemplateError", "Offload", "OnDelta", "TemplateNotIncrementalError", "Turn", "check_message"]
 
 
 @dataclass
@@ -99,49 +72,29 @@ class ChatTranscript:
         if any(g.window is not None and g.reach < MIN_REWIND_REACH for g in session.engine.pool.groups):
             raise InvalidInputError(f"chat on a model with sliding-window layers needs --rewind-reach >= "
                                     f"{MIN_REWIND_REACH}: a reply's end may be cut back by a few tokens")
-        self.session, self.tokenizer = session, tok
+        self.session, self.tokenizer, self.template = session, tok, ChatTemplate(tok)
         self.messages: list[Message] = []
         self.rendered = self.pending = ""  # `messages` rendered (no generation prompt); its tail not in the session
         self.length = 0  # the session's tokens the transcript accounts for
         self.starts: list[int] = []  # per message: the session position where its rendering begins
         self.offsets: list[int] = []  # per message: where its rendering begins in `rendered`
-        self.end_of_turn_ids = self._end_of_turn_ids()
+        self.end_of_turn_ids = self.template.end_of_turn_ids()
         self.turns = asyncio.Lock()  # asyncio callers: one chat operation at a time, in the order asked
         self._reply: _Reply | None = None  # between a reply's generation prompt and its record
         self._asked = self._cancelled = 0  # reply tickets handed out; the latest one cancelled
         self._waiting = 0  # replies asked for (async) and not recorded yet
 
-    # ---- rendering (no engine calls) ------------------------------------------------------------------
+    # ---- rendering (no engine calls: engine/chat_render.py) ---------------------------------------------
     def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> str:
-        return self.tokenizer.apply_chat_template(messages, add_generation_prompt=generation_prompt)
+        return self.template.render(messages, generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Template text -> ids: special tokens written in it become their ids; none are added."""
-        return self.tokenizer.encode(text, add_special_tokens=False) if text else []
+        return self.template.encode(text)
 
     def _extension(self, longer: str, what: str, shorter: str | None = None) -> str:
         """The text `longer` adds to `shorter` (default: the conversation's rendering), which it must extend."""
-        shorter = self.rendered if shorter is None else shorter
-        if not longer.startswith(shorter):
-            raise TemplateNotIncrementalError(
-                f"this model's chat template is not incremental: rendering the conversation with {what} changes "
-                "the text of the turns before it (the template rewrites history), so it cannot be appended to a "
-                "persistent session; use a template whose renderings extend each other, or `streamserve generate`")
-        return longer[len(shorter):]
-
-    def _end_of_turn_ids(self) -> tuple[int, ...]:
-        """The special token closing an assistant turn (ChatML's <|im_end|>, Gemma's <end_of_turn>), found by
-        rendering a probe exchange: replies stop there even where the model's EOS is another token."""
-        probe: list[Message] = [{"role": "user", "content": "x"}]
-        try:
-            head = self.render(probe, True)
-            full = self.render([*probe, {"role": "assistant", "content": "y"}])
-        except ChatTemplateError:
-            return ()
-        tail = full[len(head):] if full.startswith(head) else ""
-        ids = self.encode(tail[tail.find("y") + 1:]) if "y" in tail else []
-        special = bool(ids) and self.tokenizer.decode(ids[:1], skip_special_tokens=True) == ""
-        return (ids[0],) if special else ()
+        return self.template.extension(longer, self.rendered if shorter is None else shorter, what)
 
     def _check_idle(self) -> None:
         if self._reply is not None:
@@ -207,7 +160,7 @@ class ChatTranscript:
         self._reply = None
         ids = list(self.session.token_ids[r.at:])
         body = ids[:-1] if stream.finish_reason == "stop" and ids and ids[-1] in r.stop_ids else ids
-        content = self.tokenizer.decode(body, skip_special_tokens=False)
+        content = self.template.decode(body)
         for s in r.stop:  # a stop string ends the reply's text before it
             content = content.split(s, 1)[0]
         m: Message = {"role": "assistant", "content": content}
@@ -217,7 +170,7 @@ class ChatTranscript:
         except ChatTemplateError:
             self._cut(r.start)  # the reply and its prompt go: the transcript stands as before it
             raise
-        keep, text = self._agreeing(ids, tail)
+        keep, text = self.template.agreeing(ids, tail)
         if keep < len(ids):
             self.session.rewind(to=r.at + keep)
         self._take((m,), r.start, full)
@@ -230,26 +183,6 @@ class ChatTranscript:
         self.starts += [start] * len(messages)
         self.offsets += [len(self.rendered)] * len(messages)
         self.rendered = rendered
-
-    def _agreeing(self, ids: list[int], tail: str) -> tuple[int, str]:
-        """The longest prefix of the generated `ids` whose text begins `tail`, ended early by an id the tokenizer
-        cannot write or by bytes that are not UTF-8 (their text, U+FFFD, would not tokenize back to them):
-        -> (its length, its text). One streaming pass, then one decode to check (rarely a step back)."""
-        detok, shown, k = self.tokenizer.detokenizer(skip_special_tokens=False), 0, 0
-        for i, t in enumerate(ids):
-            if self.tokenizer.decode([t], skip_special_tokens=False) == "":
-                break
-            piece = detok.push([t])  # "" while a character is incomplete
-            if piece and ("\ufffd" in piece or not tail.startswith(piece, shown)):
-                break
-            if piece:
-                shown, k = shown + len(piece), i + 1
-        while k > 0:
-            text = self.tokenizer.decode(ids[:k], skip_special_tokens=False)
-            if tail.startswith(text) and "\ufffd" not in text:
-                return k, text
-            k -= 1
-        return 0, ""
 
     def _cut(self, to: int) -> None:  # back to an earlier point of this transcript's own text
         if not self.session.closed and len(self.session.token_ids) > to:
@@ -277,7 +210,7 @@ class ChatTranscript:
 
     def reply(self, seq: int | None = None, **sampling: Any) -> ChatReply:
         """Append the generation prompt and start the reply (`sampling`: `start_stream`'s parameters)."""
-        _check_params(sampling)
+        check_reply_params(sampling)
         turn = self.plan_prompt()
         if turn.ids:
             self.session.append_chunk(token_ids=turn.ids, seq=seq)
@@ -318,7 +251,7 @@ class ChatTranscript:
         """A reply is asked for (checked now, run by `reply_async` in its turn); -> its ticket."""
         if self._waiting:
             raise ResponseInProgressError("this chat already has a reply running or asked for: cancel it or wait")
-        _check_params(sampling)
+        check_reply_params(sampling)
         self._waiting, self._asked = self._waiting + 1, self._asked + 1
         return self._asked
 
@@ -389,12 +322,3 @@ class ChatReply:
             self.content = self.chat.record(self.stream)
         return self.content
 
-
-def _check_params(sampling: Mapping[str, Any]) -> None:
-    """A reply's parameters, checked before its generation prompt is appended (a refused reply changes nothing)."""
-    if unknown := sorted(set(sampling) - {"max_tokens", "temperature", "top_p", "top_k", "seed", "stop",
-                                          "stop_token_ids"}):
-        raise InvalidInputError(f"unknown reply parameter(s) {unknown}")
-    check_sampling(sampling.get("max_tokens", SD.max_tokens), sampling.get("temperature", SD.temperature),
-                   sampling.get("top_p", SD.top_p), sampling.get("top_k", SD.top_k))
-    check_seed(sampling.get("seed")), check_stop(sampling.get("stop"))
