@@ -91,12 +91,12 @@ class PiperVoice:
 
     def synthesize(self, text: str) -> np.ndarray:
         """Speech for `text`: float32 mono in [-1, 1] at sample_rate, one model run per sentence, sentences joined
-        by a short pause. Text with nothing to speak gives an empty array."""
+        by a short pause. Markdown symbols are not read out; nothing to speak gives an empty array."""
         if not isinstance(text, str):
             raise InvalidInputError(f"synthesize takes text (str), not {type(text).__name__}")
         pause = np.zeros(int(SENTENCE_PAUSE_S * self.sample_rate), dtype=np.float32)
         parts: list[np.ndarray] = []
-        for phonemes in self.phonemizer.phonemize(text):
+        for phonemes in self.phonemizer.phonemize(_MARKDOWN.sub("", text)):  # keeps line breaks (paragraphs)
             audio = self.synthesize_phonemes(phonemes)
             if audio.size:
                 if parts:
