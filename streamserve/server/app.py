@@ -6,10 +6,12 @@ the transport's (server/transport.py).
                                      with a valid key also the model, sessions, connections, uptime
     GET  /metrics                    Prometheus text (the engine's metrics and the server's)
     WS   /v1/stream                  the native protocol (docs/protocol.md)
+    WS   /v1/realtime                the OpenAI Realtime API, GA events (docs/realtime.md); `?model=` is accepted
+                                     (the server serves its one model, which session.created names)
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
-With an API key, /v1/stream needs it or a live client secret (server/auth.py), /metrics and minting
+With an API key, /v1/stream and /v1/realtime need it or a live client secret (server/auth.py), /metrics and minting
 secrets need the key itself, /healthz needs nothing (and says more with the key); a browser page from
 an origin not allowed gets 403 before anything else. No exception text reaches a client: an
 unexpected failure is answered with `internal_error` and a request id that the server log also has.
@@ -46,6 +48,7 @@ from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
 from streamserve.server.native import NativeConnection
+from streamserve.server.realtime.connection import RealtimeConnection
 from streamserve.server.results import service_error
 from streamserve.server.secrets_route import mint_client_secret
 from streamserve.server.service import SessionService
@@ -99,7 +102,7 @@ class Server:
         self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
         self.app.add_routes([web.get("/healthz", self.healthz), web.get("/metrics", self.metrics),
-                             web.get("/v1/stream", self.stream),
+                             web.get("/v1/stream", self.stream), web.get("/v1/realtime", self.realtime),
                              web.post("/v1/realtime/client_secrets", self.client_secrets)])
         self.app.on_startup.append(self.on_startup)
         self.app.on_shutdown.append(self.on_shutdown)
@@ -228,6 +231,16 @@ class Server:
         return web.json_response(answer, status=status)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
+        return await self.websocket(request, NativeConnection, self.config.max_frame_bytes)
+
+    async def realtime(self, request: web.Request) -> web.StreamResponse:
+        # frames up to twice max_frame_bytes are read, so that the adapter answers one over max_frame_bytes with an
+        # `error` event and the connection goes on; past that aiohttp closes it (1009)
+        return await self.websocket(request, RealtimeConnection, 2 * self.config.max_frame_bytes)
+
+    async def websocket(self, request: web.Request, adapter: type[NativeConnection] | type[RealtimeConnection],
+                        max_msg_size: int) -> web.StreamResponse:
+        """A WebSocket route: auth (Bearer, subprotocol key, client secret), the upgrade, then `adapter` serves it."""
         grant = self.grant(request)
         if grant is None:
             return unauthorized()
@@ -239,7 +252,7 @@ class Server:
         headers.popall("Sec-WebSocket-Protocol", None)
         if offered:
             headers["Sec-WebSocket-Protocol"] = ", ".join(offered)
-        ws = web.WebSocketResponse(max_msg_size=self.config.max_frame_bytes, heartbeat=20.0, compress=False,
+        ws = web.WebSocketResponse(max_msg_size=max_msg_size, heartbeat=20.0, compress=False,
                                    protocols=tuple(offered))
         await ws.prepare(request.clone(headers=headers))
         if self.load_error is not None:  # permanent until the operator acts: not "retry shortly"
@@ -254,7 +267,7 @@ class Server:
         c = self.config
         transport = Transport(WebSocketChannel(ws, request.transport),
                               RateLimiter(c.messages_per_second, c.bytes_per_second))
-        conn = NativeConnection(self.service, transport, grant, self.server_metrics.messages)
+        conn = adapter(self.service, transport, grant, self.server_metrics.messages)
         self.connections.add(conn)
         try:
             await conn.run()

@@ -1,0 +1,364 @@
+"""`WS /v1/realtime`: the OpenAI Realtime API's protocol adapter (docs/realtime.md).
+
+One connection is one Realtime session, and its conversation is ONE persistent chat session on the session service
+(opened at the greeting): items are appended as they arrive, instructions go through the chat template as system
+messages, a response appends only its generation prompt and its reply is recorded as the assistant's message.
+Client events are parsed by events.py (I/O-free) and answered with server events; a client's mistake is an `error`
+event carrying the API's error type, a code and the offending event's id, and the connection goes on.
+Audio (input buffer, VAD turns, transcription; spoken replies) is listening.py's and response.py's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from prometheus_client import Counter
+
+from streamserve.server import protocol as P
+from streamserve.server.adapter import ProtocolAdapter
+from streamserve.server.auth import Grant
+from streamserve.server.realtime import events as E
+from streamserve.server.realtime import settings as S
+from streamserve.server.realtime.conversation import Conversation, Entry, Item, common_prefix, message_of, parse_item
+from streamserve.server.realtime.events import RealtimeError, event
+from streamserve.server.realtime.response import ResponseRun, usage
+from streamserve.server.results import (
+    AppendRequest,
+    ChunkResult,
+    OpenRequest,
+    Pushed,
+    ReplyDelta,
+    ReplyDone,
+    ServiceError,
+)
+from streamserve.server.service import SessionService
+from streamserve.server.transport import Frame, Transport
+
+if TYPE_CHECKING:
+    from streamserve.server.realtime.listening import InputAudio
+
+log = logging.getLogger("streamserve.server")
+KEEP_SPOKEN = 8  # recent audio responses whose Speaker is kept for conversation.item.truncate
+
+
+class RealtimeConnection(ProtocolAdapter):
+    def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter) -> None:
+        super().__init__(service, transport, grant)
+        self.messages = messages
+        self.voice = service.voice is not None
+        self.settings = S.Settings(model=service.engine.name, output_modalities=("audio",) if self.voice else ("text",),
+                                   turn_detection=S.TurnDetection() if self.voice else None, id=E.new_id("sess_"))
+        self.conv = Conversation()
+        self.conversation_id = E.new_id("conv_")
+        self.session: str | None = None  # the chat session's id
+        self.seq = 0  # the chunk seqs this connection gives its session (its own counter: they must grow)
+        self.acks: dict[int, tuple[Item | None, str | None]] = {}  # seq -> (item, client event id) awaiting an ack
+        self.instructions: str | None = None  # set and not yet in the session
+        self.current: ResponseRun | None = None
+        self.idle = asyncio.Event()  # no response running
+        self.idle.set()
+        self.cached = 0  # session tokens at the end of the last response: already in the KV cache
+        self.spoken: dict[str, ResponseRun] = {}  # item id -> recent audio response (truncate asks its Speaker)
+        self.audio: InputAudio | None = None
+        self.announced: set[str] = set()  # item ids whose conversation.item.added has gone out
+        self.early: dict[str, ChunkResult] = {}  # item id -> its ack, come before the item was announced
+
+    async def send(self, message: dict[str, Any]) -> None:
+        await self.transport.send(E.encode(message))
+
+    async def error(self, e: BaseException | ServiceError, event_id: str | None = None) -> None:
+        await self.send(E.error_event(E.from_service(e, event_id)))
+
+    # ---- greeting and dispatch -----------------------------------------------------------------------
+    async def greet(self) -> None:
+        try:
+            opened = await self.service.open(self.ctx, OpenRequest(), chat=True)
+        except Exception as e:  # no chat template, no room: nothing can be served on this connection
+            await self.error(e)
+            await self.transport.close(P.CLOSE_BAD_CLIENT if E.from_service(e).kind == "invalid_request_error"
+                                       else P.CLOSE_INTERNAL, "cannot open the conversation's session")
+            return
+        self.session = opened.session
+        if self.voice:
+            from streamserve.server.realtime.listening import InputAudio
+
+            self.audio = InputAudio(self)
+        await self.send(event("session.created", session=S.render(self.settings)))
+
+    async def handle(self, frame: Frame) -> None:
+        event_id = None
+        try:
+            ev = E.parse(frame, self.service.config.max_frame_bytes)
+            event_id = ev.event_id
+            self.messages.labels(ev.type).inc()
+            if self.session is None:
+                raise RealtimeError("this connection has no conversation (see the error before)", "session_closed")
+            await getattr(self, "on_" + ev.type.replace(".", "_"))(ev)
+        except Exception as e:  # a client's mistake or a refusal: an error event, and the connection goes on
+            await self.error(e, event_id)
+
+    # ---- session ------------------------------------------------------------------------------------
+    async def on_session_update(self, ev: E.ClientEvent) -> None:
+        new = S.update(self.settings, ev.body.get("session"), self.voice, self.service.config.max_reply_tokens)
+        if new.instructions != self.settings.instructions:
+            self.instructions = new.instructions or None  # goes in with the next message (docs: a difference)
+        if self.audio is not None:
+            self.audio.configure(new)
+        self.settings = new
+        await self.send(event("session.updated", session=S.render(new)))
+
+    def take_instructions(self) -> list[Entry]:
+        text, self.instructions = self.instructions, None
+        return [Entry({"role": "system", "content": text})] if text else []
+
+    # ---- appending to the chat session -----------------------------------------------------------------
+    def next_seq(self) -> int:
+        self.seq += 1
+        return self.seq
+
+    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None) -> None:
+        """Append entries' messages as one chunk (in the chat's order); its ack (conversation.item.done for `item`)
+        or error arrives pushed."""
+        assert self.session is not None
+        seq = self.next_seq()
+        msgs = [e.message for e in entries]
+        self.acks[seq] = (item, event_id)
+        try:
+            await self.service.append(self.ctx, self.session, AppendRequest(seq=seq),
+                                      msgs if len(msgs) > 1 else msgs[0])
+        except BaseException:
+            self.acks.pop(seq, None)
+            raise
+        self.conv.entries += entries
+
+    async def add_item(self, item: Item, position: int | None = None, event_id: str | None = None) -> None:
+        """A new item into the conversation and the session: at the end, or at `position` (a rewind)."""
+        self.conv.check_room()
+        entry = Entry(message_of(item), item)
+        if position is None or position >= len(self.conv.entries):
+            await self.append([*self.take_instructions(), entry], event_id, item)
+        else:
+            await self.rebuild(self.conv.with_entry_at(position, entry), event_id, item)
+        previous = self.conv.previous_id(item)
+        await self.send(event("conversation.item.added", previous_item_id=previous, item=item.render()))
+        self.announced.add(item.id)
+        if (early := self.early.pop(item.id, None)) is not None:  # acked before it was announced
+            await self.acked(early)
+
+    async def rebuild(self, wanted: list[Entry], event_id: str | None = None, item: Item | None = None) -> None:
+        """Make the session's messages `wanted`: rewind to the first that changes, append the rest again (their
+        tokens are the cost). A running response is cancelled and recorded first."""
+        assert self.session is not None
+        await self.stop_response("client_cancelled")
+        keep = common_prefix(self.conv.entries, wanted)
+        rewound = await self.service.rewind(self.ctx, self.session, None, None, keep)
+        chat = self.service.chats.get(self.session)
+        kept = len(chat.messages) if chat is not None else 0  # messages appended together go back together
+        self.cached = min(self.cached, rewound.tokens)
+        self.conv.entries = list(self.conv.entries[:kept])
+        if wanted[kept:]:
+            await self.append(wanted[kept:], event_id, item)
+
+    # ---- conversation events ----------------------------------------------------------------------------
+    async def on_conversation_item_create(self, ev: E.ClientEvent) -> None:
+        new = parse_item(ev.body, self.conv)
+        position = self.conv.insert_position(new.previous_item_id)
+        item = new.item
+        if new.audio:
+            if self.audio is None:
+                raise self.no_voice("item.content")
+            item = await self.audio.transcribe_item(item, new.audio)
+        await self.add_item(item, position, ev.event_id)
+
+    async def on_conversation_item_retrieve(self, ev: E.ClientEvent) -> None:
+        item = self.conv.find(E.item_id(ev.body, "item_id", "item_id"), code="item_retrieve_invalid_item_id")
+        await self.send(event("conversation.item.retrieved", item=item.render()))
+
+    async def on_conversation_item_delete(self, ev: E.ClientEvent) -> None:
+        item = self.conv.find(E.item_id(ev.body, "item_id", "item_id"), code="item_delete_invalid_item_id")
+        await self.rebuild(self.conv.without(item), ev.event_id)
+        self.spoken.pop(item.id, None)
+        await self.send(event("conversation.item.deleted", item_id=item.id))
+
+    async def on_conversation_item_truncate(self, ev: E.ClientEvent) -> None:
+        """Cut an assistant audio item to what the person heard: the session is rewound to before it and the
+        assistant's message appended again as the Speaker's text of the first audio_end_ms."""
+        item = self.conv.find(E.item_id(ev.body, "item_id", "item_id"), code="item_truncate_invalid_item_id")
+        E.opt_int(ev.body, "content_index", "content_index", 0, 0)
+        end = E.opt_int(ev.body, "audio_end_ms", "audio_end_ms", 0, 1 << 31)
+        run = self.spoken.get(item.id)
+        if item.role != "assistant" or run is None or run.speaker is None or end is None:
+            raise RealtimeError("only an assistant message with audio, given audio_end_ms, can be truncated",
+                                "item_truncate_invalid_item_id", "item_id")
+        if end > run.speaker.audio_ms + 1:
+            raise RealtimeError(f"audio_end_ms {end} is past the item's audio ({run.speaker.audio_ms:.0f} ms)",
+                                "invalid_value", "audio_end_ms")
+        heard = run.speaker.heard_text(end)
+        await self.rebuild(self.conv.truncated(item, heard), ev.event_id)
+        await self.send(event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end))
+
+    # ---- responses ----------------------------------------------------------------------------------------
+    async def on_response_create(self, ev: E.ClientEvent) -> None:
+        r = E.opt_map(ev.body, "response", "response") or {}
+        if self.current is not None:
+            raise RealtimeError(f"Conversation already has an active response in progress: {self.current.id}. Wait "
+                                "for it to finish (response.done) or cancel it (response.cancel)",
+                                "conversation_already_has_active_response")
+        if r.get("conversation") not in (None, "auto"):
+            raise RealtimeError("out-of-band responses (conversation \"none\") are not supported: every response "
+                                "joins the conversation", "unsupported_conversation", "response.conversation")
+        if r.get("input") is not None or r.get("tools") or r.get("prompt") is not None:
+            param = next(p for p in ("input", "tools", "prompt") if r.get(p))
+            raise RealtimeError(f"response.{param} is not supported by this server", "unsupported_parameter",
+                                f"response.{param}")
+        modalities = self.settings.output_modalities
+        if r.get("output_modalities") is not None:
+            modalities = S.check_modalities(r["output_modalities"], "response.output_modalities", self.voice)
+        max_tokens = self.settings.max_output_tokens
+        if r.get("max_output_tokens") is not None:
+            max_tokens = S.check_max_tokens(r["max_output_tokens"], "response.max_output_tokens",
+                                            self.service.config.max_reply_tokens)
+        instructions = E.opt_str(r, "instructions", "response.instructions", S.MAX_INSTRUCTIONS)
+        await self.respond(modalities, max_tokens, instructions, ev.event_id)
+
+    async def respond(self, modalities: tuple[str, ...], max_tokens: int | None, instructions: str | None = None,
+                      event_id: str | None = None) -> ResponseRun:
+        """Start a response: its events, the instructions (session's, then this response's) as system messages,
+        the chat reply (its generation prompt is the only other thing appended)."""
+        assert self.session is not None
+        item = Item(E.new_id("item_"), "assistant", [], "in_progress")
+        fmt = S.render(self.settings)["audio"]["output"]["format"]
+        previous = self.conv.items[-1].id if self.conv.items else None
+        run = ResponseRun(self.send, item, modalities, max_tokens, self.settings.voice, fmt, self.conversation_id,
+                          previous, E.new_id("resp_"))
+        if run.audio and self.audio is not None:
+            run.speaker = self.audio.speaker(run)
+        self.current = run
+        self.idle.clear()
+        await run.start()
+        try:
+            system = self.take_instructions()
+            if instructions:
+                system.append(Entry({"role": "system", "content": instructions}))
+            if system:
+                await self.append(system, event_id)
+            self.conv.check_room()
+            limit = self.service.config.max_reply_tokens if max_tokens is None else max_tokens
+            self.service.respond(self.ctx, self.session, {"max_tokens": limit, "seq": self.next_seq()})
+        except Exception as e:
+            await self.end_response(run, "error", None, {}, E.from_service(e, event_id))
+            raise
+        self.conv.entries.append(Entry({"role": "assistant", "content": ""}, item))  # the reply fills it
+        return run
+
+    async def stop_response(self, reason: str) -> None:
+        """Cancel the running response (if any) and wait until it is recorded and its response.done sent."""
+        if self.current is not None and self.session is not None:
+            self.current.cancel(reason)
+            self.service.cancel(self.ctx, self.session)
+        await self.idle.wait()
+
+    async def on_response_cancel(self, ev: E.ClientEvent) -> None:
+        rid = E.opt_str(ev.body, "response_id", "response_id")
+        if self.current is None or (rid is not None and rid != self.current.id):
+            raise RealtimeError("Cancellation failed: no active response found", "response_cancel_not_active")
+        assert self.session is not None
+        self.current.cancel("client_cancelled")
+        self.service.cancel(self.ctx, self.session)
+
+    async def on_output_audio_buffer_clear(self, ev: E.ClientEvent) -> None:
+        raise RealtimeError("output_audio_buffer.clear is for WebRTC connections; over a WebSocket, cancel the "
+                            "response (response.cancel) and truncate its item", "unsupported_event", "type")
+
+    async def end_response(self, run: ResponseRun, reason: str, recorded: str | None, used: dict[str, int],
+                           error: RealtimeError | None = None) -> None:
+        """The reply ended: the entry takes the recorded message (or goes), the done events leave."""
+        at = self.entry_of(run.item)
+        if at is not None and recorded is None:
+            del self.conv.entries[at]
+        elif at is not None:
+            self.conv.entries[at] = Entry({"role": "assistant", "content": recorded or ""}, run.item)
+        total = used.get("session_tokens", self.cached)
+        out = used.get("completion_tokens", 0)
+        try:
+            await run.finish(reason, recorded, usage(max(0, total - out), min(self.cached, total), out), error)
+        finally:
+            self.cached = total
+            if run.speaker is not None:
+                self.spoken[run.item.id] = run
+                while len(self.spoken) > KEEP_SPOKEN:
+                    self.spoken.pop(next(iter(self.spoken)))
+            if self.current is run:
+                self.current = None
+                self.idle.set()
+            if self.audio is not None and recorded is not None:
+                self.audio.response_ended(run)
+
+    # ---- audio events (listening.py) -------------------------------------------------------------------
+    def no_voice(self, param: str = "type") -> RealtimeError:
+        return RealtimeError("audio needs the voice models, which this server has not loaded: install the voice "
+                             "extra (pip install \"streamserve[voice]\") and pull the models (streamserve models "
+                             "pull whisper-base piper-joe silero-vad)", "unsupported_modality", param)
+
+    async def on_input_audio_buffer_append(self, ev: E.ClientEvent) -> None:
+        if self.audio is None:
+            raise self.no_voice()
+        await self.audio.append(E.req_str(ev.body, "audio", "audio"))
+
+    async def on_input_audio_buffer_commit(self, ev: E.ClientEvent) -> None:
+        if self.audio is None:
+            raise self.no_voice()
+        await self.audio.commit()
+
+    async def on_input_audio_buffer_clear(self, ev: E.ClientEvent) -> None:
+        if self.audio is None:
+            raise self.no_voice()
+        await self.audio.clear()
+        await self.send(event("input_audio_buffer.cleared"))
+
+    # ---- what the service pushes ----------------------------------------------------------------------
+    def render_pushed(self, result: Pushed) -> list[Frame]:
+        if isinstance(result, ServiceError):
+            return [E.encode(E.error_event(E.from_service(result)))]
+        return []  # the rest is handled in push (it changes state and may wait for audio)
+
+    async def push(self, result: Pushed) -> None:
+        try:
+            if isinstance(result, ReplyDelta) and self.current is not None:
+                await self.current.delta(result.text)
+            elif isinstance(result, ReplyDone) and self.current is not None:
+                await self.reply_done(self.current, result)
+            elif isinstance(result, ChunkResult):
+                await self.acked(result)
+            else:
+                await super().push(result)
+        except Exception as e:  # never let a rendering fault kill the service task that pushes
+            log.exception("streamserve: realtime push failed")
+            await self.error(e)
+
+    async def reply_done(self, run: ResponseRun, done: ReplyDone) -> None:
+        chat = self.service.chats.get(done.session)
+        recorded, at = None, self.entry_of(run.item)
+        if done.response and chat is not None and at is not None and at < len(chat.messages) \
+                and chat.messages[at]["role"] == "assistant":
+            recorded = chat.messages[at]["content"]
+        await self.end_response(run, done.reason, recorded, done.usage)
+
+    def entry_of(self, item: Item) -> int | None:
+        return next((i for i, e in enumerate(self.conv.entries) if e.item is item), None)
+
+    async def acked(self, result: ChunkResult) -> None:
+        item, event_id = self.acks.pop(result.seq, (None, None)) if result.seq is not None else (None, None)
+        if item is not None and item.id not in self.announced:
+            self.early[item.id] = result
+            self.acks[result.seq or 0] = (item, event_id)  # popped again when it is handled
+            return
+        if result.error is not None:
+            if item is not None:  # it never reached the session
+                self.conv.entries = [e for e in self.conv.entries if e.item is not item]
+            await self.error(result.error, event_id)
+        elif item is not None:
+            await self.send(event("conversation.item.done", previous_item_id=self.conv.previous_id(item),
+                                  item=item.render()))
