@@ -1,0 +1,382 @@
+"""Voice turn-taking latency over /v1/realtime: end of speech -> first reply audio byte, and where it goes.
+
+    python benchmarks/voice_latency.py [--model default,smollm2-135m-instruct] [--turns 10] [--sessions 1,2,4]
+                                       [--quick]
+
+Needs the voice extra (pip install "streamserve[voice]") and the voice models (streamserve models pull whisper-base
+piper-joe silero-vad). Questions are synthesised with the Piper voice (piper-joe), resampled to 24 kHz PCM16 and
+streamed in 20 ms `input_audio_buffer.append` frames at real-time pace, silence in between (the microphone stays
+open while the reply plays), over raw WebSockets (the `websockets` package) to `streamserve serve` started as a
+subprocess on a free loopback port, one server per model, turn detection `server_vad` with create_response.
+
+Per turn, from the end of speech (the send time of the 20 ms frame holding the question's last sample above
+EOS_LEVEL, -40 dBFS) to the first `response.output_audio.delta`, split into:
+  vad_hangover     speech_stopped received - end of speech (contains silence_duration_ms by design)
+  transcript_final the turn's item transcribed (conversation.item.input_audio_transcription.completed; the
+                   committed event when no transcription event comes) - speech_stopped
+  ttft             first reply text (response.output_audio_transcript.delta / output_text.delta) - that
+  first_tts_chunk  first response.output_audio.delta - first reply text
+p50 and p99 (nearest rank, so with few turns p99 is the slowest turn) over the turns, with silence_duration_ms 500
+(the server default) and 200 side by side, for each model asked (SmolLM2 only when pulled).
+stop_lag: speech_stopped received - send time of the frame holding its audio_end_ms, i.e. how far the server's
+VAD runs behind the audio it is sent (a server that keeps pace is within a VAD window, 32 ms, plus a frame).
+Concurrency: 1, 2, 4 sessions streaming at once (each its own connection, starts staggered by STAGGER_S), first
+model, silence 500 ms: eos -> first audio p50 and the stop lag; `kept_up` = every turn completed and the stop lag
+p99 under KEPT_UP_LAG_MS.
+Media real-time factors (compute time / audio duration), measured in this process before any server starts, with
+the threads the server gives each model: Silero VAD over 10 s of speech fed in 20 ms pieces, one Whisper pass
+over 2 s and over 5 s, Piper synthesis of one sentence.
+The last line printed is one JSON object with every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import base64
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO, Any
+
+import numpy as np
+from websockets.asyncio.client import ClientConnection, connect
+from websockets.exceptions import ConnectionClosed
+
+from streamserve.media.audio import AudioFormat, Resampler, encode
+from streamserve.models.store import installed
+
+RATE = 24000  # the Realtime API's PCM16 rate, both directions
+FRAME_MS = 20
+FRAME_BYTES = RATE * FRAME_MS // 1000 * 2  # 480 samples of int16
+EOS_LEVEL = 0.01  # |x| above this (-40 dBFS) counts as voiced when finding where the speech ends
+GAP_S = 0.3  # silence sent after a reply finishes, before the next question
+STAGGER_S = 0.35  # concurrent sessions start this far apart
+KEPT_UP_LAG_MS = 100.0
+TURN_TIMEOUT_S = 60.0
+QUESTIONS = ("What is the capital of France?", "How many days are in a week?", "Who was the first king of Israel?",
+             "What color is the sky on a clear day?", "Tell me something about the sea.",
+             "Why do birds sing in the morning?")
+INSTRUCTIONS = "You are a helpful voice assistant. Answer in one short sentence."
+SILENCE_FRAME = bytes(FRAME_BYTES)
+
+
+@dataclass(frozen=True)
+class Utterance:
+    text: str
+    pcm: bytes  # PCM16 mono 24 kHz
+    eos_frame: int  # index of the 20 ms frame holding the last voiced sample
+
+
+def pct(xs: list[float], q: float) -> float | None:
+    """Nearest-rank percentile, ms rounded to 0.1."""
+    xs = sorted(xs)
+    return round(xs[min(len(xs) - 1, max(0, math.ceil(q * len(xs)) - 1))], 1) if xs else None
+
+
+def spread(xs: list[float]) -> dict[str, float | None]:
+    return {"p50": pct(xs, 0.5), "p99": pct(xs, 0.99)}
+
+
+def synthesize(texts: tuple[str, ...]) -> tuple[list[Utterance], list[np.ndarray]]:
+    """Each text spoken by piper-joe -> (24 kHz utterances to stream, the same speech at 16 kHz [n] float32)."""
+    from streamserve.media.tts import PiperVoice
+
+    voice = PiperVoice(need("piper-joe"))
+    utts, at16k = [], []
+    for text in texts:
+        audio = voice.synthesize(text)  # [n] float32 at voice.sample_rate (22050 Hz)
+        r24, r16 = Resampler(voice.sample_rate, RATE), Resampler(voice.sample_rate, 16000)
+        x = np.concatenate([r24.process(audio), r24.flush()])
+        at16k.append(np.concatenate([r16.process(audio), r16.flush()]))
+        voiced = np.nonzero(np.abs(x) > EOS_LEVEL)[0]
+        pcm = encode(x, AudioFormat())
+        pcm += bytes(-len(pcm) % FRAME_BYTES)  # whole frames
+        utts.append(Utterance(text, pcm, int(voiced[-1]) * 2 // FRAME_BYTES))
+    return utts, at16k
+
+
+def need(name: str) -> Path:
+    path = installed(name)
+    if path is None:
+        raise SystemExit(f"voice model {name} is not in the model cache: run `streamserve models pull {name}`")
+    return path
+
+
+def media_rtf(at16k: list[np.ndarray], reps: int) -> dict[str, Any]:
+    """Real-time factor of each media stage on the synthesised speech (best of `reps` after a warm-up)."""
+    from streamserve.media.stt import Whisper
+    from streamserve.media.tts import PiperVoice
+    from streamserve.media.vad import SileroVAD
+
+    threads = max(1, (os.cpu_count() or 2) // 2)  # what VoiceRuntime.load gives each model
+    gap = np.zeros(4800, np.float32)  # 0.3 s at 16 kHz
+    speech = np.concatenate([p for a in at16k for p in (a, gap)])
+    speech = np.tile(speech, math.ceil(160000 / len(speech)))[:160000]  # 10 s at 16 kHz
+
+    def best(fn: Any, *args: Any) -> float:
+        fn(*args)  # warm-up: first-run allocations are not the steady state
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn(*args)
+            times.append(time.perf_counter() - t0)
+        return min(times)
+
+    vad = SileroVAD(need("silero-vad"))
+
+    def vad_pass() -> None:
+        stream = vad.stream()
+        for i in range(0, len(speech), 320):  # 20 ms pieces, as frames arrive
+            stream.probabilities(speech[i:i + 320])
+
+    whisper = Whisper(need("whisper-base").parent, threads=threads)
+    voice = PiperVoice(need("piper-joe"), threads=threads)
+    sentence = QUESTIONS[0]
+    spoken_s = len(voice.synthesize(sentence)) / voice.sample_rate
+    return {"threads": threads, "vad_10s": round(best(vad_pass) / 10.0, 4),
+            "whisper_2s": round(best(whisper.transcribe, speech[:32000]) / 2.0, 3),
+            "whisper_5s": round(best(whisper.transcribe, speech[:80000]) / 5.0, 3),
+            "piper_sentence": round(best(voice.synthesize, sentence) / spoken_s, 3),
+            "piper_sentence_audio_s": round(spoken_s, 2)}
+
+
+def start_server(model: str, log: IO[str]) -> tuple[subprocess.Popen[str], int]:
+    """`streamserve serve` on a free loopback port, ready (model and voice models loaded); its log goes to `log`
+    (a file: a pipe nobody reads would fill and stall the server)."""
+    env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}  # the clients send no key
+    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--device", "cpu",
+                             "--model", model, "--offline"], stderr=log, stdout=subprocess.PIPE,
+                            text=True, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=Path(__file__).resolve().parent.parent)
+    port, lines = None, []
+    assert proc.stdout is not None
+    for line in proc.stdout:  # `run` announces on stdout; logs go to stderr
+        lines.append(line)
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        port = int(m.group(1)) if m else port
+        if "ready:" in line or "failed" in line:
+            break
+    if port is None or not any("ready:" in x for x in lines):
+        proc.kill()
+        log.seek(0)
+        raise SystemExit(f"streamserve serve --model {model} did not start: {''.join(lines)}{log.read()[-2000:]}")
+    return proc, port
+
+
+class Stream:
+    """One /v1/realtime connection: audio sent at real-time pace on one clock, every server event logged with its
+    receipt time."""
+
+    def __init__(self, ws: ClientConnection, session: dict[str, Any]) -> None:
+        self.ws, self.session = ws, session
+        self.sent: list[float] = []  # send time of frame k (session audio [20k, 20k + 20) ms)
+        self.log: list[tuple[float, dict[str, Any]]] = []
+        self.t0: float | None = None
+        self.client_lag_s = 0.0  # worst lateness of this client's own sends (its pacing, not the server's)
+        self.reader = asyncio.create_task(self.receive())
+
+    @classmethod
+    async def open(cls, url: str, silence_ms: int, max_tokens: int) -> Stream:
+        ws = await connect(f"{url}/v1/realtime", max_size=None)
+        created = json.loads(await ws.recv())
+        assert created["type"] == "session.created", created
+        turn = {"type": "server_vad", "silence_duration_ms": silence_ms, "prefix_padding_ms": 300,
+                "threshold": 0.5, "create_response": True}
+        await ws.send(json.dumps({"type": "session.update", "session": {
+            "type": "realtime", "instructions": INSTRUCTIONS, "output_modalities": ["audio"],
+            "max_output_tokens": max_tokens,
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": RATE}, "turn_detection": turn,
+                                "transcription": {"model": "whisper-1"}},
+                      "output": {"format": {"type": "audio/pcm", "rate": RATE}}}}}))
+        while (ev := json.loads(await ws.recv()))["type"] != "session.updated":
+            if ev["type"] == "error":
+                raise SystemExit(f"session.update refused: {ev['error']}")
+        return cls(ws, ev["session"])
+
+    async def receive(self) -> None:
+        try:
+            async for msg in self.ws:
+                t, ev = time.perf_counter(), json.loads(msg)
+                if ev["type"] == "response.output_audio.delta":
+                    ev["delta"] = len(base64.b64decode(ev["delta"]))  # keep the byte count only
+                self.log.append((t, ev))
+        except ConnectionClosed as e:  # the turn in progress reports it (no answered turn)
+            self.log.append((time.perf_counter(), {"type": "closed", "reason": str(e)}))
+
+    async def send(self, pcm: bytes) -> None:
+        for i in range(0, len(pcm), FRAME_BYTES):
+            if self.t0 is None:
+                self.t0 = time.perf_counter()
+            wait = self.t0 + len(self.sent) * FRAME_MS / 1000 - time.perf_counter()
+            if wait > 0:
+                await asyncio.sleep(wait)
+            else:
+                self.client_lag_s = max(self.client_lag_s, -wait)
+            frame = base64.b64encode(pcm[i:i + FRAME_BYTES]).decode()
+            await self.ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": frame}))
+            self.sent.append(time.perf_counter())
+
+    def turn_over(self, since: int, t_eos: float) -> bool:
+        """The turn is answered: speech has stopped after the question ended, and a response created after that
+        stop is done."""
+        active, t_stop, created = False, None, set()
+        for t, ev in self.log[since:]:
+            kind = ev["type"]
+            if kind == "input_audio_buffer.speech_started":
+                active = True
+            elif kind == "input_audio_buffer.speech_stopped":
+                active, t_stop, created = False, t, set()
+            elif kind == "response.created" and t_stop is not None:
+                created.add(ev["response"]["id"])
+            elif kind == "response.done" and ev["response"]["id"] in created:
+                return not active and t_stop is not None and t_stop >= t_eos
+        return False
+
+    async def turn(self, utt: Utterance) -> dict[str, Any]:
+        since, first = len(self.log), len(self.sent)
+        await self.send(utt.pcm)
+        t_eos = self.sent[first + utt.eos_frame]
+        deadline = time.perf_counter() + TURN_TIMEOUT_S
+        while not self.turn_over(since, t_eos):
+            if time.perf_counter() > deadline or self.reader.done():
+                return {"error": "no answered turn", "events": sorted({ev["type"] for _, ev in self.log[since:]})}
+            await self.send(SILENCE_FRAME)
+        await self.send(SILENCE_FRAME * int(GAP_S * 1000 / FRAME_MS))
+        return analyse(self.log[since:], t_eos, self.sent)
+
+    async def close(self) -> None:
+        await self.ws.close()
+        await self.reader
+
+
+def analyse(events: list[tuple[float, dict[str, Any]]], t_eos: float, sent: list[float]) -> dict[str, Any]:
+    """One answered turn's events -> its latency split (ms) and texts."""
+    t_stop, stop = [(t, ev) for t, ev in events if ev["type"] == "input_audio_buffer.speech_stopped"][-1]
+    item = stop["item_id"]
+    final = [(t, "transcription.completed", ev) for t, ev in events if t >= t_stop and ev["type"] ==
+             "conversation.item.input_audio_transcription.completed" and ev["item_id"] == item]
+    final += [(t, "committed", ev) for t, ev in events
+              if t >= t_stop and ev["type"] == "input_audio_buffer.committed" and ev["item_id"] == item]
+    rid = next(ev["response"]["id"] for t, ev in events if t >= t_stop and ev["type"] == "response.created")
+    ours = [(t, ev) for t, ev in events if ev.get("response_id") == rid]
+    texts = [(t, ev["delta"]) for t, ev in ours
+             if ev["type"] in ("response.output_audio_transcript.delta", "response.output_text.delta")]
+    audio = [t for t, ev in ours if ev["type"] == "response.output_audio.delta"]
+    frame = min(len(sent) - 1, max(0, math.ceil(stop["audio_end_ms"] / FRAME_MS) - 1))
+    stops = sum(ev["type"] == "input_audio_buffer.speech_stopped" for _, ev in events)
+    out: dict[str, Any] = {"early_stops": stops - 1, "vad_hangover": (t_stop - t_eos) * 1e3,
+                           "stop_lag": (t_stop - sent[frame]) * 1e3, "reply": "".join(d for _, d in texts)}
+    t_final = None
+    if final:
+        t_final, out["final_event"], ev = min(final, key=lambda f: (f[1] == "committed", f[0]))
+        out["transcript"] = ev.get("transcript")
+        out["transcript_final"] = (t_final - t_stop) * 1e3
+    if texts and t_final is not None:
+        out["ttft"] = (texts[0][0] - t_final) * 1e3
+    if texts and audio:
+        out["first_tts_chunk"] = (audio[0] - texts[0][0]) * 1e3
+    if audio:
+        out["eos_to_first_audio"] = (audio[0] - t_eos) * 1e3
+    errors = [ev["error"].get("message") for _, ev in events if ev["type"] == "error"]
+    if errors:
+        out["errors"] = errors[:3]
+    return out
+
+
+def summarise(turns: list[dict[str, Any]], stream: Stream | None = None) -> dict[str, Any]:
+    done = [t for t in turns if "error" not in t]
+    out: dict[str, Any] = {"turns_answered": f"{len(done)}/{len(turns)}"}
+    for key in ("eos_to_first_audio", "vad_hangover", "transcript_final", "ttft", "first_tts_chunk", "stop_lag"):
+        out[f"{key}_ms"] = spread([t[key] for t in done if key in t])
+    out["final_event"] = sorted({t["final_event"] for t in done if "final_event" in t})
+    out["early_stops"] = sum(t["early_stops"] for t in done)
+    if stream is not None:
+        td = stream.session.get("audio", {}).get("input", {}).get("turn_detection") or {}
+        out["silence_duration_ms"] = td.get("silence_duration_ms")  # as the server echoed it in session.updated
+        out["client_send_lag_max_ms"] = round(stream.client_lag_s * 1e3, 1)
+    if done:
+        out["sample"] = {"transcript": done[0].get("transcript"), "reply": done[0]["reply"][:160]}
+    out["problems"] = [t for t in turns if "error" in t or "errors" in t][:3]
+    return out
+
+
+async def conversation(url: str, utts: list[Utterance], n: int, silence_ms: int, max_tokens: int) -> dict[str, Any]:
+    stream = await Stream.open(url, silence_ms, max_tokens)
+    turns = [await stream.turn(utts[i % len(utts)]) for i in range(n)]
+    await stream.close()
+    return summarise(turns, stream)
+
+
+async def concurrent(url: str, utts: list[Utterance], sessions: int, n: int, max_tokens: int) -> dict[str, Any]:
+    async def one(k: int) -> tuple[list[dict[str, Any]], float]:
+        await asyncio.sleep(k * STAGGER_S)
+        stream = await Stream.open(url, 500, max_tokens)
+        turns = [await stream.turn(utts[(k + i) % len(utts)]) for i in range(n)]
+        await stream.close()
+        return turns, stream.client_lag_s
+
+    results = await asyncio.gather(*(one(k) for k in range(sessions)))
+    turns = [t for ts, _ in results for t in ts]
+    s = summarise(turns)
+    lags = [t["stop_lag"] for t in turns if "stop_lag" in t]
+    kept_up = all("error" not in t for t in turns) and bool(lags) and (pct(lags, 0.99) or 0) < KEPT_UP_LAG_MS
+    return {"sessions": sessions, "turns_answered": s["turns_answered"],
+            "eos_to_first_audio_p50_ms": s["eos_to_first_audio_ms"]["p50"], "stop_lag_ms": s["stop_lag_ms"],
+            "stop_lag_max_ms": round(max(lags), 1) if lags else None, "kept_up": kept_up,
+            "client_send_lag_max_ms": round(max(lag for _, lag in results) * 1e3, 1), "problems": s["problems"]}
+
+
+async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for silence in (500, 200):
+        out[f"silence_{silence}"] = await conversation(url, utts, args.turns, silence, args.max_tokens)
+    if levels:
+        out["concurrency"] = [await concurrent(url, utts, n, args.turns, args.max_tokens) for n in levels]
+        held = [c["sessions"] for c in out["concurrency"] if c["kept_up"]]
+        out["sessions_at_real_time"] = max(held) if held else 0
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default=None, help="comma-separated models (default: default,smollm2-135m-instruct; "
+                                                  "SmolLM2 only when pulled; --quick: default)")
+    ap.add_argument("--turns", type=int, default=None, help="turns per condition (default 10; --quick 2)")
+    ap.add_argument("--sessions", default=None, help="concurrent sessions to try (default 1,2,4; --quick 1,2)")
+    ap.add_argument("--max-tokens", type=int, default=None, help="max_output_tokens per reply (default 40)")
+    ap.add_argument("--quick", action="store_true", help="the default model, 2 turns, 1-2 sessions (CI smoke run)")
+    args = ap.parse_args()
+    args.turns = args.turns or (2 if args.quick else 10)
+    args.max_tokens = args.max_tokens or (24 if args.quick else 40)
+    models = (args.model or ("default" if args.quick else "default,smollm2-135m-instruct")).split(",")
+    levels = [int(x) for x in (args.sessions or ("1,2" if args.quick else "1,2,4")).split(",")]
+    utts, at16k = synthesize(QUESTIONS)
+    result: dict[str, Any] = {"benchmark": "voice_latency", "cpu_count": os.cpu_count(), "frame_ms": FRAME_MS,
+                              "turns": args.turns, "max_output_tokens": args.max_tokens, "eos_level": EOS_LEVEL,
+                              "media_rtf": media_rtf(at16k, 1 if args.quick else 3), "models": {}}
+    for i, model in enumerate(models):
+        if model != "default" and installed(model) is None:
+            result["models"][model] = {"skipped": f"not pulled: streamserve models pull {model}"}
+            continue
+        with tempfile.TemporaryFile("w+") as log:
+            proc, port = start_server(model, log)
+            try:
+                result["models"][model] = asyncio.run(bench_model(f"ws://127.0.0.1:{port}", utts, args,
+                                                                  levels if i == 0 else []))
+            finally:
+                proc.terminate()
+                proc.wait(30)
+        print(f"{model}: {json.dumps(result['models'][model])}", file=sys.stderr)
+    result["concurrency_model"], result["concurrency_silence_ms"] = models[0], 500
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()
