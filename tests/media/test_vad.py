@@ -98,8 +98,9 @@ def test_one_turn_from_synthesised_speech(vad: SileroVAD):
     # detected within a few windows of the first audible sound, reported 300 ms before the detecting window
     assert first_ms - 300 - 4 * 32 <= start.audio_start_ms <= first_ms - 300 + 4 * 32
     assert (start.audio_start_ms + 300) * MS % WINDOW == 0  # a window boundary, minus the prefix padding
-    # stopped 500 ms of silence after the last voiced window (the tail of the speech), within a few windows
-    assert last_ms + 500 - 4 * 32 <= stop.audio_end_ms <= last_ms + 500 + 4 * 32
+    # stopped 500 ms of silence after the last voiced window: Silero keeps scoring the 2-4 windows after the
+    # last audible sample as speech (~100-150 ms over the runs of Piper, whose synthesis is randomised)
+    assert last_ms + 500 - 2 * 32 <= stop.audio_end_ms <= last_ms + 500 + 8 * 32
     assert stop.audio_end_ms * MS <= fed_stop  # detected on audio already fed
     assert not det.speaking and det.audio_ms == len(audio) / MS
     # the started event carries the audio from audio_start_ms to what was fed, prefix padding included
@@ -136,6 +137,8 @@ def test_prefix_padding_length(vad: SileroVAD, prefix_ms: int):
 
 def test_a_short_pause_does_not_end_the_turn(vad: SileroVAD):
     x = speech(QUESTION)
+    # the 200 ms pause scores under the release threshold for ~320-380 ms (with Piper's own quiet edges); the
+    # question itself never dips under it
     audio, _, _ = _padded(np.concatenate([x, np.zeros(200 * MS, np.float32), x]))
     events = [e for _, e in _feed(TurnDetector(vad, VADConfig(silence_duration_ms=500)), audio, 320)]
     assert [type(e) for e in events] == [SpeechStarted, SpeechStopped]
