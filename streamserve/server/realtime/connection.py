@@ -63,6 +63,7 @@ class RealtimeConnection(ProtocolAdapter):
         self.spoken: dict[str, ResponseRun] = {}  # item id -> recent audio response (truncate asks its Speaker)
         self.audio: InputAudio | None = None
         self.announced: set[str] = set()  # item ids whose conversation.item.added has gone out
+        self.waiting: dict[int, asyncio.Future[None]] = {}  # seq -> a rebuild waiting for its ack
         self.early: dict[str, ChunkResult] = {}  # item id -> its ack, come before the item was announced
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -118,7 +119,7 @@ class RealtimeConnection(ProtocolAdapter):
         self.seq += 1
         return self.seq
 
-    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None) -> None:
+    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None) -> int:
         """Append entries' messages as one chunk (in the chat's order); its ack (conversation.item.done for `item`)
         or error arrives pushed."""
         assert self.session is not None
@@ -132,6 +133,7 @@ class RealtimeConnection(ProtocolAdapter):
             self.acks.pop(seq, None)
             raise
         self.conv.entries += entries
+        return seq
 
     async def add_item(self, item: Item, position: int | None = None, event_id: str | None = None) -> None:
         """A new item into the conversation and the session: at the end, or at `position` (a rewind)."""
@@ -158,8 +160,10 @@ class RealtimeConnection(ProtocolAdapter):
         kept = len(chat.messages) if chat is not None else 0  # messages appended together go back together
         self.cached = min(self.cached, rewound.tokens)
         self.conv.entries = list(self.conv.entries[:kept])
-        if wanted[kept:]:
-            await self.append(wanted[kept:], event_id, item)
+        if wanted[kept:]:  # done when the messages are in again (the next event sees the session as it stands)
+            acked = asyncio.get_running_loop().create_future()
+            self.waiting[await self.append(wanted[kept:], event_id, item)] = acked
+            await acked
 
     # ---- conversation events ----------------------------------------------------------------------------
     async def on_conversation_item_create(self, ev: E.ClientEvent) -> None:
@@ -350,6 +354,9 @@ class RealtimeConnection(ProtocolAdapter):
         return next((i for i, e in enumerate(self.conv.entries) if e.item is item), None)
 
     async def acked(self, result: ChunkResult) -> None:
+        waiter = self.waiting.pop(result.seq or 0, None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
         item, event_id = self.acks.pop(result.seq, (None, None)) if result.seq is not None else (None, None)
         if item is not None and item.id not in self.announced:
             self.early[item.id] = result
