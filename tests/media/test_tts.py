@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import json
 import random
+import re
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pytest
@@ -19,6 +21,9 @@ from streamserve.media.tts import (
     SentenceSplitter,
     speakable,
 )
+
+if TYPE_CHECKING:
+    from streamserve.media.stt import Whisper
 
 REPLY = ("Sure, the capital of France is Paris. It is home to about 2.1 million people, e.g. in the city proper; "
          "Mr. Smith and Dr. Jones visited it in 2019... Did they like it?! \"Very much.\" They said so at 3 p.m. "
@@ -166,3 +171,49 @@ def test_typed_errors(voice: PiperVoice, tmp_path: Path) -> None:
     (tmp_path / "broken.onnx.json").write_text(Path(f"{model}.json").read_text())
     with pytest.raises(ModelLoadError, match="onnxruntime could not load"):
         PiperVoice(broken)
+
+
+# ---- the strongest check: Whisper hears the words back ----
+
+SPOKEN = ("The weather is lovely today. Let us go for a walk in the park, and then we will have some tea. "
+          "Would you like to come with us?")
+
+
+def words_of(text: str) -> list[str]:
+    """Lower-case words without punctuation: what a listener would write down."""
+    return re.sub(r"[^a-z' ]+", " ", text.lower().replace("-", " ")).split()
+
+
+@pytest.fixture(scope="module")
+def whisper() -> Whisper:
+    needs("faster_whisper")
+    from streamserve.media.stt import Whisper
+
+    return Whisper(voice_model("whisper-base").parent, threads=2)
+
+
+def at16k(audio: np.ndarray, rate: int) -> np.ndarray:
+    needs("soxr")
+    from streamserve.media.audio import Resampler
+
+    resampler = Resampler(rate, 16000)
+    return np.concatenate([resampler.process(audio), resampler.flush()])  # float32 [n * 16000 / rate]
+
+
+@pytest.mark.models
+def test_whisper_transcribes_three_sentences_back_to_the_text(voice: PiperVoice, whisper: Whisper) -> None:
+    audio = voice.synthesize(SPOKEN)
+    assert words_of(whisper.transcribe(at16k(audio, voice.sample_rate))) == words_of(SPOKEN)
+
+
+@pytest.mark.models
+def test_a_streamed_reply_spoken_piece_by_piece_is_heard_back(voice: PiperVoice, whisper: Whisper) -> None:
+    """As the server speaks a reply: deltas -> splitter pieces -> one synthesis each, the audio back to back."""
+    splitter = SentenceSplitter()
+    pieces: list[str] = []
+    for delta in re.findall(r"\S+\s*", SPOKEN):  # word by word, as an LLM streams
+        pieces += splitter.push(delta)
+    pieces += splitter.flush()
+    assert len(pieces) == 3  # one synthesis per sentence
+    audio = np.concatenate([voice.synthesize(p) for p in pieces])
+    assert words_of(whisper.transcribe(at16k(audio, voice.sample_rate))) == words_of(SPOKEN)
