@@ -23,6 +23,14 @@ from streamserve.media.phonemes import ABBREVIATIONS, Phonemizer
 
 BOS, EOS, PAD = "^", "$", "_"
 SENTENCE_PAUSE_S = 0.2  # silence between two sentences of one synthesize call (Piper's default)
+FIRST_PIECE_WORDS = 4  # the first piece may end at a clause (, ; :) once it has this many words
+LONG_PIECE_CHARS = 200  # later pieces end at a clause only past this length
+MAX_PIECE_CHARS = 400  # a piece without any boundary is cut at the first space past this length
+_TERMINATORS = ".!?"
+_CLAUSES = ",;:"
+_CLOSERS = "\"')]}»”’"  # may follow a sentence's punctuation: 'He said "no." Then'
+_MARKDOWN = re.compile(r"[*#`]+|^[ \t]*[-+][ \t]+", re.MULTILINE)  # emphasis, headings, code, list bullets
+_SPACES = re.compile(r"\s+")
 
 
 class PiperVoice:
@@ -108,14 +116,6 @@ class PiperVoice:
         return np.clip(np.concatenate(parts), -1.0, 1.0)
 
 
-FIRST_PIECE_WORDS = 4  # the first piece may end at a clause (, ; :) once it has this many words
-LONG_PIECE_CHARS = 200  # later pieces end at a clause only past this length
-MAX_PIECE_CHARS = 400  # a piece without any boundary is cut at the first space past this length
-_TERMINATORS = ".!?"
-_CLAUSES = ",;:"
-_CLOSERS = "\"')]}»”’"  # may follow a sentence's punctuation: 'He said "no." Then'
-_MARKDOWN = re.compile(r"[*#`]+|^[ \t]*[-+][ \t]+", re.MULTILINE)  # emphasis, headings, code, list bullets
-_SPACES = re.compile(r"\s+")
 _WORD_BEFORE = re.compile(r"(\S+)$")
 _DOTTED = re.compile(r"(?:[^\W\d_]\.)+[^\W\d_]")  # "u.s", "e.g", "p.m": letters between periods
 

@@ -16,6 +16,7 @@ from streamserve.errors import InvalidInputError, ModelLoadError
 from streamserve.media.tts import (
     FIRST_PIECE_WORDS,
     LONG_PIECE_CHARS,
+    MAX_PIECE_CHARS,
     SENTENCE_PAUSE_S,
     PiperVoice,
     SentenceSplitter,
@@ -95,6 +96,9 @@ def test_long_sentences_are_cut_at_a_clause_and_flush_starts_a_new_reply() -> No
     assert pieces[0] == "Short start."
     assert len(pieces) > 2 and all(len(p) <= LONG_PIECE_CHARS + len(clause) + 2 for p in pieces[1:])
     assert " ".join(pieces) == text
+    endless = " ".join(["word"] * 300)  # no boundary at all: cut at a space past MAX_PIECE_CHARS
+    pieces = split(endless)
+    assert len(pieces) == 4 and all(len(p) <= MAX_PIECE_CHARS + 5 for p in pieces) and " ".join(pieces) == endless
     s = SentenceSplitter()
     assert s.push("One two three four, five six") == ["One two three four,"]
     assert s.flush() == ["five six"]
