@@ -12,6 +12,8 @@ tokens stand for the template's rendering of it, yet only each new turn's text i
   turn, whitespace Gemma's `| trim` drops), and the rendering's remainder (the end of turn after max_tokens
   or a cancel) is `pending`: it goes in with the next turn's chunk, or `settle()`.
 - `rewind(n)` keeps the first n messages: the session goes back to where message n's rendering began.
+- A message streamed in while it is said (`begin_message`, `extend_message`, `end_message`, `abort_message`):
+  engine/chat_stream.py.
 
 Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones the session
 service, one at a time in the order asked (`turns`). A turn renders the whole conversation (templates read
@@ -38,16 +40,17 @@ from streamserve.engine.chat_render import (
     check_message,
     check_reply_params,
 )
+from streamserve.engine.chat_stream import MessageNotOpenError, MessageOpenError, Offload, StreamedMessages
 from streamserve.engine.session import Session
 from streamserve.engine.streams import Delta, ResponseStream
 from streamserve.engine.work import Ack
 from streamserve.errors import ChatTemplateError, InvalidInputError, ResponseInProgressError, RewindError
 
 MIN_REWIND_REACH = 16  # the most a reply's end may be cut back (stop token, trimmed whitespace, broken bytes)
-Offload = Callable[..., Awaitable[Any]]  # offload(fn, *args) runs fn off the event loop, -> its result
 OnDelta = Callable[[ResponseStream, Delta], Awaitable[None]]
 __all__ = ["MIN_REWIND_REACH", "ROLES", "ChatMessageError", "ChatReply", "ChatTranscript", "Message",
-           "NoChatTemplateError", "Offload", "OnDelta", "TemplateNotIncrementalError", "Turn", "check_message"]
+           "MessageNotOpenError", "MessageOpenError", "NoChatTemplateError", "Offload", "OnDelta",
+           "TemplateNotIncrementalError", "Turn", "check_message"]
 
 
 @dataclass
@@ -59,8 +62,9 @@ class _Reply:
     stop: tuple[str, ...] = ()
 
 
-class ChatTranscript:
-    """A conversation on one persistent, initially empty session (see the module's docstring)."""
+class ChatTranscript(StreamedMessages):
+    """A conversation on one persistent, initially empty session (see the module's docstring; a message streamed
+    in while it is said: engine/chat_stream.py)."""
 
     def __init__(self, session: Session) -> None:
         tok = session.engine.tokenizer
@@ -83,6 +87,7 @@ class ChatTranscript:
         self._reply: _Reply | None = None  # between a reply's generation prompt and its record
         self._asked = self._cancelled = 0  # reply tickets handed out; the latest one cancelled
         self._waiting = 0  # replies asked for (async) and not recorded yet
+        self.start_messages()  # no message being streamed in
 
     # ---- rendering (no engine calls: engine/chat_render.py) ---------------------------------------------
     def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> str:
@@ -97,6 +102,7 @@ class ChatTranscript:
         return self.template.extension(longer, self.rendered if shorter is None else shorter, what)
 
     def _check_idle(self) -> None:
+        self._check_no_message()
         if self._reply is not None:
             raise ResponseInProgressError("a reply is running on this chat: read it to its end (or cancel it) first")
         if len(self.session.token_ids) != self.length:

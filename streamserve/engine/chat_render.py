@@ -139,3 +139,8 @@ class ChatTemplate:
             k -= 1
         return 0, ""
 
+    def text_after(self, ids: Sequence[int], start: int) -> str:
+        """The text of `ids[start:]` as it reads after `ids[:start]` (a few ids before it decoded with it, for
+        decoders that read context, such as SentencePiece's leading-space rule)."""
+        detok = self.tokenizer.detokenizer(skip_special_tokens=False, context=ids[:start])
+        return detok.push(ids[start:]) + detok.flush()
