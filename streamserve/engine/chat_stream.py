@@ -236,6 +236,7 @@ class StreamedMessages:
         """`begin_message` after the chat's earlier operations; the chat's `turns` stay taken until the message
         ends or is aborted (a message, reply or rewind asked meanwhile goes after it)."""
         async with self.message_ops:
+            self._check_no_message()  # a second begin, asked before the first message's end, is refused
             await self.turns.acquire()
             try:
                 msg, ids = await offload(self.plan_begin, role)  # renders and tokenizes: off the event loop

@@ -6,6 +6,8 @@ appended turn by turn), kept here by session id for as long as the session lives
 A chat session's operations run one at a time in the order asked (the transcript's `turns`): a message
 appended while a reply runs goes in after it, as a chunk would. A reply runs as a service task, not a
 connection's, so that it is recorded even when the connection goes (its output is then dropped).
+A message may also be streamed in while it is said (`begin`, `extend`..., then `end` or `abort`: speech
+transcribed as the person speaks); the chat's other operations asked meanwhile wait for its end.
 (Split from service.py, which calls this and owns the rest of the service.)
 """
 
@@ -25,6 +27,7 @@ from streamserve.engine.chat import (
     Offload,
     check_message,
 )
+from streamserve.engine.chat_render import check_role
 from streamserve.engine.streams import Delta, ResponseStream
 from streamserve.engine.work import Ack
 from streamserve.errors import InvalidInputError
@@ -62,7 +65,9 @@ class ChatSessions:
         return self.transcripts.get(session_id)
 
     def forget(self, session_id: str) -> None:
-        self.transcripts.pop(session_id, None)
+        chat = self.transcripts.pop(session_id, None)
+        if chat is not None:
+            chat.drop_message()  # what waits for a message that will never end goes on (to a closed session)
 
     def cancel(self, session_id: str) -> None:
         """End a chat session's running reply and any asked for that has not started (never starts)."""
@@ -92,6 +97,52 @@ class ChatSessions:
     def add(self, session_id: str, message: Message | list[Message], chunk: dict[str, Any]) -> asyncio.Future[Ack]:
         """Append a message in its turn (`chunk`: seq, capture_time, deadline); -> its chunk's ack, to come."""
         return asyncio.ensure_future(self.transcripts[session_id].add_async(message, self.offload, **chunk))
+
+    # ---- a message streamed in while it is said (engine/chat_stream.py) ----------------------------------------
+    def chat(self, session_id: str) -> ChatTranscript:
+        """The session's transcript, or NotChatSessionError."""
+        chat = self.transcripts.get(session_id)
+        if chat is None:
+            raise NotChatSessionError("this session was opened without chat: stream messages into a session opened "
+                                      "with chat")
+        return chat
+
+    def begin(self, session_id: str, role: str, chunk: dict[str, Any] | None = None) -> asyncio.Future[Ack]:
+        """Open a streamed `role` message in its turn, after the chat's earlier operations (`chunk`: seq,
+        capture_time, deadline of its header's chunk); -> its header chunk's ack, to come. Until `end` or `abort`,
+        the chat's other operations (add, a reply, a rewind) wait. The future fails with MessageOpenError when a
+        message is open, a ChatTemplateError when the template cannot render the role here."""
+        chat = self.chat(session_id)
+        check_role(role)
+        return asyncio.ensure_future(chat.begin_message_async(role, self.offload, **(chunk or {})))
+
+    def extend(self, session_id: str, text: str, chunk: dict[str, Any] | None = None) -> asyncio.Future[Ack]:
+        """Append `text` to the open message, in order; -> its chunk's ack (0 tokens when only whitespace was
+        held back). MessageNotOpenError (in the future) without a begin."""
+        chat = self.chat(session_id)
+        if not isinstance(text, str):
+            raise ChatMessageError(f"a message's content is text, got {type(text).__name__}")
+        return asyncio.ensure_future(chat.extend_message_async(text, self.offload, **(chunk or {})))
+
+    def end(self, session_id: str, chunk: dict[str, Any] | None = None) -> asyncio.Future[Message]:
+        """Close the open message (the end of its turn goes in) and record it; -> the message {role, content}.
+        The chat's operations waiting for it go on."""
+        chat = self.chat(session_id)
+        return asyncio.ensure_future(chat.end_message_async(self.offload, **(chunk or {})))
+
+    def abort(self, session_id: str) -> asyncio.Future[bool]:
+        """Take the open message out (the session as before its begin); -> False if none was open."""
+        chat = self.chat(session_id)
+        return asyncio.ensure_future(chat.abort_message_async(self.offload))
+
+    def message_count(self, session_id: str) -> int:
+        """The chat's recorded messages (a streamed one counts from its end): `rewind(to_message=n)` keeps n."""
+        return len(self.chat(session_id).messages)
+
+    def open_message(self, session_id: str) -> Message | None:
+        """The message being streamed in ({role, content so far}), or None."""
+        msg = self.chat(session_id).open_message
+        return None if msg is None else {"role": msg.role, "content": msg.content}
 
     def respond(self, listener: ResultListener, session_id: str, params: dict[str, Any]) -> bool:
         """Start a reply if this is a chat session (-> True; its deltas and done reach `listener`). Its generation
