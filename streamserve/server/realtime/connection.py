@@ -65,6 +65,13 @@ class RealtimeConnection(ProtocolAdapter):
         self.announced: set[str] = set()  # item ids whose conversation.item.added has gone out
         self.waiting: dict[int, asyncio.Future[None]] = {}  # seq -> a rebuild waiting for its ack
         self.early: dict[str, ChunkResult] = {}  # item id -> its ack, come before the item was announced
+        transport.on_detach(self.forget)  # after the service's detach (registered first, in ProtocolAdapter)
+
+    def forget(self) -> None:
+        """The connection ended: the Realtime API has no resume, so its session closes now (not after a TTL)."""
+        if self.session is not None and (entry := self.service.registry.find(self.session)) is not None:
+            self.service.chats.forget(self.session)
+            self.service.abandon(entry)
 
     async def send(self, message: dict[str, Any]) -> None:
         await self.transport.send(E.encode(message))
