@@ -1,0 +1,181 @@
+"""Audio encoders for models that take audio natively: 16 kHz audio -> `embeds` [T, hidden] for a session chunk.
+
+Which way a model hears is decided per checkpoint by `load_audio_encoder`: a checkpoint folder that ships an
+`audio_projector.safetensors` takes audio as embeddings (`session.submit_chunk(embeds=..., kind="audio")`); one
+without it is text-only, and its audio goes through speech to text (media/stt.py) into its chat.
+
+`AudioEncoder` is the interface (a model's own audio tower can implement it later); `MelProjector` the encoder a
+checkpoint can ship today: Whisper's log-mel features (80 mel bands of 25 ms windows every 10 ms, numpy), `stack`
+consecutive frames concatenated (4: one embedding per 40 ms) and multiplied by a learned projection.
+
+The projector file holds one tensor, `projection` [80 * stack, hidden] (float32 or float16), and `stack` in its
+metadata (`save_audio_projector` writes one). Imports numpy and safetensors only (no torch).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+
+from streamserve.errors import ModelLoadError
+from streamserve.media.audio import AudioFormatError
+
+PROJECTOR_FILE = "audio_projector.safetensors"
+SAMPLE_RATE = 16000
+N_FFT, HOP, N_MELS = 400, 160, 80  # Whisper's: 25 ms windows every 10 ms, 80 mel bands
+LOG_RANGE = 8.0  # decades of the log-mel kept below a call's peak (Whisper's dynamic range)
+
+
+class AudioEncoderError(ModelLoadError):
+    """A checkpoint's audio encoder file that cannot be used: damaged, or not of the model's sizes."""
+
+    code = "invalid_audio_encoder"
+
+
+@runtime_checkable
+class AudioEncoder(Protocol):
+    """Audio -> embedding vectors the model reads in place of token embeddings."""
+
+    sample_rate: int  # of the audio `encode` takes (Hz)
+    hidden_size: int  # the model's: each embedding's length
+
+    def encode(self, audio: np.ndarray) -> np.ndarray:
+        """float32 mono [n] at `sample_rate` -> float32 [T, hidden_size] (T may be 0 for very short audio)."""
+        ...
+
+
+def mel_filters(sample_rate: int = SAMPLE_RATE, n_fft: int = N_FFT, n_mels: int = N_MELS) -> np.ndarray:
+    """[n_mels, n_fft // 2 + 1] triangular filters on the Slaney mel scale (linear to 1 kHz, logarithmic above),
+    each scaled to unit area (Slaney's normalisation): the filterbank Whisper's features use."""
+    f_sp, min_log_hz = 200.0 / 3, 1000.0
+    min_log_mel, logstep = min_log_hz / f_sp, np.log(6.4) / 27.0
+
+    def to_mel(hz: np.ndarray) -> np.ndarray:
+        return np.where(hz < min_log_hz, hz / f_sp, min_log_mel + np.log(np.maximum(hz, 1e-9) / min_log_hz) / logstep)
+
+    def to_hz(mel: np.ndarray) -> np.ndarray:
+        return np.where(mel < min_log_mel, mel * f_sp, min_log_hz * np.exp(logstep * (mel - min_log_mel)))
+
+    bins = np.linspace(0.0, sample_rate / 2, n_fft // 2 + 1)  # [F] the FFT bins' frequencies
+    edges = to_hz(np.linspace(to_mel(np.array(0.0)), to_mel(np.array(sample_rate / 2)), n_mels + 2))  # [n_mels+2]
+    lower = (bins[None, :] - edges[:-2, None]) / (edges[1:-1] - edges[:-2])[:, None]  # rising edges [n_mels, F]
+    upper = (edges[2:, None] - bins[None, :]) / (edges[2:] - edges[1:-1])[:, None]  # falling edges
+    weights = np.maximum(0.0, np.minimum(lower, upper))
+    return (weights * (2.0 / (edges[2:] - edges[:-2]))[:, None]).astype(np.float32)
+
+
+def log_mel(audio: np.ndarray, filters: np.ndarray) -> np.ndarray:
+    """float32 [n] at 16 kHz -> Whisper's log-mel features [n // HOP, N_MELS]: centred 400-sample Hann windows
+    every 160 samples (reflect-padded ends), power spectrum, mel filterbank, log10 floored at 1e-10 and at
+    LOG_RANGE decades below the peak, scaled (x + 4) / 4."""
+    frames = len(audio) // HOP
+    if frames == 0:
+        return np.zeros((0, N_MELS), np.float32)
+    pad = N_FFT // 2
+    x = np.pad(audio.astype(np.float64), pad, mode="reflect" if len(audio) > pad else "constant")
+    idx = np.arange(N_FFT)[None, :] + HOP * np.arange(frames)[:, None]  # [frames, N_FFT] (the last one dropped)
+    window = 0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)  # periodic Hann
+    power = np.abs(np.fft.rfft(x[idx] * window, axis=-1)) ** 2  # [frames, F]
+    spec = np.log10(np.maximum(power @ filters.T.astype(np.float64), 1e-10))  # [frames, N_MELS]
+    spec = np.maximum(spec, spec.max() - LOG_RANGE)
+    return ((spec + 4.0) / 4.0).astype(np.float32)
+
+
+class MelProjector:
+    """Log-mel frames, `stack` at a time, times a projection [N_MELS * stack, hidden]: one embedding per
+    stack * 10 ms. Audio is encoded per call: feed whole multiples of `stack * 160` samples (640 for stack 4:
+    40 ms) to lose nothing; a shorter remainder gives no embedding (the caller keeps it for the next call)."""
+
+    sample_rate = SAMPLE_RATE
+
+    def __init__(self, projection: np.ndarray, stack: int) -> None:
+        if isinstance(stack, bool) or not isinstance(stack, int) or stack < 1:
+            raise AudioEncoderError(f"an audio projector's stack must be a positive integer, got {stack!r}")
+        if projection.ndim != 2 or projection.shape[0] != N_MELS * stack:
+            raise AudioEncoderError(f"an audio projector for {stack} stacked frames of {N_MELS} mel bands is "
+                                    f"[{N_MELS * stack}, hidden], got {list(projection.shape)}")
+        if not np.issubdtype(projection.dtype, np.floating) or not np.isfinite(projection).all():
+            raise AudioEncoderError("an audio projector's values must be finite floating-point numbers")
+        self.projection = projection.astype(np.float32)  # [N_MELS * stack, hidden]
+        self.stack = stack
+        self.hidden_size = int(projection.shape[1])
+        self.filters = mel_filters()  # [N_MELS, N_FFT // 2 + 1]
+
+    @property
+    def samples_per_embedding(self) -> int:
+        return HOP * self.stack
+
+    def encode(self, audio: np.ndarray) -> np.ndarray:
+        """float32 mono [n] at 16 kHz -> float32 [n // (160 * stack), hidden]."""
+        audio = np.asarray(audio)
+        if audio.ndim != 1 or not np.issubdtype(audio.dtype, np.floating):
+            raise AudioFormatError(f"an audio encoder takes float mono samples [n] at {SAMPLE_RATE} Hz, got "
+                                   f"{audio.dtype} of shape {list(audio.shape)}: decode and resample it first")
+        if not np.isfinite(audio).all():
+            raise AudioFormatError("audio samples must be finite (no NaN or infinity)")
+        t = len(audio) // self.samples_per_embedding
+        mel = log_mel(audio[:t * self.samples_per_embedding], self.filters)  # [t * stack, N_MELS]
+        stacked = mel.reshape(t, self.stack * N_MELS)  # frames of one embedding side by side, in time order
+        return stacked @ self.projection  # [t, hidden] float32
+
+
+def save_audio_projector(folder: str | Path, projection: np.ndarray, stack: int) -> Path:
+    """Write `projection` [N_MELS * stack, hidden] as the checkpoint folder's audio projector; -> its path."""
+    from safetensors.numpy import save_file
+
+    MelProjector(projection, stack)  # checked as a load checks it
+    path = Path(folder) / PROJECTOR_FILE
+    save_file({"projection": np.ascontiguousarray(projection)}, str(path),
+              metadata={"stack": str(stack), "n_mels": str(N_MELS), "sample_rate": str(SAMPLE_RATE)})
+    return path
+
+
+def load_audio_encoder(checkpoint: str | Path, hidden_size: int | None = None) -> AudioEncoder | None:
+    """The checkpoint's audio encoder, or None when it has none (a text-only model: speech to text feeds it).
+
+    `checkpoint`: its folder (or a file in it, such as a GGUF). `hidden_size`: the model's (default: config.json's
+    `hidden_size`); an encoder of another size is refused. AudioEncoderError for a damaged or mismatched file."""
+    folder = Path(checkpoint)
+    folder = folder if folder.is_dir() else folder.parent
+    path = folder / PROJECTOR_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if "projection" not in list(f.keys()):
+                raise AudioEncoderError(f"{path} has no 'projection' tensor; write it with save_audio_projector")
+            projection = f.get_tensor("projection")
+    except AudioEncoderError:
+        raise
+    except Exception as e:  # safetensors raises its own errors (and numpy TypeErrors) for damaged or bf16 files
+        raise AudioEncoderError(f"cannot read {path} ({e}); it must be safetensors holding a float32 or "
+                                "float16 'projection'") from None
+    try:
+        stack = int(meta["stack"])
+    except (KeyError, ValueError):
+        raise AudioEncoderError(f"{path} must say `stack` (frames per embedding) in its metadata") from None
+    if meta.get("n_mels", str(N_MELS)) != str(N_MELS) or meta.get("sample_rate", str(SAMPLE_RATE)) != str(SAMPLE_RATE):
+        raise AudioEncoderError(f"{path} is for {meta.get('n_mels')} mel bands at {meta.get('sample_rate')} Hz; "
+                                f"this encoder computes {N_MELS} at {SAMPLE_RATE} Hz")
+    encoder = MelProjector(projection, stack)
+    expected = hidden_size if hidden_size is not None else _config_hidden_size(folder)
+    if expected is not None and encoder.hidden_size != expected:
+        raise AudioEncoderError(f"{path} projects to {encoder.hidden_size} values per embedding, but the model's "
+                                f"hidden size is {expected}: it belongs to another model")
+    return encoder
+
+
+def _config_hidden_size(folder: Path) -> int | None:
+    """config.json's hidden_size (a multimodal config's text_config's), or None without a config."""
+    cfg_path = folder / "config.json"
+    if not cfg_path.is_file():
+        return None
+    cfg = json.loads(cfg_path.read_text())
+    size = cfg.get("hidden_size", (cfg.get("text_config") or {}).get("hidden_size"))
+    return int(size) if size is not None else None
