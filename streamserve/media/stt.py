@@ -180,6 +180,7 @@ class StreamingTranscriber:
         self._new_samples = 0  # samples added since the last pass
         self._committed: list[Word] = []  # on the utterance clock
         self._tail: list[Word] = []  # the last pass's words not committed yet (to be agreed with the next)
+        self._passed = False  # a pass ran since reset()
         self.text = ""  # all text committed in this utterance so far
 
     def add(self, audio16k: np.ndarray) -> None:
@@ -204,6 +205,7 @@ class StreamingTranscriber:
         if audio.size == 0:
             return TranscriptUpdate("", _join(self._tail, not self.text))
         new = unseen(self._pass(audio), self._committed)
+        self._passed = True
         k = agreed_prefix(self._tail, new)
         committed = self._commit(new[:k])  # in the newest pass's spelling
         self._tail = new[k:]
@@ -212,10 +214,17 @@ class StreamingTranscriber:
 
     def finish(self) -> TranscriptUpdate:
         """End of the utterance: transcribe the audio after the last committed word, commit all of it, reset.
+        With no audio added since the last step(), that pass's unagreed tail is committed without a new pass.
 
         `text` is reset too: the utterance's whole transcript is `text` read before finish() plus the returned
         `committed`.
         """
+        if self._passed and not self._chunks:
+            # The last pass saw all the audio: its unagreed tail is what a new pass would give, at no cost (the
+            # caller can run step() during the VAD's silence hangover to make the end of speech cheap).
+            committed = self._commit(self._tail)
+            self.reset()
+            return TranscriptUpdate(committed, "")
         audio = self._take()
         # From the start of the last committed word still in the buffer: it anchors the new words (unseen()),
         # so a committed end time that came out late cannot clip the next word; the prompt is the text before it.

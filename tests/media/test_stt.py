@@ -143,6 +143,19 @@ def test_streaming_logic_partial_is_the_unagreed_tail() -> None:
     assert transcriber.finish() == TranscriptUpdate(" two three", "")
 
 
+def test_finish_right_after_a_pass_commits_its_tail_without_another_pass() -> None:
+    timeline = words((" one", 0.0, 0.3), (" two", 0.4, 0.7))
+    fake = TimelineWhisper(timeline)
+    transcriber = StreamingTranscriber(fake, min_pass_s=0.2)  # type: ignore[arg-type]
+    transcriber.add(timeline_audio(0.8))
+    assert transcriber.step() == TranscriptUpdate("", "one two")
+    assert transcriber.finish() == TranscriptUpdate("one two", "")
+    assert len(fake.prompts) == 1  # the pass over all the audio was not repeated
+    transcriber.add(timeline_audio(0.8))
+    assert transcriber.finish() == TranscriptUpdate("one two", "")  # no pass yet in this utterance: one now
+    assert len(fake.prompts) == 2
+
+
 def test_reset_and_bad_input() -> None:
     transcriber = StreamingTranscriber(TimelineWhisper([]), min_pass_s=0.2)  # type: ignore[arg-type]
     transcriber.add(np.zeros(SAMPLE_RATE, np.float32))
