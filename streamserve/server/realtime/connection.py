@@ -160,6 +160,9 @@ class RealtimeConnection(ProtocolAdapter):
         """Make the session's messages `wanted`: rewind to the first that changes, append the rest again (their
         tokens are the cost). A running response is cancelled and recorded first."""
         assert self.session is not None
+        if self.audio is not None and self.audio.streaming:
+            raise RealtimeError("the person is speaking: their message is being streamed into the session; retry "
+                                "after its input_audio_buffer.committed", "conversation_busy")
         await self.stop_response("client_cancelled")
         keep = common_prefix(self.conv.entries, wanted)
         rewound = await self.service.rewind(self.ctx, self.session, None, None, keep)
@@ -207,8 +210,15 @@ class RealtimeConnection(ProtocolAdapter):
             raise RealtimeError(f"audio_end_ms {end} is past the item's audio ({run.speaker.audio_ms:.0f} ms)",
                                 "invalid_value", "audio_end_ms")
         heard = run.speaker.heard_text(end)
-        await self.rebuild(self.conv.truncated(item, heard), ev.event_id)
+        if self.audio is not None and self.audio.streaming:  # the person speaks: the rewind waits for their turn
+            self.audio.after.append((item, heard))
+        else:
+            await self.truncate(item, heard, ev.event_id)
         await self.send(event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end))
+
+    async def truncate(self, item: Item, heard: str, event_id: str | None = None) -> None:
+        self.conv.find(item.id)
+        await self.rebuild(self.conv.truncated(item, heard), event_id)
 
     # ---- responses ----------------------------------------------------------------------------------------
     async def on_response_create(self, ev: E.ClientEvent) -> None:

@@ -19,7 +19,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from streamserve.media.audio import AudioInput
-from streamserve.server.realtime.conversation import Item, with_transcripts
+from streamserve.server.realtime.conversation import Entry, Item, with_transcripts
 from streamserve.server.realtime.events import RealtimeError, event, new_id
 from streamserve.server.realtime.response import ResponseRun
 from streamserve.server.realtime.settings import Settings, TurnDetection
@@ -53,9 +53,18 @@ class InputAudio:
         assert voice is not None
         self.runtime = voice
         s = conn.settings
-        self.listener = Listener(voice, s.input_audio, vad_config(s.turn_detection), self.on_event)
+        self.listener = Listener(voice, s.input_audio, vad_config(s.turn_detection), self.on_event,
+                                 max_buffer_s=conn.service.config.max_audio_buffer_s)
         self.item_id: str | None = None  # the user item the utterance being heard becomes
         self.idle_timer: asyncio.Task | None = None
+        # the utterance streamed into the session as a user message while it is said (ChatSessions.begin/extend/end)
+        self.placeholder: Entry | None = None  # its place in the conversation, from its begin
+        self.pending: list[asyncio.Future[Any]] = []  # its begin and extends, checked at its end
+        self.after: list[tuple[Item, str]] = []  # truncations asked while it was open: done after its end
+
+    @property
+    def streaming(self) -> bool:
+        return self.placeholder is not None
 
     @property
     def settings(self) -> Settings:
@@ -73,15 +82,63 @@ class InputAudio:
         await self.listener.append(data)
 
     async def commit(self) -> None:
-        done = await self.listener.commit()
-        if done is None:
+        if await self.listener.commit() is None:  # else its TranscriptDone was emitted: committed() did the rest
             raise RealtimeError("Error committing input audio buffer: the buffer holds no speech to commit",
                                 "input_audio_buffer_commit_empty")
-        await self.committed(done)
 
     async def clear(self) -> None:
         await self.listener.clear()
+        await self.abort()
         self.item_id = None
+
+    # ---- the utterance as a streamed user message -----------------------------------------------------------
+    def chunk(self) -> dict[str, Any]:
+        return {"seq": self.conn.next_seq()}
+
+    async def begin(self) -> None:
+        conn = self.conn
+        assert conn.session is not None
+        if (system := conn.take_instructions()):
+            await conn.append(system)
+        self.pending.append(conn.service.chats.begin(conn.session, "user", self.chunk()))
+        self.placeholder = Entry({"role": "user", "content": ""})
+        conn.conv.entries.append(self.placeholder)
+
+    async def extend(self, text: str) -> None:
+        if not self.streaming:
+            await self.begin()
+        assert self.conn.session is not None
+        self.pending.append(self.conn.service.chats.extend(self.conn.session, text, self.chunk()))
+
+    async def settle(self) -> BaseException | None:
+        """Wait for the streamed chunks; -> the first failure."""
+        results = await asyncio.gather(*self.pending, return_exceptions=True)
+        self.pending = []
+        return next((r for r in results if isinstance(r, BaseException)), None)
+
+    async def end(self) -> dict[str, str] | None:
+        """The utterance's message ends: -> it as recorded, or None (aborted after a failure, reported)."""
+        conn = self.conn
+        assert conn.session is not None
+        failure = await self.settle()
+        if failure is None:
+            try:
+                return await conn.service.chats.end(conn.session, self.chunk())
+            except Exception as e:
+                failure = e
+        await conn.error(failure)
+        await self.abort()
+        return None
+
+    async def abort(self) -> None:
+        conn = self.conn
+        if self.placeholder is None or conn.session is None:
+            return
+        await self.settle()
+        with contextlib.suppress(Exception):  # a session closed meanwhile: nothing to take out
+            await conn.service.chats.abort(conn.session)
+        conn.conv.entries = [e for e in conn.conv.entries if e is not self.placeholder]
+        self.placeholder = None
 
     # ---- the Listener's events -------------------------------------------------------------------------
     async def on_event(self, ev: Any) -> None:
@@ -89,6 +146,8 @@ class InputAudio:
         if isinstance(ev, SpeechStarted):
             self.cancel_idle()
             self.item_id = new_id("item_")
+            if not self.streaming:
+                await self.begin()
             await conn.send(event("input_audio_buffer.speech_started", audio_start_ms=int(ev.audio_start_ms),
                                   item_id=self.item_id))
             td = self.settings.turn_detection
@@ -98,9 +157,11 @@ class InputAudio:
         elif isinstance(ev, SpeechStopped):
             await conn.send(event("input_audio_buffer.speech_stopped", audio_end_ms=int(ev.audio_end_ms),
                                   item_id=self.current_id()))
-        elif isinstance(ev, TranscriptDelta) and ev.text and self.settings.transcription:
-            await conn.send(event("conversation.item.input_audio_transcription.delta", item_id=self.current_id(),
-                                  content_index=0, delta=ev.text, logprobs=None))
+        elif isinstance(ev, TranscriptDelta) and ev.text:
+            await self.extend(ev.text)  # agreed words go into the session now, while the person speaks
+            if self.settings.transcription:
+                await conn.send(event("conversation.item.input_audio_transcription.delta", item_id=self.current_id(),
+                                      content_index=0, delta=ev.text, logprobs=None))
         elif isinstance(ev, TranscriptDone):
             await self.committed(ev)
 
@@ -113,19 +174,36 @@ class InputAudio:
         """The utterance ends: it becomes a user item (its transcript the message), then maybe a response."""
         conn = self.conn
         item_id, self.item_id = self.current_id(), None
-        if any(it.id == item_id for it in conn.conv.items):
-            return  # committed already (the Listener's event after a manual commit)
-        item = Item(item_id, "user", [{"type": "input_audio", "audio": None, "transcript": done.text}])
-        previous = conn.conv.items[-1].id if conn.conv.items else None
+        if not done.text.strip():  # noise: no item, no response
+            await self.abort()
+            return
+        if not self.streaming:
+            await self.extend(done.text)
+        placeholder = self.placeholder
+        message = await self.end()
+        self.placeholder = None
+        at = next((i for i, e in enumerate(conn.conv.entries) if e is placeholder), None)
+        if message is None or at is None:
+            return
+        item = Item(item_id, "user", [{"type": "input_audio", "audio": None, "transcript": message["content"]}])
+        conn.conv.entries[at] = Entry(message, item)
+        previous = conn.conv.previous_id(item)
         await conn.send(event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
-        await conn.add_item(item)
+        await conn.send(event("conversation.item.added", previous_item_id=previous, item=item.render()))
+        await conn.send(event("conversation.item.done", previous_item_id=previous, item=item.render()))
+        conn.announced.add(item_id)
         if self.settings.transcription:
             seconds = max(0.0, (done.audio_end_ms - done.audio_start_ms) / 1e3)
             await conn.send(event("conversation.item.input_audio_transcription.completed", item_id=item_id,
-                                  content_index=0, transcript=done.text, logprobs=None,
+                                  content_index=0, transcript=message["content"], logprobs=None,
+                                  languages=[{"code": "en"}],
                                   usage={"type": "duration", "seconds": round(seconds, 3)}))
+        for cut, heard in self.after:  # truncations asked while the person spoke
+            with contextlib.suppress(RealtimeError):  # an item deleted meanwhile
+                await conn.truncate(cut, heard)
+        self.after = []
         td = self.settings.turn_detection
-        if td is None or not td.create_response or not done.text.strip():
+        if td is None or not td.create_response:
             return
         if conn.current is not None:
             if conn.current.cancel_reason is None:
@@ -170,7 +248,11 @@ class InputAudio:
     async def transcribe_item(self, item: Item, audio: list[bytes]) -> Item:
         """input_audio parts without a transcript: decoded from the session's input format and transcribed."""
         texts = []
+        limit = self.conn.service.config.max_audio_buffer_s
         for data in audio:
+            if self.settings.input_audio.duration_ms(len(data)) > 1e3 * limit:
+                raise RealtimeError(f"an input_audio part is over this server's limit of {limit:g} s "
+                                    "(max_audio_buffer_s)", "audio_too_long", "item.content")
             decoder = AudioInput(self.settings.input_audio, WHISPER_RATE)
             samples = decoder.feed(data)  # AudioFormatError (typed) for audio not in the session's format
             texts.append(await self.runtime.run(self.runtime.whisper.transcribe, samples))
@@ -179,3 +261,8 @@ class InputAudio:
     async def close(self) -> None:
         self.cancel_idle()
         await self.listener.close()
+        for fut in self.pending:  # the session closes with the connection: nothing waits for these
+            if not fut.done():
+                fut.cancel()
+            elif not fut.cancelled():
+                fut.exception()  # retrieved: the failure of a closing session is no news

@@ -118,6 +118,7 @@ class ResponseRun:
                 await self.speaker.finish()  # the rest of the audio leaves before the done events
             else:
                 self.speaker.cancel()
+            await self.speaker.wait_idle()  # nothing of it is left on the media executor
         status, why = FINISH.get(reason, ("failed", None))
         if self.cancel_reason is not None:
             status, why = "cancelled", self.cancel_reason

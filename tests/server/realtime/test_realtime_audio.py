@@ -1,0 +1,187 @@
+"""/v1/realtime with voice, against a real server with the voice models: synthesised speech (the Piper voice) sent as
+PCM16 24 kHz in 20 ms appends at real-time pace. Server VAD turns, the transcript streamed into the session, spoken
+replies; barge-in and truncation; bad audio answered with error events. Skips (naming what to install or pull) when
+the voice extra or a voice model is missing."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import time
+from collections.abc import AsyncIterator
+
+import numpy as np
+import pytest
+from openai import AsyncOpenAI
+from rt import RawRealtime, check_event, user_text
+from serving import serve
+from voice_assets import needs, speech, voice_model
+
+from streamserve.config import ServerConfig
+from streamserve.engine import Engine
+
+RATE = 24000
+FRAME = RATE * 2 // 50  # bytes of 20 ms of PCM16 at 24 kHz
+QUESTION = "What is the capital of France?"
+
+
+def pcm16(x: np.ndarray) -> bytes:
+    return (np.clip(x, -1.0, 1.0) * 32767).astype("<i2").tobytes()
+
+
+def spoken(text: str, lead_s: float = 0.4, tail_s: float = 1.5) -> bytes:
+    """`text` spoken, with silence before and after (the tail lets the VAD see the end of speech)."""
+    silence = np.zeros(int(RATE * lead_s), np.float32), np.zeros(int(RATE * tail_s), np.float32)
+    return pcm16(np.concatenate([silence[0], speech(text, rate=RATE), silence[1]]))
+
+
+async def frames(data: bytes) -> AsyncIterator[str]:
+    """20 ms base64 frames of `data`, at real-time pace."""
+    start = time.monotonic()
+    for i in range(0, len(data), FRAME):
+        yield base64.b64encode(data[i:i + FRAME]).decode()
+        await asyncio.sleep(max(0.0, start + (i + FRAME) / (2 * RATE) - time.monotonic()))
+
+
+@pytest.fixture(scope="module")
+def voiced() -> None:
+    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
+        needs(module)
+    for name in ("whisper-base", "piper-joe", "silero-vad"):
+        voice_model(name)
+
+
+@pytest.mark.asyncio
+async def test_sdk_audio_conversation(voiced: None) -> None:
+    data = spoken(QUESTION)
+    async with serve(ServerConfig(), voice=True) as srv:
+        client = AsyncOpenAI(api_key="unused", base_url=f"{srv.http}/v1")
+        async with client.realtime.connect(model="default") as conn:
+            created = await conn.recv()
+            assert created.session.output_modalities == ["audio"]
+            assert created.session.audio.input.transcription.model == "whisper-base"  # the text model's input path
+            await conn.session.update(session={"type": "realtime", "max_output_tokens": 24})
+            assert (await conn.recv()).type == "session.updated"
+
+            async def send() -> None:
+                async for frame in frames(data):
+                    await conn.input_audio_buffer.append(audio=frame)
+
+            sender = asyncio.create_task(send())
+            kinds, audio, transcript, said = [], b"", "", None
+            async for ev in conn:
+                check_event(ev.to_dict())
+                kinds.append(ev.type)
+                if ev.type == "error":
+                    raise AssertionError(ev.error)
+                if ev.type == "conversation.item.input_audio_transcription.completed":
+                    said = ev.transcript
+                elif ev.type == "response.output_audio.delta":
+                    audio += base64.b64decode(ev.delta)
+                elif ev.type == "response.output_audio_transcript.delta":
+                    transcript += ev.delta
+                elif ev.type == "response.done":
+                    done = ev.response
+                    break
+            await sender
+    order = ["input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped", "input_audio_buffer.committed",
+             "conversation.item.input_audio_transcription.completed", "response.created",
+             "response.output_audio.delta", "response.output_audio.done", "response.done"]
+    assert all(k in kinds for k in order), kinds
+    assert [kinds.index(k) for k in order] == sorted(kinds.index(k) for k in order), kinds  # in this order
+    assert said is not None and "capital" in said.lower() and "france" in said.lower()
+    assert len(audio) > RATE // 5 and len(audio) % 2 == 0  # at least 0.1 s of PCM16
+    assert done.status in ("completed", "incomplete") and done.output[0].content[0].transcript == transcript
+
+
+async def play(c: RawRealtime, data: bytes) -> None:
+    async for frame in frames(data):
+        await c.send({"type": "input_audio_buffer.append", "audio": frame})
+
+
+@pytest.mark.asyncio
+async def test_barge_in_cancels_and_truncates_to_what_was_heard(voiced: None) -> None:
+    async with serve(ServerConfig(), voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {
+            "turn_detection": {"type": "server_vad", "create_response": False, "interrupt_response": True}}}}})
+        await c.send(user_text("In the beginning God created the heaven and the earth."))
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 400}})
+        first = (await c.until("response.output_audio.delta"))[-1]
+        item_id = first["item_id"]
+        speaking = asyncio.create_task(play(c, spoken("Stop, please.", lead_s=0.1)))
+        events = await c.until("response.done")
+        kinds = [m["type"] for m in events]
+        assert kinds.index("input_audio_buffer.speech_started") < kinds.index("response.done")
+        done = events[-1]["response"]
+        assert (done["status"], done["status_details"]["reason"]) == ("cancelled", "turn_detected")
+        played = sum(len(base64.b64decode(m["delta"])) for m in c.seen if m["type"] == "response.output_audio.delta")
+        heard_ms = min(300, played * 1000 // (2 * RATE))
+        await c.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                      "audio_end_ms": heard_ms})
+        truncated = (await c.until("conversation.item.truncated"))[-1]
+        assert (truncated["item_id"], truncated["audio_end_ms"]) == (item_id, heard_ms)
+        await c.until("input_audio_buffer.committed")  # the interrupting utterance becomes the next user item
+        await speaking
+        await c.send({"type": "conversation.item.retrieve", "item_id": item_id, "event_id": "r"})
+        item = (await c.until("conversation.item.retrieved"))[-1]["item"]
+        heard = item["content"][0]["transcript"]
+        spoken_text = done["output"][0]["content"][0]["transcript"]
+        assert item["status"] == "incomplete" and len(heard) < len(spoken_text.strip())
+        # the session holds what was heard, then the interruption: nothing the person did not hear
+        chat = srv.server.service.chats
+        (entry,) = srv.server.service.registry.all()
+        messages = chat.get(entry.session.id).messages
+        assert [m["role"] for m in messages] == ["user", "assistant", "user"]
+        assert messages[1]["content"] == heard
+        assert "stop" in messages[2]["content"].lower()
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_bad_audio_is_an_error_event_and_the_connection_goes_on(voiced: None) -> None:
+    async with serve(ServerConfig(max_audio_buffer_s=1.0), voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send({"type": "input_audio_buffer.append", "audio": base64.b64encode(b"\x01\x02\x03").decode()})
+        assert (await c.error())["code"] == "invalid_audio_format"  # half a PCM16 sample
+        await c.send({"type": "input_audio_buffer.append", "audio": "not base64!"})
+        assert (await c.error())["param"] == "audio"
+        too_long = base64.b64encode(bytes(2 * RATE * 2)).decode()  # 2 s, over max_audio_buffer_s
+        await c.send({"type": "input_audio_buffer.append", "audio": too_long})
+        assert (await c.error())["code"] == "audio_buffer_full"
+        await c.send({"type": "input_audio_buffer.commit"})
+        assert (await c.error())["code"] == "input_audio_buffer_commit_empty"
+        await c.send({"type": "input_audio_buffer.clear"})
+        await c.until("input_audio_buffer.cleared")
+        await c.send(user_text("And God said"))
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 6}})
+        done = (await c.until("response.done"))[-1]
+        assert done["response"]["status"] in ("completed", "incomplete")
+        await c.close()
+
+
+@pytest.mark.models
+@pytest.mark.asyncio
+async def test_smollm2_answers_a_spoken_question(voiced: None) -> None:
+    from streamserve.models import store
+
+    if store.installed("smollm2-135m-instruct") is None:
+        pytest.skip("smollm2-135m-instruct is not in the model cache; run `streamserve models pull "
+                    "smollm2-135m-instruct`")
+
+    def load() -> Engine:
+        return Engine.from_pretrained("smollm2-135m-instruct", device="cpu", kv_memory="64MiB", offline=True)
+
+    async with serve(ServerConfig(), load=load, voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 40}})
+        await play(c, spoken(QUESTION))
+        events = await c.until("response.done")
+        said = next(m["transcript"] for m in events
+                    if m["type"] == "conversation.item.input_audio_transcription.completed")
+        assert "capital" in said.lower()
+        answer = events[-1]["response"]["output"][0]["content"][0]["transcript"]
+        assert "Paris" in answer
+        audio = b"".join(base64.b64decode(m["delta"]) for m in events if m["type"] == "response.output_audio.delta")
+        assert len(audio) > RATE  # half a second of speech at least
+        await c.close()
