@@ -24,16 +24,22 @@ from streamserve.server.results import (
     AppendRequest,
     ChunkResult,
     Closed,
+    Committed,
     Configured,
     Opened,
     OpenRequest,
     Pushed,
+    ReplyAudio,
+    ReplyAudioDone,
     ReplyDelta,
     ReplyDone,
     Rewound,
     ServerInfo,
     ServiceError,
     Stats,
+    Transcript,
+    TurnEvent,
+    VoiceSettings,
     service_error,
 )
 from streamserve.server.service import SessionService
@@ -57,7 +63,19 @@ def render_hello(info: ServerInfo) -> dict[str, Any]:
                        "bytes_per_second": lim.bytes_per_second, "resume_ttl_s": lim.resume_ttl_s,
                        "max_reply_tokens": lim.max_reply_tokens, "max_window": lim.max_window,
                        "max_pages": lim.max_pages, "max_queued_tokens": lim.max_queued_tokens,
-                       "min_deadline_ms": lim.min_deadline_ms}}
+                       "min_deadline_ms": lim.min_deadline_ms},
+            "audio": None if info.audio is None else {
+                "input": info.audio.input, "output_rate": info.audio.output_rate, "voice": info.audio.voice,
+                "voice_rate": info.audio.voice_rate, "encodings": list(info.audio.encodings)}}
+
+
+def render_voice(v: VoiceSettings | None) -> dict[str, Any] | None:
+    """A session's voice settings; turn_detection false when off (nil would read as absent)."""
+    if v is None:
+        return None
+    return {"input": {k: x for k, x in v.input.items() if x is not None},
+            "turn_detection": False if v.turn_detection is None else v.turn_detection,
+            "speak": False if v.speak is None else v.speak}
 
 
 def render(result: Any, request_id: Any = None) -> dict[str, Any]:
@@ -77,17 +95,33 @@ def render(result: Any, request_id: Any = None) -> dict[str, Any]:
     if isinstance(result, ReplyDone):
         return {"type": "done", "session": result.session, "response": result.response, "reason": result.reason,
                 "usage": result.usage}
+    if isinstance(result, ReplyAudio):
+        return {"type": "audio", "session": result.session, "response": result.response, "audio": result.audio,
+                "rate": result.rate, "encoding": result.encoding, "channels": result.channels}
+    if isinstance(result, ReplyAudioDone):
+        return {"type": "audio_done", "session": result.session, "response": result.response,
+                "reason": result.reason, "audio_ms": result.audio_ms}
+    if isinstance(result, TurnEvent):
+        key = "audio_start_ms" if result.event == "speech_started" else "audio_end_ms"
+        return {"type": "turn", "session": result.session, "event": result.event, key: result.audio_ms}
+    if isinstance(result, Transcript):
+        return {"type": "transcript", "session": result.session, result.kind: result.text, "seq": result.seq,
+                "audio_start_ms": result.audio_start_ms, "audio_end_ms": result.audio_end_ms}
+    if isinstance(result, Committed):
+        return {"type": "committed", "id": request_id, "session": result.session, "text": result.text,
+                "audio_start_ms": result.audio_start_ms, "audio_end_ms": result.audio_end_ms}
     if isinstance(result, Opened):
         return {"type": "opened", "id": request_id, "session": result.session, "resume_token": result.resume_token,
                 "resumed": result.resumed, "next_seq": result.next_seq, "tokens": result.tokens,
                 "window": result.window, "sinks": result.sinks, "positions": result.positions,
-                "chunk_budget_ms": result.chunk_budget_ms, "reserved_pages": result.reserved_pages, "chat": result.chat}
+                "chunk_budget_ms": result.chunk_budget_ms, "reserved_pages": result.reserved_pages, "chat": result.chat,
+                "voice": render_voice(result.voice)}
     if isinstance(result, Rewound):
         return {"type": "rewound", "id": request_id, "session": result.session, "tokens": result.tokens,
                 "next_seq": result.next_seq}
     if isinstance(result, Configured):
         return {"type": "configured", "id": request_id, "session": result.session, "sampling": result.sampling,
-                "chunk_budget_ms": result.chunk_budget_ms}
+                "chunk_budget_ms": result.chunk_budget_ms, "voice": render_voice(result.voice)}
     if isinstance(result, Closed):
         return {"type": "closed", "id": request_id, "session": result.session, "reason": result.reason}
     if isinstance(result, Stats):
@@ -136,7 +170,8 @@ class NativeConnection(ProtocolAdapter):
     async def on_open(self, m: P.ClientMessage) -> Opened:
         f = m.fields
         return await self.service.open(self.ctx, OpenRequest(f["window"], f["sinks"], f["positions"], f["drafter"],
-                                                             f["chunk_budget_ms"], f["sampling"]), bool(f["chat"]))
+                                                             f["chunk_budget_ms"], f["sampling"], f["voice"]),
+                                       bool(f["chat"]))
 
     async def on_resume(self, m: P.ClientMessage) -> None:
         assert m.session is not None
@@ -147,7 +182,8 @@ class NativeConnection(ProtocolAdapter):
 
     async def on_append(self, m: P.ClientMessage) -> None:
         assert m.session is not None
-        keys = ("seq", "capture_time", "deadline_ms", "kind", "text", "token_ids", "audio", "image")
+        keys = ("seq", "capture_time", "deadline_ms", "kind", "text", "token_ids", "audio", "image", "rate",
+                "channels", "encoding")
         await self.service.append(self.ctx, m.session, AppendRequest(**{k: m.fields[k] for k in keys}),
                                   m.fields["message"])
 
@@ -166,7 +202,12 @@ class NativeConnection(ProtocolAdapter):
 
     async def on_configure(self, m: P.ClientMessage) -> Configured:
         assert m.session is not None
-        return self.service.configure(self.ctx, m.session, m.fields["sampling"], m.fields["chunk_budget_ms"])
+        return self.service.configure(self.ctx, m.session, m.fields["sampling"], m.fields["chunk_budget_ms"],
+                                      m.fields["voice"])
+
+    async def on_commit(self, m: P.ClientMessage) -> Committed:
+        assert m.session is not None
+        return await self.service.commit(self.ctx, m.session)
 
     async def on_close(self, m: P.ClientMessage) -> Closed:
         assert m.session is not None

@@ -28,10 +28,14 @@ CLOSE_INTERNAL = 1011
 CLOSE_TRY_LATER = 1013  # overload: too many connections; retry after a pause
 CLOSE_BAD_CLIENT = 4400  # the client keeps sending what the protocol does not allow
 
-CLIENT_TYPES = ("open", "resume", "append", "respond", "cancel", "rewind", "configure", "close", "stats")
+CLIENT_TYPES = ("open", "resume", "append", "respond", "cancel", "rewind", "configure", "close", "stats", "commit")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # engine/chat.py's ROLES (this module imports no engine)
 MAX_CHAT_MESSAGES = 16  # messages in one append (appended together, as one chunk)
+# voice settings (open/configure `voice`); values are range-checked by the service (media's AudioFormat, VADConfig)
+FORMAT_KEYS = ("encoding", "rate", "channels")
+VAD_KEYS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms", "create_response",
+            "interrupt_response")
 
 
 class ProtocolError(Exception):
@@ -101,7 +105,7 @@ def _open(f: _Fields) -> dict[str, Any]:
             "positions": f.choice("positions", ("absolute", "rolling")),
             "drafter": f.choice("drafter", ("none", "ngram", "auto")),
             "chunk_budget_ms": f.number("chunk_budget_ms", positive=True), "sampling": f.sampling("sampling"),
-            "chat": f.flag("chat")}
+            "chat": f.flag("chat"), "voice": f.voice("voice")}
 
 
 def _resume(f: _Fields) -> dict[str, Any]:
@@ -112,12 +116,15 @@ def _append(f: _Fields) -> dict[str, Any]:
     out = {"seq": f.integer("seq", minimum=0), "capture_time": f.number("capture_time"),
            "deadline_ms": f.number("deadline_ms", positive=True), "kind": f.choice("kind", ("text", "audio", "video")),
            "text": f.text("text"), "token_ids": f.int_list("token_ids"),
-           "audio": f.raw("audio"), "image": f.raw("image")}
+           "audio": f.binary("audio"), "image": f.raw("image"), "rate": f.integer("rate", minimum=1),
+           "channels": f.integer("channels", minimum=1), "encoding": f.text("encoding", max_chars=32)}
     out["message"] = f.chat_message("message", out["seq"])
     given = [k for k in ("text", "token_ids", "audio", "image", "message") if out[k] is not None]
     if len(given) != 1:
         raise f.error(f"append takes exactly one of text, token_ids, audio, image, message; got {given or 'none'}",
                       out["seq"])
+    if out["audio"] is None and any(out[k] is not None for k in ("rate", "channels", "encoding")):
+        raise f.error("rate, channels and encoding describe `audio`: send them with audio only", out["seq"])
     return out
 
 
@@ -140,11 +147,12 @@ def _rewind(f: _Fields) -> dict[str, Any]:
 
 
 def _configure(f: _Fields) -> dict[str, Any]:
-    return {"sampling": f.sampling("sampling"), "chunk_budget_ms": f.number("chunk_budget_ms", positive=True)}
+    return {"sampling": f.sampling("sampling"), "chunk_budget_ms": f.number("chunk_budget_ms", positive=True),
+            "voice": f.voice("voice")}
 
 
 _PARSERS = {"open": _open, "resume": _resume, "append": _append, "respond": _respond, "cancel": _nothing,
-            "rewind": _rewind, "configure": _configure, "close": _nothing, "stats": _nothing}
+            "rewind": _rewind, "configure": _configure, "close": _nothing, "stats": _nothing, "commit": _nothing}
 
 
 def _is_int(v: Any) -> bool:
@@ -157,9 +165,11 @@ class _Fields:
     def __init__(self, obj: dict[str, Any], request_id: Any) -> None:
         self.obj, self.request_id, self.session = obj, request_id, None
         self.seen = {"type", "id", "session"}
+        self.prefix: str | None = None  # a sub-map's: "message type: its key"
 
     def error(self, message: str, seq: int | None = None) -> ProtocolError:
-        return ProtocolError("bad_message", f"{self.obj.get('type')}: {message}", request_id=self.request_id,
+        return ProtocolError("bad_message", f"{self.prefix or self.obj.get('type')}: {message}",
+                             request_id=self.request_id,
                              session=self.session, seq=seq)
 
     def get_field(self, key: str, required: bool) -> Any:
@@ -204,6 +214,58 @@ class _Fields:
 
     def raw(self, key: str) -> Any:
         return self.get_field(key, False)
+
+    def binary(self, key: str) -> bytes | None:
+        v = self.get_field(key, False)
+        if v is not None and not isinstance(v, bytes):
+            raise self.error(f"{key} must be raw bytes (msgpack bin, never base64 text)")
+        return v
+
+    def voice(self, key: str) -> dict[str, Any] | None:
+        """A session's voice settings: {input: {encoding, rate, channels}, turn_detection: {type: "server_vad",
+        ...} or false (off), speak: true/false or {encoding, rate, channels}}; types checked here, ranges by the
+        service. -> the map with absent keys left out (a key left out keeps the session's current setting)."""
+        v = self.get_field(key, False)
+        if v is None:
+            return None
+        sub = self.submap(key, v, ("input", "turn_detection", "speak"))
+        out: dict[str, Any] = {}
+        inp = sub.get_field("input", False)
+        if inp is not None:
+            out["input"] = self.audio_format(f"{key}.input", inp)
+        td = sub.get_field("turn_detection", False)
+        if td is False:
+            out["turn_detection"] = False
+        elif td is not None:
+            t = self.submap(f"{key}.turn_detection", td, VAD_KEYS)
+            kind = t.choice("type", ("server_vad", "none"))
+            vals = {"threshold": t.number("threshold"), "prefix_padding_ms": t.integer("prefix_padding_ms", 0),
+                    "silence_duration_ms": t.integer("silence_duration_ms", 0),
+                    "idle_timeout_ms": t.integer("idle_timeout_ms", 1),
+                    "create_response": t.flag("create_response"), "interrupt_response": t.flag("interrupt_response")}
+            t.reject_unknown()
+            out["turn_detection"] = False if kind == "none" else {k: x for k, x in vals.items() if x is not None}
+        speak = sub.get_field("speak", False)
+        if isinstance(speak, bool):
+            out["speak"] = speak
+        elif speak is not None:
+            out["speak"] = self.audio_format(f"{key}.speak", speak)
+        sub.reject_unknown()
+        return out
+
+    def submap(self, key: str, v: Any, keys: tuple[str, ...]) -> _Fields:
+        if not isinstance(v, dict):
+            raise self.error(f"{key} must be a map of {list(keys)}")
+        sub = _Fields(v, self.request_id)
+        sub.session, sub.seen, sub.prefix = self.session, set(), f"{self.obj.get('type')}: {key}"
+        return sub
+
+    def audio_format(self, key: str, v: Any) -> dict[str, Any]:
+        f = self.submap(key, v, FORMAT_KEYS)
+        out = {"encoding": f.text("encoding", max_chars=32), "rate": f.integer("rate", minimum=1),
+               "channels": f.integer("channels", minimum=1)}
+        f.reject_unknown()
+        return {k: x for k, x in out.items() if x is not None}
 
     def flag(self, key: str) -> bool | None:
         v = self.get_field(key, False)

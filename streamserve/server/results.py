@@ -49,6 +49,17 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class AudioInfo:
+    """What the server does with audio (when its voice models are loaded)."""
+
+    input: str  # "transcribe" (speech to text into a text-only model) or "encoder" (the model's own audio tower)
+    output_rate: int  # the default rate of reply audio (any rate may be asked for)
+    voice: str  # the text-to-speech voice
+    voice_rate: int  # the voice's own sample rate
+    encodings: tuple[str, ...]  # audio encodings accepted in and out
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     model: str
     architecture: str
@@ -57,6 +68,16 @@ class ServerInfo:
     modalities: tuple[str, ...]
     limits: Limits
     chat_template: bool = False  # whether the model has one: sessions may be opened with `chat`
+    audio: AudioInfo | None = None  # None: no voice on this server (audio is refused)
+
+
+@dataclass(frozen=True)
+class VoiceSettings:
+    """A session's voice settings as the client sees them (maps of plain values)."""
+
+    input: dict[str, Any]  # {encoding, rate (None: each append's), channels}
+    turn_detection: dict[str, Any] | None  # {type: "server_vad", threshold, ...}; None: off (commit ends a turn)
+    speak: dict[str, Any] | None  # reply audio format {encoding, rate, channels}; None: replies are text only
 
 
 @dataclass(frozen=True)
@@ -72,6 +93,7 @@ class Opened:
     chunk_budget_ms: float
     reserved_pages: int | None  # what the session counts against its connection's page quota
     chat: bool = False  # a chat session: its appends are messages, its replies the assistant's messages
+    voice: VoiceSettings | None = None  # set when the session was opened or configured with voice
 
 
 @dataclass(frozen=True)
@@ -117,6 +139,7 @@ class Configured:
     session: str
     sampling: dict[str, Any]
     chunk_budget_ms: float
+    voice: VoiceSettings | None = None
 
 
 @dataclass(frozen=True)
@@ -133,7 +156,59 @@ class Stats:
     connection_queued_tokens: int = 0
 
 
-Pushed = ChunkResult | ReplyDelta | ReplyDone | ServiceError | Closed
+@dataclass(frozen=True)
+class TurnEvent:
+    """Server VAD on a session's audio: speech started (`audio_ms` = its start, prefix padding included) or
+    stopped (`audio_ms` = its end), on the session's audio clock."""
+
+    session: str
+    event: str  # speech_started, speech_stopped
+    audio_ms: int
+
+
+@dataclass(frozen=True)
+class Transcript:
+    """Speech to text of a session's audio: `delta` (agreed words, appended to the session as chunk `seq`),
+    `partial` (the unagreed tail, display only) or `final` (the utterance's whole text)."""
+
+    session: str
+    kind: str  # delta, partial, final
+    text: str
+    seq: int | None = None  # delta: the chunk holding the text (plain sessions)
+    audio_start_ms: int | None = None  # final
+    audio_end_ms: int | None = None  # final
+
+
+@dataclass(frozen=True)
+class ReplyAudio:
+    session: str
+    response: str
+    audio: bytes  # at most 100 ms
+    rate: int
+    encoding: str
+    channels: int
+
+
+@dataclass(frozen=True)
+class ReplyAudioDone:
+    session: str
+    response: str
+    reason: str  # done, cancelled (barge-in, cancel), error
+    audio_ms: float  # audio sent for the reply
+
+
+@dataclass(frozen=True)
+class Committed:
+    """The answer to a commit: the utterance ended by hand (text "" when no audio was buffered)."""
+
+    session: str
+    text: str
+    audio_start_ms: int | None
+    audio_end_ms: int | None
+
+
+Pushed = (ChunkResult | ReplyDelta | ReplyDone | ServiceError | Closed | TurnEvent | Transcript | ReplyAudio
+          | ReplyAudioDone)
 
 
 class ResultListener(Protocol):
@@ -193,6 +268,7 @@ class OpenRequest:
     drafter: str | None = None
     chunk_budget_ms: float | None = None
     sampling: dict[str, Any] | None = None  # reply defaults
+    voice: dict[str, Any] | None = None  # voice settings (protocol-checked shape; server/voice_sessions.py checks)
 
 
 @dataclass(frozen=True)
@@ -203,5 +279,8 @@ class AppendRequest:
     kind: str = "text"
     text: str | None = None
     token_ids: list[int] | None = None
-    audio: Any = None
+    audio: bytes | None = None  # raw audio in `encoding` at `rate` with `channels` interleaved
     image: Any = None
+    rate: int | None = None  # audio only: None takes the session's voice input rate
+    channels: int | None = None
+    encoding: str | None = None

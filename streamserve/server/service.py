@@ -6,16 +6,13 @@ before anything is taken), sampling checks and the client-secret scope. It never
 loop: operations that take the engine lock (open, rewind, close) run on a small executor of their own, long texts
 are tokenized on another, so a burst of long texts can never delay an open or a close.
 
-Per connection (`ClientContext`): the sessions it holds (the registry), the KV pages their page caps reserve
-(`max_pages_per_connection`), the tokens it submitted that are not acked yet (`max_queued_tokens_per_connection`),
-its reply-forwarding tasks, and its authorization (`Grant`).
+Per connection: a `ClientContext` (server/context.py). Audio: server/voice_sessions.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
@@ -26,11 +23,13 @@ from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError
 from streamserve.server.auth import Grant
 from streamserve.server.chat import ChatSessions
+from streamserve.server.context import ClientContext, page_reservation
 from streamserve.server.registry import Entry, SessionRegistry
 from streamserve.server.results import (
     AppendRequest,
     ChunkResult,
     Closed,
+    Committed,
     Configured,
     Limits,
     Opened,
@@ -47,35 +46,18 @@ from streamserve.server.results import (
     WindowTooLargeError,
     service_error,
 )
+from streamserve.server.voice_sessions import VoiceSessions
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamserve.server.voice.runtime import VoiceRuntime
 log = logging.getLogger("streamserve.server")
 
-MAX_PENDING_ACKS = 256  # appends in flight per connection; past it the adapter's read loop waits (backpressure)
 CHARS_PER_TOKEN = 32  # text longer than max_chunk_tokens times this is refused before tokenizing
 INLINE_TOKENIZE_CHARS = 512  # longer text is tokenized on the tokenizer executor, not on the event loop
 ENGINE_WORKERS = 4  # threads for calls that wait for the engine lock (open, rewind, close)
 TOKENIZE_WORKERS = 2
 STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_pages_total", "steps",
               "queued_chunks", "queued_tokens", "responding", "chunks_shed", "decode_tokens_per_s")
-
-
-class ClientContext:
-    """One connection's standing with the service."""
-
-    def __init__(self, listener: ResultListener, grant: Grant) -> None:
-        self.listener, self.grant = listener, grant
-        self.tasks: set[asyncio.Task] = set()  # reply forwarders: cancelled when the connection ends
-        self.pending_acks = asyncio.Semaphore(MAX_PENDING_ACKS)
-        self.queued_tokens = 0  # submitted, not acked yet, over all its sessions
-        self.opening_pages = 0  # reserved by opens still in flight
-        self.gone = False  # the connection ended (service.disconnect)
-
-    def spawn(self, coro: Any) -> None:
-        task = asyncio.create_task(coro)
-        self.tasks.add(task)
-        task.add_done_callback(self.tasks.discard)
 
 
 class SessionService:
@@ -90,16 +72,19 @@ class SessionService:
         self.tokenize_executor = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="streamserve-tokenize")
         self.tasks: set[asyncio.Task] = set()  # the service's own: acks follow their session to a resume
         self.chats = ChatSessions(engine, self.run_engine, self.spawn)  # sessions opened with `chat` (server/chat.py)
+        self.audio = VoiceSessions(voice, self.registry, self.chats, config.max_audio_buffer_s,  # audio in and out
+                                   self.respond, self.cancel_session, self.spawn)
 
     # ---- what the server is --------------------------------------------------------------------------
     def info(self) -> ServerInfo:
         e, c = self.engine, self.config
+        audio = self.audio.info()
         return ServerInfo(e.name, e.config.architecture, e.config.vocab_size, e.config.max_position_embeddings,
-                          ("text",), Limits(
+                          ("text",) if audio is None else ("text", "audio"), Limits(
                               c.max_frame_bytes, c.max_chunk_tokens, c.max_sessions_per_connection,
                               c.messages_per_second, c.bytes_per_second, c.resume_ttl, c.max_reply_tokens,
                               self.max_window(), c.max_pages_per_connection, c.max_queued_tokens_per_connection,
-                              c.min_deadline_ms), self.chats.available)
+                              c.min_deadline_ms), self.chats.available, audio)
 
     def max_window(self) -> int:
         """The largest window + sinks a session may ask for."""
@@ -125,6 +110,7 @@ class SessionService:
             t.cancel()
         for entry in self.registry.detach_all(ctx):
             self.chats.cancel(entry.session.id)  # a chat reply asked for and not started yet never starts
+            self.audio.detach(entry.session.id)  # its Listener and Speaker go
 
     def held(self, ctx: ClientContext) -> list[str]:
         return [e.session.id for e in self.registry.owned(ctx)]
@@ -151,20 +137,15 @@ class SessionService:
         return max(ms, self.config.min_deadline_ms)
 
     def page_reservation(self, window: int | None, sinks: int, page_cap: int | None) -> int:
-        """The most KV pages a session can ever hold. With a window: the sinks' pages, plus the window and
-        one step's tokens (the pages outside the window go back only after the step), plus one for page
-        alignment. Without: the model's context. The session's own page_cap lowers either."""
-        size = self.engine.pool.page_size
-        if window is not None:
-            pages = math.ceil(sinks / size) + math.ceil((window + self.step_tokens) / size) + 1
-        else:
-            pages = math.ceil(self.engine.config.max_position_embeddings / size)
-        return pages if page_cap is None else min(pages, page_cap)
+        """The most KV pages a session can ever hold (server/context.py)."""
+        return page_reservation(self.engine.pool.page_size, self.engine.config.max_position_embeddings,
+                                self.step_tokens, window, sinks, page_cap)
 
     # ---- session operations -----------------------------------------------------------------------------
     async def open(self, ctx: ClientContext, req: OpenRequest, chat: bool = False) -> Opened:
         """A new session; `chat`: one whose appends are chat messages, rendered by the model's chat template."""
         self.chats.check_open(chat)
+        self.audio.configure("", req.voice, store=False)  # checked before anything is taken
         d = self.defaults
         window = req.window if req.window is not None else d.window
         sinks = req.sinks if req.sinks is not None else d.sinks
@@ -200,6 +181,7 @@ class SessionService:
             ctx.opening_pages -= pages
             ctx.grant.opened(entry.session.id if entry is not None else None)
         self.chats.start(entry.session, chat)
+        self.audio.configure(entry.session.id, req.voice)
         return self.opened(entry, resumed=False)
 
     def abandoned(self, opening: asyncio.Future) -> None:
@@ -222,7 +204,8 @@ class SessionService:
         s = e.session
         window, sinks, mode = s.policy.window, s.policy.sinks, str(s.policy.mode)
         return Opened(s.id, e.resume_token, resumed, s.next_seq, len(s.token_ids), window, sinks, mode,
-                      s.chunk_budget * 1e3, e.reserved_pages, self.chats.get(s.id) is not None)
+                      s.chunk_budget * 1e3, e.reserved_pages, self.chats.get(s.id) is not None,
+                      self.audio.configure(s.id, None))
 
     async def resume(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:
         """-> (the session, the results of its latest chunks, sent again for the client to pick from)."""
@@ -244,10 +227,12 @@ class SessionService:
         """Queue a chunk (a chat session's: `message`, {role, content}); its ChunkResult reaches whichever
         connection holds the session when it is done. Refusals (limits, quotas, input) raise here, queuing nothing."""
         s = self.registry.get(ctx, session_id).session
+        if req.audio is not None:  # through the session's Listener (server/voice_sessions.py)
+            return await self.deliver(await self.audio.append(ctx, session_id, req))
         message, req = self.chats.check_append(session_id, message, req)
-        if req.audio is not None or req.image is not None:
-            raise UnsupportedModalityError(f"this server accepts text and token_ids; {self.engine.name} has no "
-                                           "audio or vision input yet")
+        if req.image is not None:
+            raise UnsupportedModalityError(f"this server accepts text, token_ids and audio; {self.engine.name} has "
+                                           "no vision input yet")
         limit = self.config.max_chunk_tokens
         too_many = req.token_ids is not None and len(req.token_ids) > limit
         too_long = req.text is not None and len(req.text) > limit * CHARS_PER_TOKEN
@@ -321,25 +306,36 @@ class SessionService:
         """Start a reply (a chat session's: server/chat.py); its ReplyDeltas and ReplyDone reach this connection."""
         entry = self.registry.get(ctx, session_id)
         params = self.check_sampling({**entry.sampling, **params})
-        if self.chats.respond(ctx.listener, session_id, params):
+        listener = self.audio.reply_listener(ctx.listener, session_id)  # with reply audio on: also spoken
+        if self.chats.respond(listener, session_id, params):
             return
         stop = params.pop("stop", None)
         stream = entry.session.stream(**params, stop=stop)
-        ctx.spawn(self.forward(ctx, stream, session_id))
+        ctx.spawn(self.forward(listener, stream, session_id))
 
-    async def forward(self, ctx: ClientContext, stream: Any, session_id: str) -> None:
+    async def forward(self, listener: ResultListener, stream: Any, session_id: str) -> None:
         try:
             async for d in stream:
-                await ctx.listener.push(ReplyDelta(session_id, stream.id, d.text, d.token_ids))
+                await listener.push(ReplyDelta(session_id, stream.id, d.text, d.token_ids))
             reason = stream.finish_reason
         except Exception as e:
-            await ctx.listener.push(service_error(e, session_id))
+            await listener.push(service_error(e, session_id))
             reason = "error"
-        await ctx.listener.push(ReplyDone(session_id, stream.id, reason, stream.usage))
+        await listener.push(ReplyDone(session_id, stream.id, reason, stream.usage))
 
     def cancel(self, ctx: ClientContext, session_id: str) -> None:
-        self.registry.get(ctx, session_id).session.cancel()
-        self.chats.cancel(session_id)  # and a chat reply asked for that has not started
+        self.cancel_session(self.registry.get(ctx, session_id).session.id)
+
+    def cancel_session(self, session_id: str) -> None:
+        """End the session's running reply (and a chat reply asked for that has not started) and its audio."""
+        entry = self.registry.find(session_id)
+        if entry is not None:
+            entry.session.cancel()
+        self.chats.cancel(session_id)
+        self.audio.hush(session_id)
+
+    async def commit(self, ctx: ClientContext, session_id: str) -> Committed:  # the utterance ends now
+        return await self.audio.commit(self.registry.get(ctx, session_id).session.id)
 
     async def rewind(self, ctx: ClientContext, session_id: str, to: int | None, to_seq: int | None,
                      to_message: int | None = None) -> Rewound:
@@ -351,18 +347,21 @@ class SessionService:
         return Rewound(s.id, n, s.next_seq)
 
     def configure(self, ctx: ClientContext, session_id: str, sampling: dict[str, Any] | None,
-                  chunk_budget_ms: float | None) -> Configured:
+                  chunk_budget_ms: float | None, voice: dict[str, Any] | None = None) -> Configured:
         entry = self.registry.get(ctx, session_id)
+        self.audio.configure(session_id, voice, store=False)  # checked before anything changes
         if sampling is not None:
             entry.sampling = self.check_sampling({**entry.sampling, **sampling})
         if chunk_budget_ms is not None:
             entry.session.chunk_budget = self.floor_ms(chunk_budget_ms) / 1e3
-        return Configured(session_id, entry.sampling, entry.session.chunk_budget * 1e3)
+        return Configured(session_id, entry.sampling, entry.session.chunk_budget * 1e3,
+                          self.audio.configure(session_id, voice))
 
     async def close(self, ctx: ClientContext, session_id: str) -> Closed:
         entry = self.registry.get(ctx, session_id)
         self.registry.remove(session_id)  # its page reservation goes back to the connection with it
         self.chats.forget(session_id)
+        self.audio.forget(session_id)
         await self.run_engine(entry.session.close)
         return Closed(session_id, "client")
 
@@ -379,6 +378,7 @@ class SessionService:
         """Close detached sessions past their resume TTL, and forget sessions the engine closed."""
         for entry in self.registry.expired():
             self.chats.forget(entry.session.id)
+            self.audio.forget(entry.session.id)
             await self.run_engine(entry.session.close)
 
     def announce_shutdown(self, ctx: ClientContext) -> None:
@@ -391,6 +391,7 @@ class SessionService:
             t.cancel()
         for entry in self.registry.all():
             self.registry.remove(entry.session.id)
+            await self.audio.free_all(entry.session.id)
             await self.run_engine(entry.session.close)
         await self.run_engine(self.engine.shutdown)
         self.engine_executor.shutdown(wait=False)

@@ -22,14 +22,26 @@ from streamserve_client.errors import (
     UnknownSessionError,
     UnsupportedModalityError,
 )
+from streamserve_client.events import (
+    Event,
+    ReplyAudio,
+    ReplyAudioDone,
+    ReplyDone,
+    ReplyText,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptDelta,
+    TranscriptFinal,
+    TranscriptPartial,
+)
 from streamserve_client.protocol import Ack, Delta
 from streamserve_client.session import Response, Session
 from streamserve_client.sync import SyncClient, SyncSession
 
 __version__ = "0.1.0"
 
-__all__ = ["Ack", "CallTimeoutError", "CapacityError", "Channel", "Client", "ConnectionLostError", "Delta",
-           "InvalidInputError",
-           "ProtocolViolationError", "Response", "ServerBusyError", "Session", "StepFailedError",
-           "StreamserveClientError", "SyncClient", "SyncSession", "UnauthorizedError", "UnknownSessionError",
-           "UnsupportedModalityError", "connect"]
+__all__ = ["Ack", "CallTimeoutError", "CapacityError", "Channel", "Client", "ConnectionLostError", "Delta", "Event",
+           "InvalidInputError", "ProtocolViolationError", "ReplyAudio", "ReplyAudioDone", "ReplyDone", "ReplyText",
+           "Response", "ServerBusyError", "Session", "SpeechStarted", "SpeechStopped", "StepFailedError",
+           "StreamserveClientError", "SyncClient", "SyncSession", "TranscriptDelta", "TranscriptFinal",
+           "TranscriptPartial", "UnauthorizedError", "UnknownSessionError", "UnsupportedModalityError", "connect"]

@@ -287,15 +287,22 @@ class Channel:
 
     # ---- sessions -------------------------------------------------------------------------------------
     def attach(self, session_id: str, resume_token: str, on_lost: Callable[[StreamserveClientError | None], None],
-               ) -> None:
-        """Route the session's messages here; `on_lost` is told when it ends (None: closed by the client)."""
+               on_event: Callable[[dict[str, Any]], None] | None = None, voice: bool = False) -> None:
+        """Route the session's messages here; `on_lost` is told when it ends (None: closed by the client);
+        `on_event` gets its voice messages (and, once it takes audio, its replies' text)."""
         if self._dead is not None:
             raise self._dead.copy()
         previous = self._sessions.get(session_id)
         if previous is not None:  # resumed again by this client: the older handle's calls end, never hang
             self._lose(previous, UnknownSessionError("this client resumed the session again; use the newer handle",
                                                      code="session_moved"))
-        self._sessions[session_id] = SessionRoute(session_id, resume_token, on_lost)
+        self._sessions[session_id] = SessionRoute(session_id, resume_token, on_lost, on_event=on_event, voice=voice)
+
+    def voice_on(self, session_id: str) -> None:
+        """The session takes audio: replies the server starts by itself go to its events."""
+        route = self._sessions.get(session_id)
+        if route is not None:
+            route.voice = True
 
     def detach(self, session_id: str, error: StreamserveClientError | None = None) -> None:
         """The session is gone (closed, moved, or not resumable): everything waiting on it ends."""
@@ -355,6 +362,8 @@ class Channel:
                 self._keep_error(error)
         elif kind in ("delta", "done"):
             route.on_reply_message(m)
+        elif kind in ("turn", "transcript", "audio", "audio_done"):
+            route.on_voice_message(m)
         elif kind == "closed":
             self._lose(route, StreamserveClientError(f"the server closed session {route.session_id}: "
                                                      f"{m.get('reason')}", code="session_closed"))

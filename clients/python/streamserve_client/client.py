@@ -74,14 +74,16 @@ class Client:
 
     async def open_session(self, window: int | None = None, sinks: int | None = None,
                            positions: str | None = None, chunk_budget_ms: float | None = None,
-                           drafter: str | None = None, chat: bool = False, **sampling: Any) -> Session:
+                           drafter: str | None = None, chat: bool = False, voice: dict[str, Any] | None = None,
+                           **sampling: Any) -> Session:
         """A new persistent session; `drafter` ("none", "ngram", "auto") its speculative decoding (default:
         the server's); `chat`: a chat session, whose appends are messages (`append(message={"role": "user",
         "content": ...})`) rendered by the model's chat template (`hello["chat_template"]` says whether it has
-        one); `sampling` (max_tokens, temperature, top_p, top_k, seed, stop) its reply defaults."""
+        one); `voice` its voice settings (docs/protocol.md, Voice; `hello["audio"]` says whether the server has
+        voice); `sampling` (max_tokens, temperature, top_p, top_k, seed, stop) its reply defaults."""
         reply = await self.request({"type": "open", "window": window, "sinks": sinks, "positions": positions,
                                     "chunk_budget_ms": chunk_budget_ms, "drafter": drafter,
-                                    "sampling": sampling or None, "chat": True if chat else None})
+                                    "sampling": sampling or None, "chat": True if chat else None, "voice": voice})
         return self._keep(Session(self.channel, reply))
 
     async def resume_session(self, session_id: str, resume_token: str) -> Session:

@@ -53,6 +53,10 @@ def _is_id(v: Any) -> bool:
     return _is_int(v) or _is_str(v)
 
 
+def _is_bytes(v: Any) -> bool:
+    return isinstance(v, bytes)
+
+
 def _is_int_list(v: Any) -> bool:
     return isinstance(v, list) and all(_is_int(t) for t in v)
 
@@ -79,6 +83,14 @@ SERVER_MESSAGES: dict[str, MessageSpec] = {
                               {"sampling": _is_map, "chunk_budget_ms": _is_number}),
     "closed": MessageSpec({"session": _is_str}, {"id": _is_id, "reason": _is_str}),
     "stats": MessageSpec({"id": _is_id}),
+    "turn": MessageSpec({"session": _is_str, "event": _is_str}, {"audio_start_ms": _is_int, "audio_end_ms": _is_int}),
+    "transcript": MessageSpec({"session": _is_str}, {"delta": _is_str, "partial": _is_str, "final": _is_str,
+                                                     "seq": _is_int, "audio_start_ms": _is_int,
+                                                     "audio_end_ms": _is_int}),
+    "audio": MessageSpec({"session": _is_str, "audio": _is_bytes, "rate": _is_int},
+                         {"response": _is_id, "encoding": _is_str, "channels": _is_int}),
+    "audio_done": MessageSpec({"session": _is_str}, {"response": _is_id, "reason": _is_str, "audio_ms": _is_number}),
+    "committed": MessageSpec({"id": _is_id, "session": _is_str}, {"text": _is_str}),
     "error": MessageSpec({"code": _is_str}, {"message": _is_str, "id": _is_id, "session": _is_str,
                                              "seq": _is_int, "fatal": _is_bool}),
 }

@@ -48,6 +48,14 @@ class SessionRoute:
     on_lost: Callable[[StreamserveClientError | None], None]
     chunks: dict[int, PendingChunk] = field(default_factory=dict)  # by seq
     reply: RunningReply | None = None
+    on_event: Callable[[dict[str, Any]], None] | None = None  # the session's voice events (events.py)
+    voice: bool = False  # the session takes audio: replies may start on the server's side (create_response)
+
+    def on_voice_message(self, m: dict[str, Any]) -> None:
+        """A `turn`, `transcript`, `audio` or `audio_done` message: to the session's events."""
+        if self.on_event is not None:
+            self.voice = True
+            self.on_event(m)
 
     def on_ack(self, m: dict[str, Any]) -> None:
         """An ack; one for no chunk in flight is a duplicate result after a resume (ignored)."""
@@ -71,6 +79,10 @@ class SessionRoute:
     def on_reply_message(self, m: dict[str, Any]) -> None:
         """A `delta` or `done`: output of the running reply, or a protocol violation."""
         reply, kind = self.reply, m["type"]
+        if self.voice and self.on_event is not None:
+            self.on_event(m)  # a voice session's events carry its replies' text too
+            if reply is None:
+                return  # a reply the server started (create_response at the end of speech)
         if reply is None:
             raise ProtocolViolationError(f"the server sent `{kind}` for session {self.session_id}, "
                                          "which has no reply running")

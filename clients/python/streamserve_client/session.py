@@ -12,6 +12,7 @@ import numpy as np
 
 from streamserve_client.channel import Channel
 from streamserve_client.errors import InvalidInputError, StreamserveClientError
+from streamserve_client.events import Event, EventQueue, SessionEnded, event_of
 from streamserve_client.protocol import Ack, Delta, ndarray, pack
 from streamserve_client.routes import ReplyItem
 
@@ -100,18 +101,23 @@ class Session:
         self.chat = bool(opened.get("chat"))  # appends are messages; replies become the assistant's messages
         self.closed = False
         self._lost_with: StreamserveClientError | None = None  # why the session ended, if not closed by us
-        channel.attach(self.id, self.resume_token, self._on_lost)
+        self.event_queue = EventQueue()  # voice events, bounded (events.py says what is dropped first)
+        channel.attach(self.id, self.resume_token, self._on_lost, self._on_event, voice=bool(opened.get("voice")))
 
     async def append(self, text: str | None = None, token_ids: list[int] | None = None,
                      audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | None = None, *,
                      message: dict[str, str] | list[dict[str, str]] | None = None, seq: int | None = None,
                      capture_time: float | None = None,
-                     deadline_ms: float | None = None, kind: str | None = None) -> Ack:
+                     deadline_ms: float | None = None, kind: str | None = None, channels: int = 1,
+                     encoding: str = "pcm16") -> Ack:
         """Send a chunk (exactly one of text, token_ids, audio=(pcm, rate), image, or on a chat session
         message={"role": "system"|"user"|"assistant"|"tool", "content": str}, or a list of such messages
         appended together) and wait for its ack.
         `seq` defaults to the next number; `capture_time` (any clock) comes back in the ack's message;
-        `deadline_ms`: how soon after it reaches the server the chunk should be in the KV cache."""
+        `deadline_ms`: how soon after it reaches the server the chunk should be in the KV cache.
+        Audio: raw bytes in `encoding` ("pcm16", "float32", "g711_ulaw", "g711_alaw") with `channels` interleaved,
+        or a numpy array (int16 or float samples in [-1, 1], [n] or [n, channels]) sent as `encoding`. Its ack
+        (0 tokens) says the server has it; what it hears comes as `events()`."""
         self._check()
         if sum(x is not None for x in (text, token_ids, audio, image, message)) != 1:
             raise InvalidInputError("append takes exactly one of text, token_ids, audio, image, message")
@@ -120,8 +126,8 @@ class Session:
                                "deadline_ms": deadline_ms, "kind": kind, "message": message}
         if audio is not None:
             pcm, rate = audio
-            data = pcm if isinstance(pcm, bytes) else np.asarray(pcm).astype("<i2").tobytes()
-            msg["audio"] = {"pcm": data, "rate": int(rate), "channels": 1, "format": "s16le"}
+            msg.update(audio=audio_bytes(pcm, encoding), rate=int(rate), channels=int(channels), encoding=encoding)
+            self.channel.voice_on(self.id)
         if image is not None:
             msg["image"] = ndarray(np.asarray(image))
         seq = self.next_seq if seq is None else seq
@@ -153,11 +159,31 @@ class Session:
         self.next_seq = reply.get("next_seq", self.next_seq)
         return int(reply["tokens"])
 
-    async def configure(self, chunk_budget_ms: float | None = None, **sampling: Any) -> dict[str, Any]:
-        """Change the session's reply defaults (max_tokens, temperature, top_p, top_k, seed, stop) or its
-        chunk deadline budget."""
-        return await self.channel.request({"type": "configure", "session": self.id,
+    async def configure(self, chunk_budget_ms: float | None = None, voice: dict[str, Any] | None = None,
+                        **sampling: Any) -> dict[str, Any]:
+        """Change the session's reply defaults (max_tokens, temperature, top_p, top_k, seed, stop), its
+        chunk deadline budget, or its voice settings (docs/protocol.md, Voice: {"input": {...},
+        "turn_detection": {...} or False, "speak": True/False or {...}}; keys left out keep their value)."""
+        if voice is not None:
+            self.channel.voice_on(self.id)
+        return await self.channel.request({"type": "configure", "session": self.id, "voice": voice,
                                            "chunk_budget_ms": chunk_budget_ms, "sampling": sampling or None})
+
+    async def commit(self) -> dict[str, Any]:
+        """End the utterance being spoken now (turn detection off, or the application's decision); -> the
+        server's `committed` message ({text, audio_start_ms, audio_end_ms}; text "" when no audio was buffered)."""
+        self._check()
+        return await self.channel.request({"type": "commit", "session": self.id})
+
+    async def events(self) -> AsyncIterator[Event]:
+        """The session's voice events, in order, until it is closed: speech started/stopped, transcript
+        delta/partial/final, reply text and reply audio (events.py). Read them steadily: the queue is bounded
+        and drops the oldest reply audio first (`event_queue.dropped_audio` counts it)."""
+        while True:
+            event = await self.event_queue.get()
+            if isinstance(event, SessionEnded):
+                return
+            yield event
 
     async def close(self) -> None:
         if not self.closed:
@@ -184,3 +210,25 @@ class Session:
         """From the channel: the session is gone (closed, moved, not resumable, or the connection is)."""
         self.closed = True
         self._lost_with = error
+        self.event_queue.put(SessionEnded(error))
+
+    def _on_event(self, m: dict[str, Any]) -> None:
+        """From the channel: a voice message (or a reply message of a session taking audio)."""
+        event = event_of(m)
+        if event is not None:
+            self.event_queue.put(event)
+
+
+def audio_bytes(pcm: np.ndarray | bytes, encoding: str) -> bytes:
+    """Audio to send: bytes as they are; an array [n] or [n, channels] (int16, or float in [-1, 1]) in `encoding`
+    (pcm16 or float32; G.711 is sent as bytes)."""
+    if isinstance(pcm, (bytes, bytearray, memoryview)):
+        return bytes(pcm)
+    a = np.asarray(pcm)
+    if encoding == "float32":
+        return (a.astype("<f4") if a.dtype.kind == "f" else (a.astype(np.float32) / 32768)).astype("<f4").tobytes()
+    if encoding != "pcm16":
+        raise InvalidInputError(f"send {encoding} audio as bytes (arrays are sent as pcm16 or float32)")
+    if a.dtype.kind == "f":
+        a = np.clip(np.rint(a * 32768.0), -32768, 32767)
+    return a.astype("<i2").tobytes()

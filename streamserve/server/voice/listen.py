@@ -1,0 +1,347 @@
+"""The Listener: one audio stream in -> turn events and transcript text out (protocol-neutral).
+
+    append(bytes) --decode + resample to 16 kHz + VAD (media executor)--> work queue --worker--> emit(event)
+
+`append` does the cheap part on the media executor (decode, stateful resampling, Silero VAD; a few ms per 20 ms
+frame) and returns; the expensive part (Whisper passes) runs in ONE worker task per stream, so never two passes
+of one stream at once and never a pass on the event loop. The worker runs a pass only when the transcriber is
+`ready()` and nothing is queued behind it: a slow machine transcribes less often, never falls further behind.
+What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
+(`audio_buffer_full`) instead of holding it.
+
+Events, in order for one utterance:
+    SpeechStarted, (TranscriptDelta | TranscriptPartial)*, SpeechStopped, TranscriptDelta?, TranscriptDone
+With turn detection off there are no speech events: all audio is one utterance until `commit()`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from streamserve.errors import StreamserveError
+
+if TYPE_CHECKING:
+    from streamserve.media.audio import AudioFormat, AudioInput
+    from streamserve.media.stt import StreamingTranscriber, TranscriptUpdate
+    from streamserve.media.vad import TurnDetector, VADConfig
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+log = logging.getLogger("streamserve.voice")
+
+RATE = 16000  # what VAD and Whisper take
+_UNSET: Any = object()
+
+
+@dataclass(frozen=True)
+class SpeechStarted:
+    audio_start_ms: int
+
+
+@dataclass(frozen=True)
+class SpeechStopped:
+    audio_end_ms: int
+
+
+@dataclass(frozen=True)
+class TranscriptDelta:
+    text: str  # newly agreed words, append-only: the text to append to the session now
+
+
+@dataclass(frozen=True)
+class TranscriptPartial:
+    text: str  # the unagreed tail after all agreed text (may change; for display only)
+
+
+@dataclass(frozen=True)
+class TranscriptDone:
+    text: str  # the utterance's whole transcript
+    audio_start_ms: int
+    audio_end_ms: int
+
+
+ListenEvent = SpeechStarted | SpeechStopped | TranscriptDelta | TranscriptPartial | TranscriptDone
+
+
+class AudioBufferFullError(StreamserveError):
+    """Audio arrives faster than this server transcribes it: more than the stream's limit is waiting."""
+
+    code = "audio_buffer_full"
+
+
+class ListenerClosedError(StreamserveError):
+    code = "session_closed"
+
+
+@dataclass
+class _Work:
+    kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset"
+    epoch: int
+    samples: np.ndarray | None = None
+    ms: int = 0  # start or end of speech on the stream's clock
+    done: asyncio.Future[Any] | None = None  # commit -> TranscriptDone | None; reset -> None
+
+
+class Listener:
+    def __init__(self, runtime: VoiceRuntime, fmt: AudioFormat, turn_detection: VADConfig | None,
+                 emit: Callable[[ListenEvent], Awaitable[None]], *, max_buffer_s: float = 30.0,
+                 language: str = "en") -> None:
+        from streamserve.media.stt import StreamingTranscriber
+
+        self.runtime, self.emit, self.max_buffer_s = runtime, emit, max_buffer_s
+        self.fmt = fmt.check()
+        self.audio_ms = 0.0  # the stream's audio clock: ms of input received
+        self._input = self._make_input(self.fmt)
+        self.turn_detection = turn_detection
+        self._detector = self._make_detector(turn_detection)
+        self._stt: StreamingTranscriber = StreamingTranscriber(runtime.whisper, language=language)
+        self._lock = asyncio.Lock()  # one append (decode + VAD) at a time: the audio stays in order
+        self._queue: collections.deque[_Work] = collections.deque()
+        self._wake = asyncio.Event()
+        self._epoch = 0  # bumped by clear(): queued work and results of older epochs are dropped
+        self._queued_s = 0.0  # audio waiting in the queue
+        self._untranscribed_s = 0.0  # audio in the transcriber that no pass has covered yet
+        self._utterance_start: int | None = None  # ms, while an utterance is open
+        self._fed_ms = 0.0  # ms of 16 kHz audio produced (turn detection off: the utterance clock)
+        self._clock_offset = 0.0  # ms of audio fed before the current detector (its clock starts at 0)
+        self._utterance_open = False  # the worker's view: the transcriber holds an utterance
+        self._start_ms = 0  # the worker's utterance's start
+        self._closed = False
+        self._last: asyncio.Future[Any] | None = None  # the latest decode + VAD on the executor
+        self._worker = asyncio.create_task(self._work(), name="streamserve-listener")
+
+    # ---- configuration ---------------------------------------------------------------------------------
+    def _make_input(self, fmt: AudioFormat) -> AudioInput:
+        from streamserve.media.audio import AudioInput
+
+        return AudioInput(fmt, RATE)
+
+    def _make_detector(self, config: VADConfig | None) -> TurnDetector | None:
+        from streamserve.media.vad import TurnDetector
+
+        return None if config is None else TurnDetector(self.runtime.vad, config.check())
+
+    def configure(self, fmt: AudioFormat | None = None, turn_detection: VADConfig | None = _UNSET) -> None:
+        """A new input format (the resampler starts afresh) and/or turn detection (None: off). Changing turn
+        detection starts a fresh detector; an utterance in progress goes on until commit() or the next stop."""
+        if fmt is not None and fmt != self.fmt:
+            self.fmt = fmt.check()
+            self._input = self._make_input(self.fmt)
+        if turn_detection is not _UNSET and turn_detection != self.turn_detection:
+            self._detector = self._make_detector(turn_detection)
+            self.turn_detection = turn_detection
+            if turn_detection is not None and self._detector is not None:  # the new detector's clock starts now
+                self._clock_offset = self._fed_ms
+
+    @property
+    def speaking(self) -> bool:
+        return self._utterance_start is not None
+
+    @property
+    def backlog_s(self) -> float:
+        """Seconds of audio received and not yet covered by a transcription pass."""
+        return self._queued_s + self._untranscribed_s
+
+    # ---- input -----------------------------------------------------------------------------------------
+    async def append(self, data: bytes) -> None:
+        """Audio in the stream's format. AudioFormatError for partial frames; AudioBufferFullError when more than
+        max_buffer_s of audio waits for transcription (send more slowly, or commit)."""
+        self._check_open()
+        ms = self.fmt.duration_ms(len(data))
+        if self.backlog_s + ms / 1e3 > self.max_buffer_s:
+            raise AudioBufferFullError(f"{self.backlog_s:.1f} s of this stream's audio is still waiting to be "
+                                       f"transcribed (limit {self.max_buffer_s:g} s): send audio at real-time pace "
+                                       "or commit the utterance")
+        async with self._lock:
+            self._check_open()
+            if self._last is not None:  # an append cancelled mid-way: its decode may still run on the executor
+                await asyncio.wait({self._last})
+            fut = self._last = asyncio.ensure_future(self.runtime.run(self._process, data))
+            x, events = await asyncio.shield(fut)
+            if self._closed:
+                return
+            self.audio_ms += ms
+            self._route(x, events)
+
+    def _process(self, data: bytes) -> tuple[np.ndarray, list[Any]]:
+        """On the media executor: bytes -> [n] float32 at 16 kHz, and the VAD's events over them."""
+        x = self._input.feed(data)
+        events = self._detector.feed(x) if self._detector is not None else []
+        return x, events
+
+    def _route(self, x: np.ndarray, events: list[Any]) -> None:
+        """Queue the utterance's audio and the turn events of one append, in order."""
+        from streamserve.media.vad import SpeechStarted as VadStarted
+
+        start_ms = self._fed_ms
+        self._fed_ms += 1e3 * len(x) / RATE
+        if self._detector is None:  # no turn detection: everything is one utterance until commit()
+            if self._utterance_start is None:
+                self._utterance_start = int(start_ms)
+            self._put(_Work("audio", self._epoch, x, ms=self._utterance_start))
+            if self._fed_ms - self._utterance_start > 1e3 * self.max_buffer_s:  # as long as it may be: commit
+                self._put(_Work("stop", self._epoch, ms=int(self._fed_ms)))
+                self._utterance_start = None
+            return
+        if self._utterance_start is not None:  # speaking when this audio began: all of it is the utterance's
+            self._put(_Work("audio", self._epoch, x))
+        for ev in events:
+            if isinstance(ev, VadStarted):
+                self._utterance_start = int(ev.audio_start_ms + self._clock_offset)
+                self._put(_Work("start", self._epoch, ev.audio, ms=self._utterance_start))
+            else:
+                if self._utterance_start is None:
+                    continue  # a stop for an utterance commit() or clear() already ended
+                self._utterance_start = None
+                self._put(_Work("stop", self._epoch, ms=int(ev.audio_end_ms + self._clock_offset)))
+
+    def _put(self, work: _Work) -> None:
+        if work.samples is not None:
+            self._queued_s += len(work.samples) / RATE
+        self._queue.append(work)
+        self._wake.set()
+
+    async def commit(self) -> TranscriptDone | None:
+        """End the current utterance now (turn detection off, or the client's decision): -> its TranscriptDone
+        (also emitted), or None when no audio is buffered."""
+        self._check_open()
+        async with self._lock:
+            if self._utterance_start is None:
+                return None
+            self._utterance_start = None
+            if self._detector is not None:  # the detector's speech ends here too: no SpeechStopped will follow
+                self._detector.reset()
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._put(_Work("commit", self._epoch, ms=int(self._fed_ms), done=done))
+        return await done
+
+    async def clear(self) -> None:
+        """Drop the buffered audio and the current utterance (no events of it follow once this returns)."""
+        self._check_open()
+        async with self._lock:
+            self._epoch += 1
+            self._queue.clear()
+            self._queued_s = 0.0
+            self._utterance_start = None
+            if self._detector is not None:
+                self._detector.reset()
+            self._input = self._make_input(self.fmt)
+            done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+            self._put(_Work("reset", self._epoch, done=done))
+        await done
+
+    async def close(self) -> None:
+        """Stop: queued work is dropped, a pass in flight is waited for (so the media executor is idle of this
+        stream's work when this returns), nothing is emitted after."""
+        if self._closed:
+            return
+        self._closed = True
+        self._epoch += 1
+        self._queue.clear()
+        self._wake.set()
+        try:
+            await asyncio.shield(self._worker)
+        except asyncio.CancelledError:
+            if not self._worker.done():  # our caller was cancelled: the worker still stops by itself
+                raise
+        except Exception:  # logged by the worker
+            pass
+        if self._last is not None:  # a decode in flight: the executor is done with this stream when close returns
+            await asyncio.wait({self._last})
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ListenerClosedError("this audio stream is closed")
+
+    # ---- the worker: transcription passes, one at a time -------------------------------------------------
+    async def _work(self) -> None:
+        while not self._closed:
+            if not self._queue:
+                if self._stt.ready() and self._utterance_open and self._untranscribed_s > 0:
+                    await self._pass("step", self._epoch)  # nothing queued: a pass over what the stream said
+                    continue
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            w = self._queue.popleft()
+            if w.epoch != self._epoch:
+                self._settle(w, None)
+                continue
+            try:
+                await self._do(w)
+            except Exception as e:  # one bad pass must not end the stream's transcription
+                log.exception("streamserve: a transcription step failed")
+                self._settle(w, None, e)
+
+    async def _do(self, w: _Work) -> None:
+        if w.samples is not None:
+            self._queued_s = max(0.0, self._queued_s - len(w.samples) / RATE)
+        if w.kind == "reset":
+            self._stt.reset()
+            self._untranscribed_s, self._utterance_open = 0.0, False
+            self._settle(w, None)
+        elif w.kind == "start":
+            self._stt.reset()
+            self._utterance_open, self._start_ms, self._untranscribed_s = True, w.ms, 0.0
+            await self._send(SpeechStarted(w.ms), w.epoch)
+            self._add(w.samples)
+        elif w.kind == "audio":
+            if not self._utterance_open:  # turn detection off: the first audio opens the utterance
+                self._stt.reset()
+                self._utterance_open, self._start_ms, self._untranscribed_s = True, w.ms, 0.0
+            self._add(w.samples)
+        else:  # stop or commit: the utterance ends; the rest is transcribed at once
+            if w.kind == "stop" and self._detector is not None:
+                await self._send(SpeechStopped(w.ms), w.epoch)
+            done = await self._pass("finish", w.epoch, end_ms=w.ms) if self._utterance_open else None
+            self._settle(w, done)
+
+    def _add(self, samples: np.ndarray | None) -> None:
+        if samples is not None and len(samples):
+            self._stt.add(samples)
+            self._untranscribed_s += len(samples) / RATE
+
+    async def _pass(self, kind: str, epoch: int, end_ms: int = 0) -> TranscriptDone | None:
+        """One Whisper pass on the media executor (step: while speaking; finish: the end of the utterance)."""
+        covered, before = self._untranscribed_s, self._stt.text
+        t0 = time.perf_counter()
+        update: TranscriptUpdate = await self.runtime.run(self._stt.step if kind == "step" else self._stt.finish)
+        log.debug("streamserve: %s pass over %.2f s of audio in %.0f ms", kind, covered,
+                  1e3 * (time.perf_counter() - t0))
+        self._untranscribed_s = max(0.0, self._untranscribed_s - covered)
+        if kind == "step":
+            if update.committed:
+                await self._send(TranscriptDelta(update.committed), epoch)
+            if update.partial:
+                await self._send(TranscriptPartial(update.partial), epoch)
+            return None
+        self._utterance_open, self._untranscribed_s = False, 0.0
+        if update.committed:
+            await self._send(TranscriptDelta(update.committed), epoch)
+        full = (before + update.committed).strip()
+        done = TranscriptDone(full, self._start_ms, max(end_ms, self._start_ms))
+        await self._send(done, epoch)
+        return done
+
+    async def _send(self, event: ListenEvent, epoch: int) -> None:
+        if epoch != self._epoch or self._closed:
+            return  # cleared or closed meanwhile: nothing of that utterance goes out
+        try:
+            await self.emit(event)
+        except Exception:
+            log.exception("streamserve: delivering a voice event failed")
+
+    @staticmethod
+    def _settle(w: _Work, result: Any, error: BaseException | None = None) -> None:
+        if w.done is not None and not w.done.done():
+            if error is not None:
+                w.done.set_exception(error)
+            else:
+                w.done.set_result(result)

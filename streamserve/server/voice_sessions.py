@@ -1,0 +1,360 @@
+"""Audio on sessions of the session service (split from service.py, which calls this and owns the rest).
+
+Each session that takes audio has a `VoiceState`: its voice settings (input format, server-VAD turn detection,
+reply audio), a Listener (server/voice/listen.py) made at its first audio append, and the Speaker of the reply
+being spoken (server/voice/speak.py). What the Listener hears goes where the session's text goes:
+
+- agreed transcript words are appended to a plain session as they arrive (text chunks of kind "audio"); a chat
+  session gets the utterance as one user message at its end;
+- turn and transcript events reach the connection holding the session (`TurnEvent`, `Transcript`);
+- with `create_response` a reply starts at the end of speech; with `interrupt_response` speech during a reply
+  cancels it (and its audio);
+- with `speak` a reply's text deltas also feed a Speaker, whose audio goes out as `ReplyAudio` chunks followed by
+  `ReplyAudioDone`.
+
+A disconnect or close frees the session's Listener and Speaker (a resumed session makes a new Listener).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
+from streamserve.media import VOICE_EXTRA, VoiceUnavailableError
+from streamserve.server.chat import ChatSessions
+from streamserve.server.registry import SessionRegistry
+from streamserve.server.results import (
+    AppendRequest,
+    AudioInfo,
+    ChunkResult,
+    Committed,
+    ReplyAudio,
+    ReplyAudioDone,
+    ReplyDelta,
+    ReplyDone,
+    ResultListener,
+    ServiceError,
+    Transcript,
+    TurnEvent,
+    VoiceSettings,
+    service_error,
+)
+from streamserve.server.voice import listen as L
+
+if TYPE_CHECKING:  # pragma: no cover
+    from streamserve.media.audio import AudioFormat
+    from streamserve.media.vad import VADConfig
+    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.voice.speak import Speaker
+
+log = logging.getLogger("streamserve.voice")
+Respond = Callable[[Any, str, dict[str, Any]], None]  # (connection, session id, params): the service's respond
+
+
+@dataclass
+class VoiceState:
+    encoding: str = "pcm16"
+    rate: int | None = None  # None: each append says
+    channels: int = 1
+    vad: VADConfig | None = None  # None: turn detection off
+    create_response: bool = True
+    interrupt_response: bool = True
+    speak: AudioFormat | None = None  # reply audio format; None: text only
+    configured: bool = False  # set by open/configure (shown in opened/configured)
+    listener: L.Listener | None = None
+    speaker: Speaker | None = None
+    message_open: bool = False  # a chat session: a user message is being streamed in (ChatSessions.begin)
+
+
+def _unavailable() -> VoiceUnavailableError:
+    return VoiceUnavailableError(f"this server has no voice (started with --no-voice, or the voice extra or models "
+                                 f"are missing): install the extra with {VOICE_EXTRA} and pull the models with "
+                                 "`streamserve models pull whisper-base piper-joe silero-vad`")
+
+
+class VoiceSessions:
+    def __init__(self, runtime: VoiceRuntime | None, registry: SessionRegistry, chats: ChatSessions,
+                 max_buffer_s: float, respond: Respond, cancel: Callable[[str], None],
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+        self.runtime, self.registry, self.chats, self.max_buffer_s = runtime, registry, chats, max_buffer_s
+        self.respond, self.cancel, self.spawn = respond, cancel, spawn
+        self.states: dict[str, VoiceState] = {}
+
+    def info(self) -> AudioInfo | None:
+        if self.runtime is None:
+            return None
+        from streamserve.media.audio import ENCODINGS, AudioFormat
+
+        return AudioInfo("transcribe", AudioFormat().rate, "piper-joe", self.runtime.voice.sample_rate, ENCODINGS)
+
+    # ---- settings --------------------------------------------------------------------------------------
+    def configure(self, session_id: str, voice: dict[str, Any] | None, store: bool = True) -> VoiceSettings | None:
+        """Apply a `voice` map (from open or configure; its shape checked by the protocol) -> the settings now
+        (`store` False: only check it). Typed errors for values out of range, nothing changed."""
+        if voice is None:
+            st = self.states.get(session_id)
+            return self.settings(st) if st is not None and st.configured else None
+        if self.runtime is None:
+            raise _unavailable()
+        from streamserve.media.audio import AudioFormat
+        from streamserve.media.vad import VADConfig
+
+        st = replace(self.states.get(session_id) or VoiceState(), configured=True)
+        inp = voice.get("input")
+        if inp is not None:
+            st.encoding, st.rate = inp.get("encoding", st.encoding), inp.get("rate", st.rate)
+            st.channels = inp.get("channels", st.channels)
+            AudioFormat(st.encoding, st.rate or 16000, st.channels).check()
+        td = voice.get("turn_detection")
+        if td is False:
+            st.vad = None
+        elif td is not None:
+            st.vad = VADConfig(td.get("threshold", 0.5), td.get("prefix_padding_ms", 300),
+                               td.get("silence_duration_ms", 500), td.get("idle_timeout_ms")).check()
+            st.create_response = td.get("create_response", True)
+            st.interrupt_response = td.get("interrupt_response", True)
+        speak = voice.get("speak")
+        if speak is False:
+            st.speak = None
+        elif speak is True:
+            st.speak = AudioFormat()
+        elif speak is not None:
+            st.speak = AudioFormat(speak.get("encoding", "pcm16"), speak.get("rate", 24000),
+                                   speak.get("channels", 1)).check()
+        old = self.states.get(session_id)
+        if not store:
+            return None
+        self.states[session_id] = st
+        if old is not None and old.listener is not None:
+            st.listener = old.listener
+            st.listener.configure(turn_detection=st.vad)
+        if old is not None:
+            st.speaker = old.speaker
+        return self.settings(st)
+
+    @staticmethod
+    def settings(st: VoiceState) -> VoiceSettings:
+        vad = None if st.vad is None else {
+            "type": "server_vad", "threshold": st.vad.threshold, "prefix_padding_ms": st.vad.prefix_padding_ms,
+            "silence_duration_ms": st.vad.silence_duration_ms, "idle_timeout_ms": st.vad.idle_timeout_ms,
+            "create_response": st.create_response, "interrupt_response": st.interrupt_response}
+        speak = None if st.speak is None else {"encoding": st.speak.encoding, "rate": st.speak.rate,
+                                               "channels": st.speak.channels}
+        return VoiceSettings({"encoding": st.encoding, "rate": st.rate, "channels": st.channels}, vad, speak)
+
+    def state(self, session_id: str) -> VoiceState:
+        st = self.states.get(session_id)
+        if st is None:
+            from streamserve.media.vad import VADConfig
+
+            st = self.states[session_id] = VoiceState(vad=VADConfig())  # server VAD by default, as OpenAI's
+        return st
+
+    # ---- audio in --------------------------------------------------------------------------------------
+    async def append(self, ctx: Any, session_id: str, req: AppendRequest) -> ChunkResult:
+        """Audio of a session through its Listener; -> the append's result (an ack of 0 tokens: the audio is in,
+        its words follow as transcript chunks). Typed errors for bad audio, the session unchanged."""
+        if self.runtime is None:
+            raise _unavailable()
+        from streamserve.media.audio import AudioFormat, AudioFormatError
+
+        st = self.state(session_id)
+        rate = req.rate if req.rate is not None else st.rate
+        if rate is None:
+            raise AudioFormatError("audio needs its sample rate: send `rate` with the append, or set the session's "
+                                   "voice input rate (open/configure voice.input.rate)")
+        fmt = AudioFormat(req.encoding or st.encoding, rate, req.channels or st.channels).check()
+        if st.listener is None:
+            st.listener = L.Listener(self.runtime, fmt, st.vad, lambda ev: self.on_event(session_id, ev),
+                                     max_buffer_s=self.max_buffer_s)
+        elif st.listener.fmt != fmt:
+            st.listener.configure(fmt=fmt)
+        t0 = time.perf_counter()
+        await st.listener.append(req.audio or b"")
+        entry = self.registry.find(session_id)
+        seq = req.seq if req.seq is not None else (entry.session.next_seq if entry is not None else None)
+        return ChunkResult(session_id, seq, req.capture_time, 0, 0.0, round(1e3 * (time.perf_counter() - t0), 3))
+
+    async def commit(self, session_id: str) -> Committed:
+        st = self.states.get(session_id)
+        done = None if st is None or st.listener is None else await st.listener.commit()
+        if done is None:
+            return Committed(session_id, "", None, None)
+        return Committed(session_id, done.text, done.audio_start_ms, done.audio_end_ms)
+
+    # ---- what the Listener hears -------------------------------------------------------------------------
+    async def on_event(self, session_id: str, ev: L.ListenEvent) -> None:
+        entry = self.registry.find(session_id)
+        st = self.states.get(session_id)
+        if entry is None or st is None:
+            return
+        out: Any = None
+        if isinstance(ev, L.SpeechStarted):
+            out = TurnEvent(session_id, "speech_started", ev.audio_start_ms)
+            if st.interrupt_response and st.vad is not None:
+                self.interrupt(session_id, st)
+        elif isinstance(ev, L.SpeechStopped):
+            out = TurnEvent(session_id, "speech_stopped", ev.audio_end_ms)
+        elif isinstance(ev, L.TranscriptPartial):
+            out = Transcript(session_id, "partial", ev.text)
+        elif isinstance(ev, L.TranscriptDelta):
+            out = Transcript(session_id, "delta", ev.text, seq=self.append_text(session_id, st, ev.text))
+        else:
+            out = Transcript(session_id, "final", ev.text, audio_start_ms=ev.audio_start_ms,
+                             audio_end_ms=ev.audio_end_ms)
+        owner = entry.owner
+        if owner is not None:
+            await owner.listener.push(out)
+        if isinstance(ev, L.TranscriptDone) and st.message_open:  # a chat session: the user message ends here
+            st.message_open = False
+            self.spawn(self.watch(session_id, self.chats.end(session_id)))
+        if isinstance(ev, L.TranscriptDone) and ev.text and st.create_response and st.vad is not None \
+                and entry.owner is not None:
+            try:
+                self.respond(entry.owner, session_id, {})
+            except Exception as e:  # e.g. a reply the client started is still running
+                await entry.owner.listener.push(service_error(e, session_id))
+
+    def append_text(self, session_id: str, st: VoiceState, text: str) -> int | None:
+        """Agreed words into the session now: a plain session's as a chunk of kind "audio" (-> its seq); a chat
+        session's into a user message streamed in (ChatSessions.begin/extend; its end comes with the transcript's)."""
+        entry = self.registry.find(session_id)
+        if entry is None or not text.strip():
+            return None
+        if self.chats.get(session_id) is not None:
+            if not st.message_open:
+                st.message_open = True
+                self.spawn(self.watch(session_id, self.chats.begin(session_id, "user")))
+                text = text.lstrip()  # the message's content starts at its first word
+            self.spawn(self.watch(session_id, self.chats.extend(session_id, text)))
+            return None
+        seq = entry.session.next_seq
+        try:
+            fut = entry.session.submit_chunk(text=text, seq=seq, kind="audio")
+        except Exception as e:
+            self.spawn(self.report(session_id, e))
+            return None
+        self.spawn(self.watch(session_id, fut))
+        return seq
+
+    async def watch(self, session_id: str, fut: Any) -> None:
+        """A chunk the server appended: nobody waits for its ack, but its failure reaches the client."""
+        try:
+            await (fut if isinstance(fut, asyncio.Future) else asyncio.wrap_future(fut))
+        except Exception as e:
+            await self.report(session_id, e)
+
+    async def report(self, session_id: str, e: BaseException) -> None:
+        entry = self.registry.find(session_id)
+        if entry is not None and entry.owner is not None:
+            await entry.owner.listener.push(service_error(e, session_id))
+
+    def interrupt(self, session_id: str, st: VoiceState) -> None:
+        """Barge-in: the person speaks during a reply: its audio stops now, the reply within one engine step."""
+        if st.speaker is not None:
+            st.speaker.cancel()
+        self.cancel(session_id)  # nothing running: nothing happens
+
+    # ---- audio out ---------------------------------------------------------------------------------------
+    def reply_listener(self, listener: ResultListener, session_id: str) -> ResultListener:
+        """Where a reply's output goes: `listener` itself, or (reply audio on) a listener that also speaks it."""
+        st = self.states.get(session_id)
+        if st is None or st.speak is None or self.runtime is None:
+            return listener
+        if st.speaker is not None:
+            st.speaker.cancel()  # a reply starts while the last one's audio still plays: it gives way
+        return SpeakingReply(self, st, listener, session_id)
+
+    def hush(self, session_id: str) -> None:
+        """The session's reply is cancelled: its audio stops now too."""
+        st = self.states.get(session_id)
+        if st is not None and st.speaker is not None:
+            st.speaker.cancel()
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def detach(self, session_id: str) -> None:
+        """The session's connection is gone: its Listener and Speaker go (its settings stay for a resume)."""
+        st = self.states.get(session_id)
+        if st is not None:
+            self.spawn(self.free(st))
+
+    def forget(self, session_id: str) -> None:
+        st = self.states.pop(session_id, None)
+        if st is not None:
+            self.spawn(self.free(st))
+
+    async def free_all(self, session_id: str) -> None:
+        """The session closes with the server: its Listener and Speaker stop before this returns."""
+        st = self.states.pop(session_id, None)
+        if st is not None:
+            await self.free(st)
+
+    async def free(self, st: VoiceState) -> None:
+        listener, speaker, st.listener, st.speaker = st.listener, st.speaker, None, None
+        if speaker is not None:
+            speaker.cancel()
+            await speaker.wait_idle()
+        if listener is not None:
+            await listener.close()
+
+    def active(self) -> int:
+        """Listeners and Speakers alive (a leak check's figure)."""
+        return sum((st.listener is not None) + (st.speaker is not None and not st.speaker.done)
+                   for st in self.states.values())
+
+
+class SpeakingReply:
+    """A reply's ResultListener that also speaks it: text deltas feed a Speaker, whose audio follows the text."""
+
+    def __init__(self, voices: VoiceSessions, st: VoiceState, inner: ResultListener, session_id: str) -> None:
+        self.voices, self.st, self.inner, self.session_id = voices, st, inner, session_id
+        self.speaker: Speaker | None = None
+        self.response = ""
+
+    def speaker_for(self, response: str) -> Speaker:
+        if self.speaker is None:
+            from streamserve.server.voice.speak import Speaker
+
+            fmt = self.st.speak
+            assert fmt is not None and self.voices.runtime is not None
+            self.response = response
+
+            async def emit(data: bytes) -> None:
+                await self.inner.push(ReplyAudio(self.session_id, response, data, fmt.rate, fmt.encoding,
+                                                 fmt.channels))
+
+            self.speaker = self.st.speaker = Speaker(self.voices.runtime, fmt, emit)
+        return self.speaker
+
+    async def push(self, result: Any) -> None:
+        if isinstance(result, ReplyDelta) and result.text:
+            self.speaker_for(result.response).feed(result.text)
+        await self.inner.push(result)
+        if isinstance(result, ReplyDone):
+            self.voices.spawn(self.finish(result))
+
+    def push_nowait(self, result: Any) -> bool:
+        return self.inner.push_nowait(result)
+
+    async def finish(self, done: ReplyDone) -> None:
+        """The reply's text is complete: speak the rest, then mark the end of its audio."""
+        sp, reason = self.speaker, "done"
+        if sp is not None:
+            if done.reason in ("cancelled", "error", "closed"):
+                sp.cancel()
+            try:
+                await sp.finish()
+            except Exception as e:
+                log.exception("streamserve: a reply's speech failed")
+                await self.inner.push(ServiceError("internal_error", str(service_error(e).message), self.session_id))
+                reason = "error"
+            if sp.cancelled:
+                reason = "cancelled"
+            if self.st.speaker is sp:
+                self.st.speaker = None
+        await self.inner.push(ReplyAudioDone(self.session_id, self.response or done.response, reason,
+                                             0.0 if sp is None else round(sp.audio_ms, 1)))
