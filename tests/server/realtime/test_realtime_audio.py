@@ -15,7 +15,7 @@ import pytest
 from openai import AsyncOpenAI
 from rt import RawRealtime, check_event, user_text
 from serving import serve
-from voice_assets import needs, speech, voice_model
+from voice_assets import speech
 
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
@@ -41,14 +41,6 @@ async def frames(data: bytes) -> AsyncIterator[str]:
     for i in range(0, len(data), FRAME):
         yield base64.b64encode(data[i:i + FRAME]).decode()
         await asyncio.sleep(max(0.0, start + (i + FRAME) / (2 * RATE) - time.monotonic()))
-
-
-@pytest.fixture(scope="module")
-def voiced() -> None:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
 
 
 @pytest.mark.asyncio
