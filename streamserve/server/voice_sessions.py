@@ -83,6 +83,7 @@ class VoiceSessions:
         self.runtime, self.registry, self.chats, self.max_buffer_s = runtime, registry, chats, max_buffer_s
         self.respond, self.cancel, self.spawn = respond, cancel, spawn
         self.states: dict[str, VoiceState] = {}
+        self.live: set[Any] = set()  # Listeners and Speakers not yet stopped (a leak check's figure)
 
     def info(self) -> AudioInfo | None:
         if self.runtime is None:
@@ -103,7 +104,7 @@ class VoiceSessions:
         from streamserve.media.audio import AudioFormat
         from streamserve.media.vad import VADConfig
 
-        st = replace(self.states.get(session_id) or VoiceState(), configured=True)
+        st = replace(self.states.get(session_id) or VoiceState(vad=VADConfig()), configured=True)  # VAD on: default
         inp = voice.get("input")
         if inp is not None:
             st.encoding, st.rate = inp.get("encoding", st.encoding), inp.get("rate", st.rate)
@@ -171,6 +172,7 @@ class VoiceSessions:
         if st.listener is None:
             st.listener = L.Listener(self.runtime, fmt, st.vad, lambda ev: self.on_event(session_id, ev),
                                      max_buffer_s=self.max_buffer_s)
+            self.live.add(st.listener)
         elif st.listener.fmt != fmt:
             st.listener.configure(fmt=fmt)
         t0 = time.perf_counter()
@@ -298,13 +300,14 @@ class VoiceSessions:
         if speaker is not None:
             speaker.cancel()
             await speaker.wait_idle()
+            self.live.discard(speaker)
         if listener is not None:
             await listener.close()
+            self.live.discard(listener)
 
     def active(self) -> int:
-        """Listeners and Speakers alive (a leak check's figure)."""
-        return sum((st.listener is not None) + (st.speaker is not None and not st.speaker.done)
-                   for st in self.states.values())
+        """Listeners and Speakers not yet stopped, their media work included (a leak check's figure)."""
+        return len(self.live)
 
 
 class SpeakingReply:
@@ -328,6 +331,7 @@ class SpeakingReply:
                                                  fmt.channels))
 
             self.speaker = self.st.speaker = Speaker(self.voices.runtime, fmt, emit)
+            self.voices.live.add(self.speaker)
         return self.speaker
 
     async def push(self, result: Any) -> None:
@@ -356,5 +360,7 @@ class SpeakingReply:
                 reason = "cancelled"
             if self.st.speaker is sp:
                 self.st.speaker = None
+            await sp.wait_idle()
+            self.voices.live.discard(sp)
         await self.inner.push(ReplyAudioDone(self.session_id, self.response or done.response, reason,
                                              0.0 if sp is None else round(sp.audio_ms, 1)))
