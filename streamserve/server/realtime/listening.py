@@ -16,10 +16,10 @@ import base64
 import binascii
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from streamserve.media.audio import AudioInput
-from streamserve.server.realtime.conversation import Entry, Item, with_transcripts
+from streamserve.server.realtime.conversation import Conversation, Entry, Item, with_transcripts
 from streamserve.server.realtime.events import RealtimeError, event, new_id
 from streamserve.server.realtime.response import ResponseRun
 from streamserve.server.realtime.settings import Settings, TurnDetection
@@ -33,9 +33,31 @@ from streamserve.server.voice.listen import (
 from streamserve.server.voice.speak import Speaker
 
 if TYPE_CHECKING:
-    from streamserve.server.realtime.connection import RealtimeConnection
+    from streamserve.server.service import ClientContext, SessionService
 
 WHISPER_RATE = 16000
+
+
+class Host(Protocol):
+    """What the input audio needs of its connection (RealtimeConnection, which imports this module)."""
+
+    service: SessionService
+    settings: Settings
+    session: str | None
+    conv: Conversation
+    current: ResponseRun | None
+    idle: asyncio.Event
+    ctx: ClientContext
+    announced: set[str]
+
+    async def send(self, message: dict[str, Any]) -> None: ...
+    async def error(self, e: BaseException, event_id: str | None = None) -> None: ...
+    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None) -> int: ...
+    def take_instructions(self) -> list[Entry]: ...
+    def next_seq(self) -> int: ...
+    async def respond(self, modalities: tuple[str, ...], max_tokens: int | None, instructions: str | None = None,
+                      event_id: str | None = None) -> ResponseRun: ...
+    async def truncate(self, item: Item, heard: str, event_id: str | None = None) -> None: ...
 
 
 def vad_config(td: TurnDetection | None) -> Any:
@@ -47,7 +69,7 @@ def vad_config(td: TurnDetection | None) -> Any:
 
 
 class InputAudio:
-    def __init__(self, conn: RealtimeConnection) -> None:
+    def __init__(self, conn: Host) -> None:
         self.conn = conn
         voice = conn.service.voice
         assert voice is not None
