@@ -73,6 +73,7 @@ async def test_voice_messages_become_typed_events_in_order(fake_server: FakeServ
             if isinstance(event, sc.ReplyAudioDone):
                 break
         assert client.channel.dead is None  # no protocol violation: the server's reply went to the events
+        assert session.next_seq == 4  # after the server's transcript chunk 3
     assert got == [sc.SpeechStarted(120), sc.TranscriptPartial(" What is"), sc.TranscriptDelta(" What is", 3),
                    sc.SpeechStopped(1900), sc.TranscriptFinal("What is it?", 120, 1900),
                    sc.ReplyText("r1", "It is", [1, 2]), sc.ReplyDone("r1", "stop", {}),

@@ -12,7 +12,7 @@ import numpy as np
 
 from streamserve_client.channel import Channel
 from streamserve_client.errors import InvalidInputError, StreamserveClientError
-from streamserve_client.events import Event, EventQueue, SessionEnded, event_of
+from streamserve_client.events import Event, EventQueue, SessionEnded, TranscriptDelta, event_of
 from streamserve_client.protocol import Ack, Delta, ndarray, pack
 from streamserve_client.routes import ReplyItem
 
@@ -215,6 +215,8 @@ class Session:
     def _on_event(self, m: dict[str, Any]) -> None:
         """From the channel: a voice message (or a reply message of a session taking audio)."""
         event = event_of(m)
+        if isinstance(event, TranscriptDelta) and event.seq is not None:  # the server numbered a chunk of ours
+            self.next_seq = max(self.next_seq, event.seq + 1)
         if event is not None:
             self.event_queue.put(event)
 
