@@ -46,6 +46,7 @@ from streamserve.server.results import (
     WindowTooLargeError,
     service_error,
 )
+from streamserve.server.voice.embed import model_encoder
 from streamserve.server.voice_sessions import VoiceSessions
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -73,7 +74,8 @@ class SessionService:
         self.tasks: set[asyncio.Task] = set()  # the service's own: acks follow their session to a resume
         self.chats = ChatSessions(engine, self.run_engine, self.spawn)  # sessions opened with `chat` (server/chat.py)
         self.audio = VoiceSessions(voice, self.registry, self.chats, config.max_audio_buffer_s,  # audio in and out
-                                   self.respond, self.cancel_session, self.spawn)
+                                   self.respond, self.cancel_session, self.spawn,
+                                   model_encoder(engine) if voice is not None else None)
 
     # ---- what the server is --------------------------------------------------------------------------
     def info(self) -> ServerInfo:
@@ -227,8 +229,8 @@ class SessionService:
         """Queue a chunk (a chat session's: `message`, {role, content}); its ChunkResult reaches whichever
         connection holds the session when it is done. Refusals (limits, quotas, input) raise here, queuing nothing."""
         s = self.registry.get(ctx, session_id).session
-        if req.audio is not None:  # through the session's Listener (server/voice_sessions.py)
-            return await self.deliver(await self.audio.append(ctx, session_id, req))
+        if req.audio is not None:  # the session's Listener, or its model's encoder (server/voice_sessions.py)
+            return await self.audio.append(ctx, session_id, req, self.deliver, self.finish_chunk)
         message, req = self.chats.check_append(session_id, message, req)
         if req.image is not None:
             raise UnsupportedModalityError(f"this server accepts text, token_ids and audio; {self.engine.name} has "
@@ -268,8 +270,7 @@ class SessionService:
         self.spawn(self.finish_chunk(ctx, s.id, req, n_tokens, fut))
 
     async def count_tokens(self, req: AppendRequest, long_text: bool) -> int:
-        """Tokens a chunk adds, for the queued-token quota (text: its tokens without special tokens; the
-        engine counts exactly when it tokenizes, the quota needs to know before)."""
+        """Tokens a chunk adds, for the queued-token quota (text: without special tokens; the engine counts exactly)."""
         if req.text is None or self.config.max_queued_tokens_per_connection is None:
             return len(req.token_ids or ())
         if not long_text:
@@ -293,8 +294,7 @@ class SessionService:
             ctx.pending_acks.release()
 
     async def deliver(self, result: ChunkResult) -> None:
-        """A chunk's result goes to whichever connection holds its session now (none while detached) and is
-        kept for a resume."""
+        """A chunk's result goes to the connection holding its session now (none while detached), kept for a resume."""
         entry = self.registry.find(result.session)
         if entry is None:
             return

@@ -47,7 +47,9 @@ from streamserve.server.voice import listen as L
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamserve.media.audio import AudioFormat
+    from streamserve.media.encoder import AudioEncoder
     from streamserve.media.vad import VADConfig
+    from streamserve.server.voice.embed import AudioEmbedder
     from streamserve.server.voice.runtime import VoiceRuntime
     from streamserve.server.voice.speak import Speaker
 
@@ -66,6 +68,7 @@ class VoiceState:
     speak: AudioFormat | None = None  # reply audio format; None: text only
     configured: bool = False  # set by open/configure (shown in opened/configured)
     listener: L.Listener | None = None
+    embedder: AudioEmbedder | None = None  # the encoder path (a model that hears audio natively)
     speaker: Speaker | None = None
     message_open: bool = False  # a chat session: a user message is being streamed in (ChatSessions.begin)
 
@@ -79,8 +82,9 @@ def _unavailable() -> VoiceUnavailableError:
 class VoiceSessions:
     def __init__(self, runtime: VoiceRuntime | None, registry: SessionRegistry, chats: ChatSessions,
                  max_buffer_s: float, respond: Respond, cancel: Callable[[str], None],
-                 spawn: Callable[[Coroutine[Any, Any, Any]], None]) -> None:
+                 spawn: Callable[[Coroutine[Any, Any, Any]], None], encoder: AudioEncoder | None = None) -> None:
         self.runtime, self.registry, self.chats, self.max_buffer_s = runtime, registry, chats, max_buffer_s
+        self.encoder = encoder  # the model's own audio encoder: audio goes in as embeds, not through speech to text
         self.respond, self.cancel, self.spawn = respond, cancel, spawn
         self.states: dict[str, VoiceState] = {}
         self.live: set[Any] = set()  # Listeners and Speakers not yet stopped (a leak check's figure)
@@ -90,7 +94,8 @@ class VoiceSessions:
             return None
         from streamserve.media.audio import ENCODINGS, AudioFormat
 
-        return AudioInfo("transcribe", AudioFormat().rate, "piper-joe", self.runtime.voice.sample_rate, ENCODINGS)
+        path = "transcribe" if self.encoder is None else "encoder"
+        return AudioInfo(path, AudioFormat().rate, "piper-joe", self.runtime.voice.sample_rate, ENCODINGS)
 
     # ---- settings --------------------------------------------------------------------------------------
     def configure(self, session_id: str, voice: dict[str, Any] | None, store: bool = True) -> VoiceSettings | None:
@@ -156,9 +161,11 @@ class VoiceSessions:
         return st
 
     # ---- audio in --------------------------------------------------------------------------------------
-    async def append(self, ctx: Any, session_id: str, req: AppendRequest) -> ChunkResult:
-        """Audio of a session through its Listener; -> the append's result (an ack of 0 tokens: the audio is in,
-        its words follow as transcript chunks). Typed errors for bad audio, the session unchanged."""
+    async def append(self, ctx: Any, session_id: str, req: AppendRequest, deliver: Callable[[ChunkResult], Any],
+                     finish: Callable[..., Coroutine[Any, Any, None]]) -> None:
+        """Audio of a session through its Listener: its result (an ack of 0 tokens: the audio is in, its words follow
+        as transcript chunks) goes to `deliver` now. The encoder path: its embeds chunk's ack follows when the chunk
+        is in the KV cache (`finish`: the service's finish_chunk). Typed errors for bad audio, nothing taken."""
         if self.runtime is None:
             raise _unavailable()
         from streamserve.media.audio import AudioFormat, AudioFormatError
@@ -169,6 +176,12 @@ class VoiceSessions:
             raise AudioFormatError("audio needs its sample rate: send `rate` with the append, or set the session's "
                                    "voice input rate (open/configure voice.input.rate)")
         fmt = AudioFormat(req.encoding or st.encoding, rate, req.channels or st.channels).check()
+        if self.encoder is not None:
+            result = await self.embed(session_id, st, fmt, req)
+            if isinstance(result, ChunkResult):
+                return await deliver(result)
+            await ctx.pending_acks.acquire()  # released by `finish` with the ack
+            return self.spawn(finish(ctx, session_id, req, 0, result))
         if st.listener is None:
             st.listener = L.Listener(self.runtime, fmt, st.vad, lambda ev: self.on_event(session_id, ev),
                                      max_buffer_s=self.max_buffer_s)
@@ -179,7 +192,27 @@ class VoiceSessions:
         await st.listener.append(req.audio or b"")
         entry = self.registry.find(session_id)
         seq = req.seq if req.seq is not None else (entry.session.next_seq if entry is not None else None)
-        return ChunkResult(session_id, seq, req.capture_time, 0, 0.0, round(1e3 * (time.perf_counter() - t0), 3))
+        await deliver(ChunkResult(session_id, seq, req.capture_time, 0, 0.0, round(1e3 * (time.perf_counter() - t0),
+                                                                                   3)))
+
+    async def embed(self, session_id: str, st: VoiceState, fmt: AudioFormat, req: AppendRequest) -> Any:
+        """The encoder path: the audio's embeddings appended as a chunk of kind "audio" (-> its ack's future; an
+        append too short for one embedding waits for the next and is acked with 0 tokens)."""
+        import torch
+
+        from streamserve.server.voice.embed import AudioEmbedder
+
+        assert self.runtime is not None and self.encoder is not None
+        if st.embedder is None or st.embedder.fmt != fmt:
+            st.embedder = AudioEmbedder(self.runtime, self.encoder, fmt)
+        t0 = time.perf_counter()
+        vectors = await st.embedder.feed(req.audio or b"")  # [T, hidden]
+        entry = self.registry.find(session_id)
+        if entry is None or len(vectors) == 0:
+            seq = req.seq if req.seq is not None or entry is None else entry.session.next_seq
+            return ChunkResult(session_id, seq, req.capture_time, 0, 0.0, round(1e3 * (time.perf_counter() - t0), 3))
+        return entry.session.submit_chunk(embeds=torch.from_numpy(vectors), seq=req.seq,
+                                          capture_time=req.capture_time, kind="audio")
 
     async def commit(self, session_id: str) -> Committed:
         st = self.states.get(session_id)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -179,3 +180,39 @@ async def test_without_voice_audio_is_refused_naming_the_extra() -> None:
         with pytest.raises(sc.UnsupportedModalityError):
             await client.open_session(voice={"speak": True})
         assert (await session.append(text="In the beginning")).tokens > 0
+
+
+async def test_a_model_with_an_audio_encoder_hears_audio_as_embeddings(tmp_path: Path) -> None:
+    """A checkpoint shipping an audio projector takes audio natively: appends become embeds chunks (one vector per
+    40 ms), with no speech to text; hello says so."""
+    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
+        needs(module)
+    for name in ("whisper-base", "piper-joe", "silero-vad"):
+        voice_model(name)
+    from streamserve.engine import Engine
+    from streamserve.engine.loading import DEFAULT_MODEL_DIR
+    from streamserve.media.encoder import N_MELS, save_audio_projector
+
+    folder = tmp_path / "hearing"
+    folder.mkdir()
+    for f in DEFAULT_MODEL_DIR.iterdir():
+        (folder / f.name).symlink_to(f)
+    hidden = Engine.from_pretrained(DEFAULT_MODEL_DIR, device="cpu", kv_memory="16MiB").config.hidden_size
+    rng = np.random.default_rng(0)
+    save_audio_projector(folder, (rng.standard_normal((N_MELS * 4, hidden)) * 0.01).astype(np.float32), 4)
+
+    def load() -> Engine:
+        return Engine.from_pretrained(folder, device="cpu", kv_memory="128MiB")
+
+    async with serve(CONFIG, load, voice=True) as srv, sc.connect(srv.url) as client:
+        assert client.hello["audio"]["input"] == "encoder"
+        session = await client.open_session(max_tokens=4)
+        data = spoken("Hello.")
+        ack = await session.append(audio=(data[:2 * 3200], RATE))  # 200 ms: 5 embeddings
+        assert ack.tokens == 5
+        assert (await session.append(audio=(data[6400:6400 + 320], RATE))).tokens == 0  # 10 ms: waits for more
+        assert (await session.append(audio=(data[6720:6720 + 960], RATE))).tokens == 1  # 30 ms more: one period
+        reply = session.respond(temperature=0.0)
+        assert await asyncio.wait_for(reply.wait(), WAIT_S) in ("length", "stop")
+        with pytest.raises(sc.InvalidInputError):
+            await session.append(audio=(b"\x00", RATE))
