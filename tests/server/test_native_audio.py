@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
-from serving import RunningServer, default_engine, serve
+from serving import RunningServer, default_engine, engine_paused, serve
 from voice_assets import needs, speech, voice_model
 
 import streamserve_client as sc
@@ -98,6 +98,26 @@ async def test_spoken_turn_gets_transcript_reply_and_reply_audio(voiced: Running
     done = got[-1]
     assert isinstance(done, sc.ReplyAudioDone) and done.reason == "done"
     assert done.audio_ms == pytest.approx(1e3 * len(pcm) / 2 / 24000, abs=1.0)
+
+
+async def test_speech_during_a_reply_cancels_it_and_its_audio(voiced: RunningServer) -> None:
+    async with sc.connect(voiced.url) as client:
+        session = await client.open_session(voice=VOICE, max_tokens=64, temperature=0.0)
+        await stream(session, spoken("Tell me a story."))
+        first_text = None
+        async for event in session.events():  # the reply the server started at the end of speech is running
+            if isinstance(event, sc.ReplyText):
+                first_text = event
+                break
+        assert first_text is not None
+        with engine_paused(voiced.engine):  # it cannot finish while the person speaks again
+            events = asyncio.ensure_future(collect(session, sc.SpeechStarted))
+            await stream(session, spoken("Stop."))
+            await asyncio.wait_for(events, WAIT_S)
+        got = await asyncio.wait_for(collect(session, sc.ReplyAudioDone), WAIT_S)
+    done = next(e for e in got if isinstance(e, sc.ReplyDone))
+    assert done.response == first_text.response and done.reason == "cancelled"
+    assert got[-1].response == first_text.response and got[-1].reason == "cancelled"
 
 
 async def test_commit_without_turn_detection_and_a_chat_session(voiced: RunningServer) -> None:
