@@ -1,7 +1,7 @@
 """Voice turn-taking latency over /v1/realtime: end of speech -> first reply audio byte, and where it goes.
 
     python benchmarks/voice_latency.py [--model default,smollm2-135m-instruct] [--turns 10] [--sessions 1,2,4]
-                                       [--quick]
+                                       [--session-turns 4] [--max-tokens 40] [--quick]
 
 Needs the voice extra (pip install "streamserve[voice]") and the voice models (streamserve models pull whisper-base
 piper-joe silero-vad). Questions are synthesised with the Piper voice (piper-joe), resampled to 24 kHz PCM16 and
@@ -19,10 +19,12 @@ EOS_LEVEL, -40 dBFS) to the first `response.output_audio.delta`, split into:
 p50 and p99 (nearest rank, so with few turns p99 is the slowest turn) over the turns, with silence_duration_ms 500
 (the server default) and 200 side by side, for each model asked (SmolLM2 only when pulled).
 stop_lag: speech_stopped received - send time of the frame holding its audio_end_ms, i.e. how far the server's
-VAD runs behind the audio it is sent (a server that keeps pace is within a VAD window, 32 ms, plus a frame).
-Concurrency: 1, 2, 4 sessions streaming at once (each its own connection, starts staggered by STAGGER_S), first
-model, silence 500 ms: eos -> first audio p50 and the stop lag; `kept_up` = every turn completed and the stop lag
-p99 under KEPT_UP_LAG_MS.
+VAD runs behind the audio it is sent (a server that keeps pace is within a VAD window, 32 ms, plus a frame), and
+audio_end_after_eos: speech_stopped's audio_end_ms - the end of the last voiced frame on the session's audio clock
+(silence_duration_ms when the VAD ends speech where the audio does); vad_hangover is about their sum.
+Concurrency: 1, 2, 4 sessions streaming at once (each its own connection, starts staggered by STAGGER_S,
+--session-turns turns each), first model, silence 500 ms: eos -> first audio p50 and the stop lag; `kept_up` =
+every turn answered and the stop lag p99 under KEPT_UP_LAG_MS.
 Media real-time factors (compute time / audio duration), measured in this process before any server starts, with
 the threads the server gives each model: Silero VAD over 10 s of speech fed in 20 ms pieces, one Whisper pass
 over 2 s and over 5 s, Piper synthesis of one sentence.
@@ -34,17 +36,18 @@ from __future__ import annotations
 import argparse
 import asyncio
 import base64
+import collections
 import json
 import math
 import os
 import re
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
 import numpy as np
 from websockets.asyncio.client import ClientConnection, connect
@@ -141,23 +144,25 @@ def media_rtf(at16k: list[np.ndarray], reps: int) -> dict[str, Any]:
     voice = PiperVoice(need("piper-joe"), threads=threads)
     sentence = QUESTIONS[0]
     spoken_s = len(voice.synthesize(sentence)) / voice.sample_rate
-    return {"threads": threads, "vad_10s": round(best(vad_pass) / 10.0, 4),
-            "whisper_2s": round(best(whisper.transcribe, speech[:32000]) / 2.0, 3),
-            "whisper_5s": round(best(whisper.transcribe, speech[:80000]) / 5.0, 3),
-            "piper_sentence": round(best(voice.synthesize, sentence) / spoken_s, 3),
-            "piper_sentence_audio_s": round(spoken_s, 2)}
+    compute = {"vad_10s": best(vad_pass), "whisper_2s": best(whisper.transcribe, speech[:32000]),
+               "whisper_5s": best(whisper.transcribe, speech[:80000]),
+               "piper_sentence": best(voice.synthesize, sentence)}
+    audio_s = {"vad_10s": 10.0, "whisper_2s": 2.0, "whisper_5s": 5.0, "piper_sentence": spoken_s}
+    return {"threads": threads, **{k: round(v / audio_s[k], 4) for k, v in compute.items()},
+            "compute_s": {k: round(v, 3) for k, v in compute.items()}, "piper_sentence_audio_s": round(spoken_s, 2)}
 
 
-def start_server(model: str, log: IO[str]) -> tuple[subprocess.Popen[str], int]:
-    """`streamserve serve` on a free loopback port, ready (model and voice models loaded); its log goes to `log`
-    (a file: a pipe nobody reads would fill and stall the server)."""
+def start_server(model: str) -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
+    """`streamserve serve` on a free loopback port, ready (model and voice models loaded) -> (process, port, the
+    last lines of its log). It announces and logs on stderr; a thread keeps reading it, since a pipe nobody reads
+    would fill and stall the server."""
     env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}  # the clients send no key
     proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--device", "cpu",
-                             "--model", model, "--offline"], stderr=log, stdout=subprocess.PIPE,
+                             "--model", model, "--offline"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=Path(__file__).resolve().parent.parent)
-    port, lines = None, []
-    assert proc.stdout is not None
-    for line in proc.stdout:  # `run` announces on stdout; logs go to stderr
+    port, lines = None, collections.deque(maxlen=200)
+    assert proc.stderr is not None
+    for line in proc.stderr:
         lines.append(line)
         m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
         port = int(m.group(1)) if m else port
@@ -165,9 +170,9 @@ def start_server(model: str, log: IO[str]) -> tuple[subprocess.Popen[str], int]:
             break
     if port is None or not any("ready:" in x for x in lines):
         proc.kill()
-        log.seek(0)
-        raise SystemExit(f"streamserve serve --model {model} did not start: {''.join(lines)}{log.read()[-2000:]}")
-    return proc, port
+        raise SystemExit(f"streamserve serve --model {model} did not start: {''.join(lines)[-3000:]}")
+    threading.Thread(target=lines.extend, args=(proc.stderr,), daemon=True).start()
+    return proc, port, lines
 
 
 class Stream:
@@ -249,15 +254,16 @@ class Stream:
                 return {"error": "no answered turn", "events": sorted({ev["type"] for _, ev in self.log[since:]})}
             await self.send(SILENCE_FRAME)
         await self.send(SILENCE_FRAME * int(GAP_S * 1000 / FRAME_MS))
-        return analyse(self.log[since:], t_eos, self.sent)
+        return analyse(self.log[since:], t_eos, (first + utt.eos_frame + 1) * FRAME_MS, self.sent)
 
     async def close(self) -> None:
         await self.ws.close()
         await self.reader
 
 
-def analyse(events: list[tuple[float, dict[str, Any]]], t_eos: float, sent: list[float]) -> dict[str, Any]:
-    """One answered turn's events -> its latency split (ms) and texts."""
+def analyse(events: list[tuple[float, dict[str, Any]]], t_eos: float, eos_ms: int, sent: list[float]) -> dict[str, Any]:
+    """One answered turn's events -> its latency split (ms) and texts. `eos_ms`: the end of the last voiced frame on
+    the session's audio clock (ms of audio sent)."""
     t_stop, stop = [(t, ev) for t, ev in events if ev["type"] == "input_audio_buffer.speech_stopped"][-1]
     item = stop["item_id"]
     final = [(t, "transcription.completed", ev) for t, ev in events if t >= t_stop and ev["type"] ==
@@ -272,6 +278,7 @@ def analyse(events: list[tuple[float, dict[str, Any]]], t_eos: float, sent: list
     frame = min(len(sent) - 1, max(0, math.ceil(stop["audio_end_ms"] / FRAME_MS) - 1))
     stops = sum(ev["type"] == "input_audio_buffer.speech_stopped" for _, ev in events)
     out: dict[str, Any] = {"early_stops": stops - 1, "vad_hangover": (t_stop - t_eos) * 1e3,
+                           "audio_end_after_eos": stop["audio_end_ms"] - eos_ms,  # ~silence_duration_ms if exact
                            "stop_lag": (t_stop - sent[frame]) * 1e3, "reply": "".join(d for _, d in texts)}
     t_final = None
     if final:
@@ -293,7 +300,8 @@ def analyse(events: list[tuple[float, dict[str, Any]]], t_eos: float, sent: list
 def summarise(turns: list[dict[str, Any]], stream: Stream | None = None) -> dict[str, Any]:
     done = [t for t in turns if "error" not in t]
     out: dict[str, Any] = {"turns_answered": f"{len(done)}/{len(turns)}"}
-    for key in ("eos_to_first_audio", "vad_hangover", "transcript_final", "ttft", "first_tts_chunk", "stop_lag"):
+    for key in ("eos_to_first_audio", "vad_hangover", "transcript_final", "ttft", "first_tts_chunk", "stop_lag",
+                "audio_end_after_eos"):
         out[f"{key}_ms"] = spread([t[key] for t in done if key in t])
     out["final_event"] = sorted({t["final_event"] for t in done if "final_event" in t})
     out["early_stops"] = sum(t["early_stops"] for t in done)
@@ -338,7 +346,7 @@ async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace,
     for silence in (500, 200):
         out[f"silence_{silence}"] = await conversation(url, utts, args.turns, silence, args.max_tokens)
     if levels:
-        out["concurrency"] = [await concurrent(url, utts, n, args.turns, args.max_tokens) for n in levels]
+        out["concurrency"] = [await concurrent(url, utts, n, args.session_turns, args.max_tokens) for n in levels]
         held = [c["sessions"] for c in out["concurrency"] if c["kept_up"]]
         out["sessions_at_real_time"] = max(held) if held else 0
     return out
@@ -350,31 +358,39 @@ def main() -> None:
                                                   "SmolLM2 only when pulled; --quick: default)")
     ap.add_argument("--turns", type=int, default=None, help="turns per condition (default 10; --quick 2)")
     ap.add_argument("--sessions", default=None, help="concurrent sessions to try (default 1,2,4; --quick 1,2)")
+    ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (default 4; "
+                                                                     "--quick 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="max_output_tokens per reply (default 40)")
     ap.add_argument("--quick", action="store_true", help="the default model, 2 turns, 1-2 sessions (CI smoke run)")
     args = ap.parse_args()
     args.turns = args.turns or (2 if args.quick else 10)
+    args.session_turns = args.session_turns or (2 if args.quick else 4)
     args.max_tokens = args.max_tokens or (24 if args.quick else 40)
     models = (args.model or ("default" if args.quick else "default,smollm2-135m-instruct")).split(",")
     levels = [int(x) for x in (args.sessions or ("1,2" if args.quick else "1,2,4")).split(",")]
     utts, at16k = synthesize(QUESTIONS)
-    result: dict[str, Any] = {"benchmark": "voice_latency", "cpu_count": os.cpu_count(), "frame_ms": FRAME_MS,
-                              "turns": args.turns, "max_output_tokens": args.max_tokens, "eos_level": EOS_LEVEL,
+    result: dict[str, Any] = {"benchmark": "voice_latency", "cpu_count": os.cpu_count(),
+                              "load_avg_1m_at_start": round(os.getloadavg()[0], 2), "frame_ms": FRAME_MS,
+                              "turns": args.turns, "session_turns": args.session_turns,
+                              "max_output_tokens": args.max_tokens, "eos_level": EOS_LEVEL,
                               "media_rtf": media_rtf(at16k, 1 if args.quick else 3), "models": {}}
     for i, model in enumerate(models):
         if model != "default" and installed(model) is None:
             result["models"][model] = {"skipped": f"not pulled: streamserve models pull {model}"}
             continue
-        with tempfile.TemporaryFile("w+") as log:
-            proc, port = start_server(model, log)
-            try:
-                result["models"][model] = asyncio.run(bench_model(f"ws://127.0.0.1:{port}", utts, args,
-                                                                  levels if i == 0 else []))
-            finally:
-                proc.terminate()
-                proc.wait(30)
+        proc, port, log = start_server(model)
+        try:
+            result["models"][model] = asyncio.run(bench_model(f"ws://127.0.0.1:{port}", utts, args,
+                                                              levels if i == 0 else []))
+        except BaseException:
+            print("".join(log)[-3000:], file=sys.stderr)  # the server's side of what went wrong
+            raise
+        finally:
+            proc.terminate()
+            proc.wait(30)
         print(f"{model}: {json.dumps(result['models'][model])}", file=sys.stderr)
     result["concurrency_model"], result["concurrency_silence_ms"] = models[0], 500
+    result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on this machine skews every figure
     print(json.dumps(result))
 
 

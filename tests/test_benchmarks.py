@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import subprocess
@@ -10,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from streamserve.media import VOICE_EXTRA, VOICE_MODELS
+from streamserve.models.store import installed
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -17,7 +21,14 @@ ROOT = Path(__file__).resolve().parent.parent
                                     ["moe_cpu.py", "--quick"], ["concurrency.py", "--quick"],
                                     ["batch_invariance.py", "--quick"], ["ws_overhead.py", "--quick"],
                                     ["speculative.py", "--quick"], ["step_costs.py", "--quick"],
-                                    ["gpu_check.py", "--smoke"]])
+                                    ["gpu_check.py", "--smoke"],
+                                    pytest.param(["voice_latency.py", "--quick"], marks=pytest.mark.skipif(
+                                        not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
+                                                                               "soxr", "espeakng_loader")))
+                                        or None in map(installed, VOICE_MODELS),
+                                        reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
+                                               f"(streamserve models pull {' '.join(VOICE_MODELS)})"),
+                                                 id="voice_latency")])
 def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     if script[0] == "gpu_check.py":
         pytest.importorskip("triton")
