@@ -177,3 +177,45 @@ async def test_smollm2_answers_a_spoken_question(voiced: None) -> None:
         audio = b"".join(base64.b64decode(m["delta"]) for m in events if m["type"] == "response.output_audio.delta")
         assert len(audio) > RATE  # half a second of speech at least
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_g711_item_audio_is_transcribed_and_replies_speak_g711(voiced: None) -> None:
+    from streamserve.media.audio import alaw_decode, ulaw_encode
+
+    async with serve(ServerConfig(), voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"format": {"type": "audio/pcmu"}, "turn_detection": None},
+            "output": {"format": {"type": "audio/pcma"}}}}})
+        session = (await c.until("session.updated"))[-1]["session"]
+        assert session["audio"]["input"]["turn_detection"] is None
+        assert session["audio"]["output"]["format"] == {"type": "audio/pcma"}
+        question = base64.b64encode(ulaw_encode(speech(QUESTION, rate=8000))).decode()
+        await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_audio", "audio": question}]}})
+        item = (await c.until("conversation.item.added"))[-1]["item"]
+        assert "capital" in item["content"][0]["transcript"].lower()
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 12}})
+        events = await c.until("response.done")
+        audio = b"".join(base64.b64decode(m["delta"]) for m in events if m["type"] == "response.output_audio.delta")
+        assert len(audio) > 8000 // 10  # G.711: one byte a sample at 8 kHz
+        assert float(np.sqrt(np.mean(alaw_decode(audio) ** 2))) > 0.01  # A-law speech, not silence
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_idle_timeout_triggers_a_response(voiced: None) -> None:
+    async with serve(ServerConfig(), voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 6, "audio": {
+            "input": {"turn_detection": {"type": "server_vad", "idle_timeout_ms": 5000}}}}})
+        await c.send(user_text("In the beginning"))
+        await c.send({"type": "response.create"})
+        await c.until("response.done")
+        # nobody speaks: once the reply's audio has played out and 5 s passed, the server prompts a response
+        events = await c.until("response.done")
+        kinds = [m["type"] for m in events]
+        assert "input_audio_buffer.timeout_triggered" in kinds
+        assert kinds.index("input_audio_buffer.timeout_triggered") < kinds.index("response.created")
+        await c.close()
