@@ -8,6 +8,7 @@ Needs the voice extra and models (skips naming them otherwise).
 from __future__ import annotations
 
 import asyncio
+import re
 from collections.abc import AsyncIterator
 from pathlib import Path
 
@@ -40,6 +41,13 @@ async def voiced() -> AsyncIterator[RunningServer]:
     srv = await RunningServer.start(CONFIG, default_engine, voice=True)
     yield srv
     await srv.stop()
+
+
+def heard(text: str, said: str) -> bool:
+    """Whether `text` is a transcript of `said`: its key word and most of its words (the Piper voice's rendering
+    varies from run to run, its duration predictor being stochastic, and Whisper base sometimes mishears a word)."""
+    got, want = set(re.findall(r"[a-z]+", text.lower())), re.findall(r"[a-z]+", said.lower())
+    return "capital" in got and sum(w in got for w in want) >= len(want) - 1
 
 
 def spoken(text: str) -> bytes:
@@ -81,7 +89,7 @@ async def test_spoken_turn_gets_transcript_reply_and_reply_audio(voiced: Running
     stop = kinds.index(sc.SpeechStopped)
     final = next(e for e in got if isinstance(e, sc.TranscriptFinal))
     assert stop < got.index(final)
-    assert "capital" in final.text.lower() and "france" in final.text.lower()
+    assert heard(final.text, "What is the capital of France?"), final.text
     deltas = [e for e in got if isinstance(e, sc.TranscriptDelta)]
     assert "".join(d.text for d in deltas).strip() == final.text
     assert all(d.seq is not None for d in deltas)  # appended to the session as chunks

@@ -49,6 +49,13 @@ def utterance(text: str, lead_s: float = 0.5, tail_s: float = 1.2) -> bytes:
     return pcm16(x)
 
 
+def heard(text: str, said: str) -> bool:
+    """Whether `text` is a transcript of `said`: its key word and most of its words (the Piper voice's rendering
+    varies from run to run, its duration predictor being stochastic, and Whisper base sometimes mishears a word)."""
+    got, want = set(re.findall(r"[a-z]+", text.lower())), re.findall(r"[a-z]+", said.lower())
+    return "capital" in got and sum(w in got for w in want) >= len(want) - 1
+
+
 def frames(data: bytes) -> list[bytes]:
     step = 2 * FRAME
     return [data[i:i + step] for i in range(0, len(data), step)]
@@ -96,8 +103,7 @@ async def test_server_vad_events_in_order_and_the_transcript(runtime: object) ->
     assert isinstance(done, L.TranscriptDone)
     assert 0 < started.audio_start_ms < stopped.audio_end_ms <= listener.audio_ms + 1
     assert (done.audio_start_ms, done.audio_end_ms) == (started.audio_start_ms, stopped.audio_end_ms)
-    words = done.text.lower()
-    assert "capital" in words and "france" in words, done.text
+    assert heard(done.text, QUESTION), done.text
     # the deltas are the transcript, each word once (append-only)
     deltas = "".join(e.text for e in got.events if isinstance(e, L.TranscriptDelta))
     assert deltas.strip() == done.text
@@ -130,7 +136,7 @@ async def test_without_turn_detection_commit_ends_the_utterance(runtime: object)
         await listener.append(frame)
     done = await asyncio.wait_for(listener.commit(), WAIT_S)
     await listener.close()
-    assert done is not None and "france" in done.text.lower()
+    assert done is not None and heard(done.text, QUESTION), done
     assert re.fullmatch(r"[dp]*F", got.kinds()), got.kinds()  # no speech events without turn detection
     assert got.events[-1] == done
 

@@ -37,6 +37,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamserve.voice")
 
 RATE = 16000  # what VAD and Whisper take
+HANGOVER_KEPT_MS = 200  # silence after the last voiced window still transcribed (a word's soft end, the VAD's window)
 _UNSET: Any = object()
 
 
@@ -191,7 +192,7 @@ class Listener:
                 self._utterance_start = None
             return
         if self._utterance_start is not None:  # speaking when this audio began: all of it is the utterance's
-            self._put(_Work("audio", self._epoch, x))
+            self._put(_Work("audio", self._epoch, x, ms=int(start_ms)))
         for ev in events:
             if isinstance(ev, VadStarted):
                 self._utterance_start = int(ev.audio_start_ms + self._clock_offset)
@@ -296,12 +297,25 @@ class Listener:
             if not self._utterance_open:  # turn detection off: the first audio opens the utterance
                 self._stt.reset()
                 self._utterance_open, self._start_ms, self._untranscribed_s = True, w.ms, 0.0
-            self._add(w.samples)
+            if not self._after_speech(w):
+                self._add(w.samples)
         else:  # stop or commit: the utterance ends; the rest is transcribed at once
             if w.kind == "stop" and self._detector is not None:
                 await self._send(SpeechStopped(w.ms), w.epoch)
             done = await self._pass("finish", w.epoch, end_ms=w.ms) if self._utterance_open else None
             self._settle(w, done)
+
+    def _after_speech(self, w: _Work) -> bool:
+        """Whether audio `w` is the VAD's hangover: silence after the last voiced audio of an utterance whose stop is
+        already queued. It is left out of the transcription, so that a pass which covered the voiced audio leaves
+        nothing for the end of the utterance to transcribe (faster-whisper's finish then needs no pass)."""
+        if self.turn_detection is None:
+            return False
+        stop = next((q for q in self._queue if q.kind != "audio"), None)
+        if stop is None or stop.kind != "stop" or stop.epoch != w.epoch:
+            return False
+        voiced_end = stop.ms - self.turn_detection.silence_duration_ms
+        return w.ms >= voiced_end + HANGOVER_KEPT_MS
 
     def _add(self, samples: np.ndarray | None) -> None:
         if samples is not None and len(samples):
