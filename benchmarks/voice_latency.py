@@ -246,14 +246,18 @@ class Stream:
 
     async def turn(self, utt: Utterance) -> dict[str, Any]:
         since, first = len(self.log), len(self.sent)
-        await self.send(utt.pcm)
-        t_eos = self.sent[first + utt.eos_frame]
-        deadline = time.perf_counter() + TURN_TIMEOUT_S
-        while not self.turn_over(since, t_eos):
-            if time.perf_counter() > deadline or self.reader.done():
-                return {"error": "no answered turn", "events": sorted({ev["type"] for _, ev in self.log[since:]})}
-            await self.send(SILENCE_FRAME)
-        await self.send(SILENCE_FRAME * int(GAP_S * 1000 / FRAME_MS))
+        try:
+            await self.send(utt.pcm)
+            t_eos = self.sent[first + utt.eos_frame]
+            deadline = time.perf_counter() + TURN_TIMEOUT_S
+            while not self.turn_over(since, t_eos):
+                if time.perf_counter() > deadline or self.reader.done():
+                    return {"error": "no answered turn",
+                            "events": sorted({ev["type"] for _, ev in self.log[since:]})}
+                await self.send(SILENCE_FRAME)
+            await self.send(SILENCE_FRAME * int(GAP_S * 1000 / FRAME_MS))
+        except ConnectionClosed as e:  # e.g. the keepalive ping unanswered for 20 s: the server stalled
+            return {"error": f"connection closed: {e}"}
         return analyse(self.log[since:], t_eos, (first + utt.eos_frame + 1) * FRAME_MS, self.sent)
 
     async def close(self) -> None:
@@ -345,8 +349,12 @@ async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace,
     out: dict[str, Any] = {}
     for silence in (500, 200):
         out[f"silence_{silence}"] = await conversation(url, utts, args.turns, silence, args.max_tokens)
+        print(f"silence {silence}: {json.dumps(out[f'silence_{silence}'])}", file=sys.stderr)
     if levels:
-        out["concurrency"] = [await concurrent(url, utts, n, args.session_turns, args.max_tokens) for n in levels]
+        out["concurrency"] = []
+        for n in levels:
+            out["concurrency"].append(await concurrent(url, utts, n, args.session_turns, args.max_tokens))
+            print(f"{n} sessions: {json.dumps(out['concurrency'][-1])}", file=sys.stderr)
         held = [c["sessions"] for c in out["concurrency"] if c["kept_up"]]
         out["sessions_at_real_time"] = max(held) if held else 0
     return out
