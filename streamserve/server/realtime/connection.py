@@ -69,9 +69,18 @@ class RealtimeConnection(ProtocolAdapter):
 
     def forget(self) -> None:
         """The connection ended: the Realtime API has no resume, so its session closes now (not after a TTL)."""
+        if self.current is not None:
+            self.current.cancel("client_cancelled")  # nobody hears it: its speech stops at once
         if self.session is not None and (entry := self.service.registry.find(self.session)) is not None:
             self.service.chats.forget(self.session)
             self.service.abandon(entry)
+
+    async def run(self) -> None:
+        try:
+            await super().run()
+        finally:  # the Listener's worker and any transcription in flight end with the connection
+            if self.audio is not None:
+                await self.audio.close()
 
     async def send(self, message: dict[str, Any]) -> None:
         await self.transport.send(E.encode(message))

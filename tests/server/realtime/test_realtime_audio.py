@@ -219,3 +219,28 @@ async def test_idle_timeout_triggers_a_response(voiced: None) -> None:
         assert "input_audio_buffer.timeout_triggered" in kinds
         assert kinds.index("input_audio_buffer.timeout_triggered") < kinds.index("response.created")
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_voice_connection_leaves_nothing_behind(voiced: None) -> None:
+    async with serve(ServerConfig(resume_ttl=3600.0), voice=True) as srv:
+        def state() -> tuple[int, int, int]:
+            st = srv.engine.stats()
+            return st["sessions_open"], st["kv_pages_used"], len(asyncio.all_tasks())
+
+        before = state()
+        c = await RawRealtime.connect(srv.http)
+        await c.send(user_text("In the beginning God created the heaven and the earth."))
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 200}})
+        await c.until("response.output_audio.delta")
+        for frame in [base64.b64encode(bytes(FRAME)).decode()] * 10:  # the Listener has work too
+            await c.send({"type": "input_audio_buffer.append", "audio": frame})
+        await c.close()  # mid-reply, mid-speech: reply, Speaker, Listener and session all end
+        after = state()
+        for _ in range(600):  # poll (at most ~30 s): the closes run on executors
+            if after == before:
+                break
+            await asyncio.sleep(0.05)
+            after = state()
+        assert after == before, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+        srv.engine.check_integrity()
