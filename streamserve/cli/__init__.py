@@ -25,8 +25,14 @@ that speaks English, pull one by name from the package index:
   streamserve models pull smollm2-135m-instruct
   streamserve chat --model smollm2-135m-instruct
 
+To talk to it by voice (the native protocol's audio, or OpenAI Realtime clients on /v1/realtime), install
+the voice extra and pull the voice models; `serve` loads them when they are there:
+
+  pip install "streamserve[voice]"
+  streamserve models pull whisper-base piper-joe silero-vad
+
 examples:
-  streamserve serve                          # the server on 127.0.0.1:8000 (WebSocket /v1/stream)
+  streamserve serve                          # 127.0.0.1:8000: WebSocket /v1/stream and /v1/realtime
   streamserve serve --port 9000 --window 1024 --sinks 4 --api-key-file ./key.txt
   STREAMSERVE_API_KEY=secret streamserve serve   # the key from the environment, not the command line
   streamserve generate --prompt "In the beginning" --max-tokens 40

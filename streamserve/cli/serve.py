@@ -12,13 +12,14 @@ from streamserve.config import EngineConfig, SchedulerConfig, ServerConfig, Sess
 
 def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     """Add this sub-command with `add_parser` (argparse's `add_subparsers().add_parser`)."""
-    serve = add_parser("serve", help="serve the model: WebSocket streaming sessions, health, metrics",
-                           description="Serve the model on one port: WS /v1/stream (the native msgpack protocol, "
-                                       "docs/protocol.md), GET /healthz, GET /metrics, POST "
-                                       "/v1/realtime/client_secrets (short-lived secrets for browsers). "
-                                       "--window/--sinks/"
-                                       "--positions are the defaults of sessions that do not choose. "
-                                       "SIGINT or SIGTERM shuts down gracefully.")
+    serve = add_parser("serve", help="serve the model: sessions (native, OpenAI Realtime), voice, health, metrics",
+                       description="Serve the model on one port: WS /v1/stream (the native msgpack protocol, "
+                                   "docs/protocol.md), WS /v1/realtime (OpenAI Realtime, docs/realtime.md), "
+                                   "GET /healthz, GET /metrics, POST /v1/realtime/client_secrets (short-lived "
+                                   "secrets for browsers). Audio in and out when the voice extra and the voice "
+                                   "models are installed (else refused; --no-voice skips loading them). "
+                                   "--window/--sinks/--positions are the defaults of sessions that do not choose. "
+                                   "SIGINT or SIGTERM shuts down gracefully.")
     add_config_args(serve, ServerConfig)
     add_config_args(serve, EngineConfig)
     add_config_args(serve, SessionConfig)
