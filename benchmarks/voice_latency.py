@@ -100,15 +100,13 @@ def synthesize(texts: tuple[str, ...]) -> tuple[list[Utterance], list[np.ndarray
         x = np.concatenate([r24.process(audio), r24.flush()])
         at16k.append(np.concatenate([r16.process(audio), r16.flush()]))
         voiced = np.nonzero(np.abs(x) > EOS_LEVEL)[0]
-        pcm = encode(x, AudioFormat())
-        pcm += bytes(-len(pcm) % FRAME_BYTES)  # whole frames
+        pcm = encode(x, AudioFormat()) + bytes(-2 * len(x) % FRAME_BYTES)  # padded to whole frames
         utts.append(Utterance(text, pcm, int(voiced[-1]) * 2 // FRAME_BYTES))
     return utts, at16k
 
 
 def need(name: str) -> Path:
-    path = installed(name)
-    if path is None:
+    if (path := installed(name)) is None:
         raise SystemExit(f"voice model {name} is not in the model cache: run `streamserve models pull {name}`")
     return path
 
@@ -363,11 +361,10 @@ async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace,
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="comma-separated models (default: default,smollm2-135m-instruct; "
-                                                  "SmolLM2 only when pulled; --quick: default)")
+                                                  "SmolLM2 when pulled; --quick: default)")
     ap.add_argument("--turns", type=int, default=None, help="turns per condition (default 10; --quick 2)")
     ap.add_argument("--sessions", default=None, help="concurrent sessions to try (default 1,2,4; --quick 1,2)")
-    ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (default 4; "
-                                                                     "--quick 2)")
+    ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (4; --quick 2)")
     ap.add_argument("--max-tokens", type=int, default=None, help="max_output_tokens per reply (default 40)")
     ap.add_argument("--quick", action="store_true", help="the default model, 2 turns, 1-2 sessions (CI smoke run)")
     args = ap.parse_args()
@@ -396,7 +393,6 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
-        print(f"{model}: {json.dumps(result['models'][model])}", file=sys.stderr)
     result["concurrency_model"], result["concurrency_silence_ms"] = models[0], 500
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on this machine skews every figure
     print(json.dumps(result))
