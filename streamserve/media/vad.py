@@ -154,6 +154,14 @@ class TurnDetector:
         """Milliseconds of audio fed to this stream so far."""
         return self._fed / _MS
 
+    @property
+    def silent_since_ms(self) -> float | None:
+        """While speaking: where the current run of silence began (the first window under the release threshold,
+        on the audio clock), i.e. the person may have stopped there; None when speech goes on or nobody speaks.
+        A hint only (no event): a SpeechStopped follows silence_duration_ms later unless speech resumes first,
+        which sets it back to None. The Listener starts its final transcription pass on it."""
+        return None if self._silence_start is None else self._silence_start / _MS
+
     def reset(self) -> None:
         """Forget speech and the VAD state (the audio clock keeps running); windows restart at the current sample."""
         self._stream.reset()

@@ -1,11 +1,18 @@
 """The Listener: one audio stream in -> turn events and transcript text out (protocol-neutral).
 
-    append(bytes) --decode + resample to 16 kHz + VAD (media executor)--> work queue --worker--> emit(event)
+    append(bytes) --decode + resample to 16 kHz + VAD (per-frame thread)--> work queue --worker--> emit(event)
 
-`append` does the cheap part on the media executor (decode, stateful resampling, Silero VAD; a few ms per 20 ms
-frame) and returns; the expensive part (Whisper passes) runs in ONE worker task per stream, so never two passes
-of one stream at once and never a pass on the event loop. The worker runs a pass only when the transcriber is
-`ready()` and nothing is queued behind it: a slow machine transcribes less often, never falls further behind.
+`append` does the cheap part on the runtime's per-frame thread (decode, resampling, Silero VAD; a few ms per 20 ms
+frame, never queued behind a Whisper pass) and returns; Whisper passes (on the runtime's speech-to-text thread) run
+in ONE worker task per stream, so never two passes of one stream at once. The worker runs a pass only when the
+transcriber is `ready()` and nothing is queued: a slow machine transcribes less often, never falls further behind.
+SpeechStopped goes out from `append` as soon as the VAD ends the turn (not behind a pass, whose words then go in
+the final delta: the events keep their order).
+The end of speech is transcribed speculatively: when the VAD first scores silence during speech (the person may
+have stopped: TurnDetector.silent_since_ms), the worker runs a pass over the utterance so far at once and holds
+back the audio after it. If the stop follows, that audio was the VAD's hangover and is dropped, so finish() needs
+no pass (the transcript is final max(silence_duration_ms, one pass) after the speech, not their sum); if speech
+resumes, the held audio goes to the transcriber and the pass was an ordinary step.
 What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
 (`audio_buffer_full`) instead of holding it.
 
@@ -37,7 +44,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("streamserve.voice")
 
 RATE = 16000  # what VAD and Whisper take
-HANGOVER_KEPT_MS = 200  # silence after the last voiced window still transcribed (a word's soft end, the VAD's window)
 _UNSET: Any = object()
 
 
@@ -83,10 +89,13 @@ class ListenerClosedError(StreamserveError):
 
 @dataclass
 class _Work:
-    kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset"
+    kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset",
+    # "silence" (the VAD scores silence since `ms`: speculate), "resume" (speech again before the stop)
     epoch: int
     samples: np.ndarray | None = None
     ms: int = 0  # start or end of speech on the stream's clock
+    n: int = 0  # start: the utterance's number
+    said: bool = False  # stop: its SpeechStopped already went out (from append, not behind a pass)
     done: asyncio.Future[Any] | None = None  # commit -> TranscriptDone | None; reset -> None
 
 
@@ -112,8 +121,13 @@ class Listener:
         self._utterance_start: int | None = None  # ms, while an utterance is open
         self._fed_ms = 0.0  # ms of 16 kHz audio produced (turn detection off: the utterance clock)
         self._clock_offset = 0.0  # ms of audio fed before the current detector (its clock starts at 0)
-        self._utterance_open = False  # the worker's view: the transcriber holds an utterance
-        self._start_ms = 0  # the worker's utterance's start
+        self._utterance_open, self._start_ms = False, 0  # the worker's view: the transcriber holds an utterance, from
+        self._silent_hint: float | None = None  # the detector's silent_since_ms last told to the worker
+        self._silent_ms: int | None = None  # the worker's view: a trailing silence began here (ms), audio held
+        self._held: list[np.ndarray] = []  # audio after a "silence" hint, [k] each; to the transcriber on resume
+        self._n = self._open_n = 0  # utterances started (append's count); the one whose start the worker sent
+        self._stop_said = False  # SpeechStopped of the worker's utterance already sent: its pass's words wait
+        self._deferred = ""  # ... here, for the final delta (events stay S (d|p)* E d? F)
         self._closed = False
         self._last: asyncio.Future[Any] | None = None  # the latest decode + VAD on the executor
         self._worker = asyncio.create_task(self._work(), name="streamserve-listener")
@@ -148,7 +162,7 @@ class Listener:
     @property
     def backlog_s(self) -> float:
         """Seconds of audio received and not yet covered by a transcription pass."""
-        return self._queued_s + self._untranscribed_s
+        return self._queued_s + self._untranscribed_s + sum(map(len, self._held)) / RATE
 
     # ---- input -----------------------------------------------------------------------------------------
     async def append(self, data: bytes) -> None:
@@ -164,21 +178,23 @@ class Listener:
             self._check_open()
             if self._last is not None:  # an append cancelled mid-way: its decode may still run on the executor
                 await asyncio.wait({self._last})
-            fut = self._last = asyncio.ensure_future(self.runtime.run(self._process, data))
+            fut = self._last = asyncio.ensure_future(self.runtime.run_light(self._process, data))
             x, events = await asyncio.shield(fut)
             if self._closed:
                 return
             self.audio_ms += ms
-            self._route(x, events)
+            for event in self._route(x, events):
+                await self._send(event, self._epoch)
 
     def _process(self, data: bytes) -> tuple[np.ndarray, list[Any]]:
-        """On the media executor: bytes -> [n] float32 at 16 kHz, and the VAD's events over them."""
+        """On the per-frame thread: bytes -> [n] float32 at 16 kHz, and the VAD's events over them."""
         x = self._input.feed(data)
         events = self._detector.feed(x) if self._detector is not None else []
         return x, events
 
-    def _route(self, x: np.ndarray, events: list[Any]) -> None:
-        """Queue the utterance's audio and the turn events of one append, in order."""
+    def _route(self, x: np.ndarray, events: list[Any]) -> list[ListenEvent]:
+        """Queue the utterance's audio and the turn events of one append, in order; -> the events to send now: a
+        SpeechStopped when the worker is on its utterance (so it never waits behind a Whisper pass)."""
         from streamserve.media.vad import SpeechStarted as VadStarted
 
         start_ms = self._fed_ms
@@ -190,18 +206,30 @@ class Listener:
             if self._fed_ms - self._utterance_start > 1e3 * self.max_buffer_s:  # as long as it may be: commit
                 self._put(_Work("stop", self._epoch, ms=int(self._fed_ms)))
                 self._utterance_start = None
-            return
+            return []
+        now: list[ListenEvent] = []
         if self._utterance_start is not None:  # speaking when this audio began: all of it is the utterance's
             self._put(_Work("audio", self._epoch, x, ms=int(start_ms)))
         for ev in events:
             if isinstance(ev, VadStarted):
-                self._utterance_start = int(ev.audio_start_ms + self._clock_offset)
-                self._put(_Work("start", self._epoch, ev.audio, ms=self._utterance_start))
+                self._utterance_start, self._silent_hint = int(ev.audio_start_ms + self._clock_offset), None
+                self._n += 1
+                self._put(_Work("start", self._epoch, ev.audio, ms=self._utterance_start, n=self._n))
             else:
                 if self._utterance_start is None:
                     continue  # a stop for an utterance commit() or clear() already ended
-                self._utterance_start = None
-                self._put(_Work("stop", self._epoch, ms=int(ev.audio_end_ms + self._clock_offset)))
+                self._utterance_start, self._silent_hint = None, None
+                stop = _Work("stop", self._epoch, ms=int(ev.audio_end_ms + self._clock_offset))
+                if self._utterance_open and self._open_n == self._n:
+                    stop.said = self._stop_said = True
+                    now.append(SpeechStopped(stop.ms))
+                self._put(stop)
+        silent = self._detector.silent_since_ms if self._utterance_start is not None else None
+        if silent != self._silent_hint:  # after this append's audio: the worker has it all when it speculates
+            self._silent_hint = silent
+            ms = int(silent + self._clock_offset) if silent is not None else 0
+            self._put(_Work("silence" if silent is not None else "resume", self._epoch, ms=ms))
+        return now
 
     def _put(self, work: _Work) -> None:
         if work.samples is not None:
@@ -216,7 +244,7 @@ class Listener:
         async with self._lock:
             if self._utterance_start is None:
                 return None
-            self._utterance_start = None
+            self._utterance_start, self._silent_hint = None, None
             if self._detector is not None:  # the detector's speech ends here too: no SpeechStopped will follow
                 self._detector.reset()
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
@@ -230,7 +258,7 @@ class Listener:
             self._epoch += 1
             self._queue.clear()
             self._queued_s = 0.0
-            self._utterance_start = None
+            self._utterance_start, self._silent_hint = None, None
             if self._detector is not None:
                 self._detector.reset()
             self._input = self._make_input(self.fmt)
@@ -243,8 +271,7 @@ class Listener:
         stream's work when this returns), nothing is emitted after."""
         if self._closed:
             return
-        self._closed = True
-        self._epoch += 1
+        self._closed, self._epoch = True, self._epoch + 1
         self._queue.clear()
         self._wake.set()
         try:
@@ -265,8 +292,8 @@ class Listener:
     async def _work(self) -> None:
         while not self._closed:
             if not self._queue:
-                if self._stt.ready() and self._utterance_open and self._untranscribed_s > 0:
-                    await self._pass("step", self._epoch)  # nothing queued: a pass over what the stream said
+                if self._stt.ready() and self._utterance_open and self._untranscribed_s > 0 and self._silent_ms is None:
+                    await self._pass("step", self._epoch)  # nothing queued, no trailing silence (it'd delay the final)
                     continue
                 self._wake.clear()
                 await self._wake.wait()
@@ -284,10 +311,19 @@ class Listener:
     async def _do(self, w: _Work) -> None:
         if w.samples is not None:
             self._queued_s = max(0.0, self._queued_s - len(w.samples) / RATE)
+        if w.kind not in ("audio", "silence"):  # any of these ends a trailing silence (and what it held back)
+            self._end_silence(keep=w.kind in ("resume", "commit"))  # commit: the client's end, all audio counts
+        if w.kind in ("reset", "start"):
+            self._stop_said, self._deferred, self._open_n = False, "", w.n
         if w.kind == "reset":
             self._stt.reset()
             self._untranscribed_s, self._utterance_open = 0.0, False
             self._settle(w, None)
+        elif w.kind == "silence":
+            self._silent_ms = w.ms
+            # Speculate only when nothing else is queued (a stop behind: finish() runs this pass; speech resumed)
+            if self._utterance_open and self._untranscribed_s > 0 and all(q.kind == "audio" for q in self._queue):
+                await self._pass("step", w.epoch)
         elif w.kind == "start":
             self._stt.reset()
             self._utterance_open, self._start_ms, self._untranscribed_s = True, w.ms, 0.0
@@ -297,25 +333,23 @@ class Listener:
             if not self._utterance_open:  # turn detection off: the first audio opens the utterance
                 self._stt.reset()
                 self._utterance_open, self._start_ms, self._untranscribed_s = True, w.ms, 0.0
-            if not self._after_speech(w):
+            if self._silent_ms is not None and w.samples is not None:  # maybe the VAD's hangover: held back
+                self._held.append(w.samples)
+            else:
                 self._add(w.samples)
-        else:  # stop or commit: the utterance ends; the rest is transcribed at once
-            if w.kind == "stop" and self._detector is not None:
+        elif w.kind != "resume":  # stop or commit: the utterance ends; the rest is transcribed at once
+            if w.kind == "stop" and self._detector is not None and not w.said:
                 await self._send(SpeechStopped(w.ms), w.epoch)
             done = await self._pass("finish", w.epoch, end_ms=w.ms) if self._utterance_open else None
             self._settle(w, done)
 
-    def _after_speech(self, w: _Work) -> bool:
-        """Whether audio `w` is the VAD's hangover: silence after the last voiced audio of an utterance whose stop is
-        already queued. It is left out of the transcription, so that a pass which covered the voiced audio leaves
-        nothing for the end of the utterance to transcribe (faster-whisper's finish then needs no pass)."""
-        if self.turn_detection is None:
-            return False
-        stop = next((q for q in self._queue if q.kind != "audio"), None)
-        if stop is None or stop.kind != "stop" or stop.epoch != w.epoch:
-            return False
-        voiced_end = stop.ms - self.turn_detection.silence_duration_ms
-        return w.ms >= voiced_end + HANGOVER_KEPT_MS
+    def _end_silence(self, keep: bool) -> None:
+        """A trailing silence is over: its held audio goes to the transcriber (`keep`: speech resumed, or a commit)
+        or is dropped (the VAD's stop: it was the hangover, the speculative pass covered the speech before it)."""
+        held, self._held, self._silent_ms = self._held, [], None
+        if keep:
+            for samples in held:
+                self._add(samples)
 
     def _add(self, samples: np.ndarray | None) -> None:
         if samples is not None and len(samples):
@@ -323,22 +357,26 @@ class Listener:
             self._untranscribed_s += len(samples) / RATE
 
     async def _pass(self, kind: str, epoch: int, end_ms: int = 0) -> TranscriptDone | None:
-        """One Whisper pass on the media executor (step: while speaking; finish: the end of the utterance)."""
+        """One Whisper pass on the speech-to-text thread (step: while speaking; finish: the end of the utterance)."""
         covered, before = self._untranscribed_s, self._stt.text
         t0 = time.perf_counter()
-        update: TranscriptUpdate = await self.runtime.run(self._stt.step if kind == "step" else self._stt.finish)
+        update: TranscriptUpdate = await self.runtime.run_stt(self._stt.step if kind == "step" else self._stt.finish)
         log.debug("streamserve: %s pass over %.2f s of audio in %.0f ms", kind, covered,
                   1e3 * (time.perf_counter() - t0))
         self._untranscribed_s = max(0.0, self._untranscribed_s - covered)
+        if kind == "step" and self._stop_said:  # SpeechStopped went out meanwhile: its words go in the final delta
+            self._deferred += update.committed
+            return None
         if kind == "step":
             if update.committed:
                 await self._send(TranscriptDelta(update.committed), epoch)
             if update.partial:
                 await self._send(TranscriptPartial(update.partial), epoch)
             return None
-        self._utterance_open, self._untranscribed_s = False, 0.0
-        if update.committed:
-            await self._send(TranscriptDelta(update.committed), epoch)
+        self._utterance_open, self._untranscribed_s, self._stop_said = False, 0.0, False
+        committed, self._deferred = self._deferred + update.committed, ""
+        if committed:
+            await self._send(TranscriptDelta(committed), epoch)
         full = (before + update.committed).strip()
         done = TranscriptDone(full, self._start_ms, max(end_ms, self._start_ms))
         await self._send(done, epoch)

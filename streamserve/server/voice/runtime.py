@@ -2,8 +2,13 @@
 
 Loaded once at start (`streamserve serve`, unless --no-voice) from the model cache: Silero VAD, Whisper base
 (faster-whisper) and the Piper voice. Their inference never runs on the event loop (every connection would
-stall) nor on the engine thread (decode would stall): `run` puts it on a media executor of its own, sized to
-the cores the engine leaves.
+stall) nor on the engine thread (decode would stall). Three executors, so cheap work never waits behind dear work:
+    run_light  decode, resampling and VAD of each incoming frame (~0.2 ms per 32 ms window): one thread of its
+               own, so a turn's end is detected exactly silence_duration_ms after the speech, even while a
+               Whisper pass (~1 s on a 2-core CPU) or a synthesis runs;
+    run_stt    Whisper passes, one at a time for the whole server: two at once on a small CPU would each take
+               twice as long, so both utterances would be final late instead of one on time;
+    run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves.
 """
 
 from __future__ import annotations
@@ -43,12 +48,14 @@ class VoiceRuntime:
     def __init__(self, vad: SileroVAD, whisper: Whisper, voice: PiperVoice, workers: int) -> None:
         self.vad, self.whisper, self.voice = vad, whisper, voice
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="streamserve-media")
+        self.light_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-vad")
+        self.stt_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-stt")
 
     @classmethod
     def load(cls, threads: int | None = None) -> VoiceRuntime:
         """The voice models from the model cache. VoiceUnavailableError when the voice extra is not installed
         (naming it) or a model is not pulled (naming the command). `threads`: cores each model's inference may
-        use (default: half the machine's, at least 1)."""
+        use (default: all of them for Whisper, half the machine's, at least 1, for the voice)."""
         for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
             require(module)
         paths = voice_model_paths()
@@ -57,17 +64,32 @@ class VoiceRuntime:
         from streamserve.media.vad import SileroVAD
 
         n = threads or max(1, (os.cpu_count() or 2) // 2)
-        runtime = cls(SileroVAD(paths["silero-vad"]), Whisper(paths["whisper-base"].parent, threads=n),
+        # Whisper gets every core: its passes run one at a time (run_stt) and mostly while the person speaks, when
+        # the engine is idle. Measured on the 2-core CPU, one pass over ~2 s of speech (30 s encoder window):
+        # 0.91 s with 2 threads, 1.35 s with 1; int8_float32 instead of int8: the same (1.38 s, 1 thread).
+        stt_threads = threads or os.cpu_count() or 2
+        runtime = cls(SileroVAD(paths["silero-vad"]), Whisper(paths["whisper-base"].parent, threads=stt_threads),
                       PiperVoice(paths["piper-joe"], threads=n), workers=max(2, n))
-        log.info("streamserve: voice models loaded (VAD, speech to text, text to speech; %d threads each)", n)
+        log.info("streamserve: voice models loaded (VAD, speech to text on %d threads, text to speech on %d)",
+                 stt_threads, n)
         return runtime
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:
         """fn(*args) on the media executor."""
         return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args))
 
+    async def run_light(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) on the per-frame thread: only work of a few ms (decode, resample, VAD), never a model pass
+        that takes longer, or every stream's turn detection would wait behind it."""
+        return await asyncio.get_running_loop().run_in_executor(self.light_executor, lambda: fn(*args))
+
+    async def run_stt(self, fn: Callable[..., T], *args: Any) -> T:
+        """fn(*args) (a Whisper pass) on the speech-to-text thread: passes of all streams one after another."""
+        return await asyncio.get_running_loop().run_in_executor(self.stt_executor, lambda: fn(*args))
+
     def close(self) -> None:
-        self.executor.shutdown(wait=False, cancel_futures=True)
+        for executor in (self.executor, self.light_executor, self.stt_executor):
+            executor.shutdown(wait=False, cancel_futures=True)
 
 
 __all__ = ["VOICE_EXTRA", "VoiceRuntime", "VoiceUnavailableError", "voice_model_paths"]
