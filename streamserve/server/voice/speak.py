@@ -137,20 +137,26 @@ class Speaker:
         return await asyncio.shield(fut)
 
     async def _emit_all(self) -> None:
-        while True:
-            item = await self._audio.get()
-            if item is _END:
-                return
-            text, data = item
-            start = self.audio_ms
-            if text:
-                self._spoken.append(_Spoken(text, start, start + self.fmt.duration_ms(len(data))))
-            for i in range(0, len(data), self._chunk_bytes):
-                if self._cancelled:
+        try:
+            while True:
+                item = await self._audio.get()
+                if item is _END:
                     return
-                chunk = data[i:i + self._chunk_bytes]
-                await self.emit(chunk)
-                self.audio_ms += self.fmt.duration_ms(len(chunk))
+                text, data = item
+                start = self.audio_ms
+                if text:
+                    self._spoken.append(_Spoken(text, start, start + self.fmt.duration_ms(len(data))))
+                for i in range(0, len(data), self._chunk_bytes):
+                    if self._cancelled:
+                        return
+                    chunk = data[i:i + self._chunk_bytes]
+                    await self.emit(chunk)
+                    self.audio_ms += self.fmt.duration_ms(len(chunk))
+        except BaseException:
+            # emit failed (or this task was cancelled): nobody drains the audio queue any more, so the synthesis
+            # task, which may be blocked putting into it, must stop too (else wait_idle() waits for ever)
+            self._synth.cancel()
+            raise
 
     # ---- what was heard ---------------------------------------------------------------------------------------
     @property
