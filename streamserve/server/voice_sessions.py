@@ -300,9 +300,7 @@ class VoiceSessions:
         st = self.states.get(session_id)
         if st is None or st.speak is None or self.runtime is None:
             return listener
-        if st.speaker is not None:
-            st.speaker.cancel()  # a reply starts while the last one's audio still plays: it gives way
-        return SpeakingReply(self, st, listener, session_id)
+        return SpeakingReply(self, st, listener, session_id)  # the last reply's audio gives way at its first delta
 
     def hush(self, session_id: str) -> None:
         """The session's reply is cancelled: its audio stops now too."""
@@ -363,6 +361,8 @@ class SpeakingReply:
                 await self.inner.push(ReplyAudio(self.session_id, response, data, fmt.rate, fmt.encoding,
                                                  fmt.channels))
 
+            if self.st.speaker is not None:  # this reply runs while the last one's audio still plays: it gives way
+                self.st.speaker.cancel()  # (not before: a refused respond must not silence the running reply)
             self.speaker = self.st.speaker = Speaker(self.voices.runtime, fmt, emit)
             self.voices.live.add(self.speaker)
         return self.speaker

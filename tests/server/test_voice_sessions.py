@@ -1,0 +1,104 @@
+"""Audio on sessions of the session service (server/voice_sessions.py), driven through SessionService directly with
+the real voice models and the default model: what a refused reply does to the running one's speech, voice settings,
+and what is left running after the service shuts down mid-reply.
+
+Needs the voice extra and models (skips naming them otherwise).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import pytest_asyncio
+from serving import default_engine, engine_paused
+from voice_assets import needs, voice_model
+
+from streamserve.config import ServerConfig
+from streamserve.engine import Engine
+from streamserve.errors import StreamserveError
+from streamserve.server.auth import Grant
+from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, ReplyAudioDone, ReplyDelta, ReplyDone
+from streamserve.server.service import SessionService
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+WAIT_S = 120  # a hang guard only
+SPEAK = {"speak": {"encoding": "pcm16", "rate": 24000, "channels": 1}}
+TEXT = "In the beginning God created the heaven and the earth."
+
+
+class Collector:
+    """A connection as the service sees it: everything pushed, and a way to wait for a kind of result."""
+
+    def __init__(self) -> None:
+        self.results: list[Any] = []
+        self.arrived = asyncio.Event()
+
+    async def push(self, result: Any) -> None:
+        self.push_nowait(result)
+
+    def push_nowait(self, result: Any) -> bool:
+        self.results.append(result)
+        self.arrived.set()
+        return True
+
+    async def wait_for(self, kind: type, n: int = 1) -> list[Any]:
+        while len(got := [r for r in self.results if isinstance(r, kind)]) < n:
+            self.arrived.clear()
+            await self.arrived.wait()
+        return got
+
+
+@pytest_asyncio.fixture(scope="module", loop_scope="module")
+async def parts() -> AsyncIterator[tuple[Engine, Any]]:
+    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
+        needs(module)
+    for name in ("whisper-base", "piper-joe", "silero-vad"):
+        voice_model(name)
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+    engine = await asyncio.to_thread(default_engine)
+    runtime = await asyncio.to_thread(VoiceRuntime.load)
+    yield engine, runtime
+    runtime.close()
+    engine.shutdown()
+
+
+def service_of(parts: tuple[Engine, Any]) -> SessionService:
+    engine, runtime = parts
+    return SessionService(engine, ServerConfig(), voice=runtime)
+
+
+async def opened_with_text(service: SessionService, voice: dict[str, Any] | None = SPEAK
+                           ) -> tuple[Collector, Any, str]:
+    col = Collector()
+    ctx = service.connect(col, Grant())
+    sid = (await service.open(ctx, OpenRequest(voice=voice))).session
+    await service.append(ctx, sid, AppendRequest(text=TEXT))
+    await asyncio.wait_for(col.wait_for(ChunkResult), WAIT_S)
+    return col, ctx, sid
+
+
+async def test_a_refused_reply_leaves_the_running_reply_speaking(parts: tuple[Engine, Any]) -> None:
+    """respond while a reply runs is refused (response_in_progress); the running reply's audio must go on (it was
+    cancelled: the new reply's speech took over before the new reply was known to start)."""
+    service = service_of(parts)
+    col, ctx, sid = await opened_with_text(service)
+    service.respond(ctx, sid, {"max_tokens": 200, "temperature": 0.0, "stop": []})
+    await asyncio.wait_for(col.wait_for(ReplyDelta), WAIT_S)  # the reply runs, and its Speaker exists
+    with engine_paused(service.engine):  # it cannot finish meanwhile: the second respond meets it running
+        assert not [r for r in col.results if isinstance(r, ReplyDone)]
+        speaker = service.audio.states[sid].speaker
+        assert speaker is not None
+        with pytest.raises(StreamserveError) as refused:
+            service.respond(ctx, sid, {"max_tokens": 4})
+        assert refused.value.code == "response_in_progress"
+        assert not speaker.cancelled  # the running reply still speaks
+    service.cancel(ctx, sid)
+    audio_done = (await asyncio.wait_for(col.wait_for(ReplyAudioDone), WAIT_S))[0]
+    assert audio_done.reason == "cancelled"  # by the cancel, now
+    await service.close(ctx, sid)
+    assert service.audio.active() == 0
