@@ -88,7 +88,8 @@ def render(result: Any, request_id: Any = None) -> dict[str, Any]:
             return render(result.error)
         return {"type": "ack", "session": result.session, "seq": result.seq, "tokens": result.tokens,
                 "queue_ms": result.queue_ms, "compute_ms": result.compute_ms,
-                "deadline_missed": result.deadline_missed, "shed": result.shed, "capture_time": result.capture_time}
+                "deadline_missed": result.deadline_missed, "shed": result.shed, "capture_time": result.capture_time,
+                "chunk_seq": result.chunk_seq}
     if isinstance(result, ReplyDelta):
         return {"type": "delta", "session": result.session, "response": result.response, "text": result.text,
                 "token_ids": result.token_ids}

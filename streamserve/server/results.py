@@ -109,6 +109,7 @@ class ChunkResult:
     deadline_missed: bool = False
     shed: bool = False
     error: ServiceError | None = None
+    chunk_seq: int | None = None  # the seq the chunk holds, when not `seq` (renumbered past transcripts: seqs.py)
 
 
 @dataclass(frozen=True)

@@ -14,13 +14,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any
 
 from streamserve.config import ACCELERATOR_STEP_TOKENS, SAMPLING_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
 from streamserve.engine import Engine, Session
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError
+from streamserve.server.acks import Acks
 from streamserve.server.auth import Grant
 from streamserve.server.chat import ChatSessions
 from streamserve.server.context import ClientContext, page_reservation
@@ -76,6 +77,8 @@ class SessionService:
         self.audio = VoiceSessions(voice, self.registry, self.chats, config.max_audio_buffer_s,  # audio in and out
                                    self.respond, self.cancel_session, self.spawn,
                                    model_encoder(engine) if voice is not None else None)
+        self.acks = Acks(self.registry, self.audio.seqs)  # chunk results to their session's connection (acks.py)
+        self.deliver, self.finish_chunk = self.acks.deliver, self.acks.finish
 
     # ---- what the server is --------------------------------------------------------------------------
     def info(self) -> ServerInfo:
@@ -255,6 +258,7 @@ class SessionService:
         try:
             await ctx.pending_acks.acquire()  # too many in flight: the adapter stops reading until acks go out
             acquired = True
+            kw["seq"] = self.audio.seqs.assign(s.id, req.seq, s.next_seq)  # renumbered past transcripts (seqs.py)
             if message is not None:  # rendered and appended in its turn, after the chat's earlier operations
                 fut = self.chats.add(s.id, message, {k: kw[k] for k in ("seq", "capture_time", "deadline")})
             elif long_text:  # tokenizing it on the event loop would stall every connection
@@ -277,30 +281,6 @@ class SessionService:
             return len(self.engine.tokenizer.encode(req.text, add_special_tokens=False))
         return len(await asyncio.get_running_loop().run_in_executor(
             self.tokenize_executor, lambda: self.engine.tokenizer.encode(req.text, add_special_tokens=False)))
-
-    async def finish_chunk(self, ctx: ClientContext, session_id: str, req: AppendRequest, n_tokens: int,
-                           fut: Future | asyncio.Future) -> None:
-        try:
-            try:
-                ack = await asyncio.wrap_future(fut)
-                result = ChunkResult(session_id, ack.seq, req.capture_time, ack.tokens, round(ack.queue_ms, 3),
-                                     round(ack.compute_ms, 3), ack.deadline_missed, ack.shed)
-            except Exception as e:
-                result = ChunkResult(session_id, req.seq, req.capture_time, error=service_error(e, session_id,
-                                                                                                req.seq))
-            await self.deliver(result)
-        finally:
-            ctx.queued_tokens -= n_tokens
-            ctx.pending_acks.release()
-
-    async def deliver(self, result: ChunkResult) -> None:
-        """A chunk's result goes to the connection holding its session now (none while detached), kept for a resume."""
-        entry = self.registry.find(result.session)
-        if entry is None:
-            return
-        entry.recent.append(result)
-        if entry.owner is not None:
-            await entry.owner.listener.push(result)
 
     def respond(self, ctx: ClientContext, session_id: str, params: dict[str, Any]) -> None:
         """Start a reply (a chat session's: server/chat.py); its ReplyDeltas and ReplyDone reach this connection."""
@@ -341,9 +321,11 @@ class SessionService:
                      to_message: int | None = None) -> Rewound:
         """Forget everything after token `to`, chunk `to_seq` or (chat sessions) the first `to_message` messages."""
         s = self.registry.get(ctx, session_id).session
-        n = await self.chats.rewind(session_id, to, to_seq, to_message)
+        at = self.audio.seqs.resolve(s.id, to_seq)  # the client's seq of a renumbered chunk -> the chunk's
+        n = await self.chats.rewind(session_id, to, at, to_message)
         if n is None:
-            n = await self.run_engine(s.rewind, to, to_seq)
+            n = await self.run_engine(s.rewind, to, at)
+        self.audio.seqs.rewound(s.id, to_seq)
         return Rewound(s.id, n, s.next_seq)
 
     def configure(self, ctx: ClientContext, session_id: str, sampling: dict[str, Any] | None,

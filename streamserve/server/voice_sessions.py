@@ -21,7 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
 from streamserve.media import VOICE_EXTRA, VoiceUnavailableError
@@ -32,45 +32,23 @@ from streamserve.server.results import (
     AudioInfo,
     ChunkResult,
     Committed,
-    ReplyAudio,
-    ReplyAudioDone,
-    ReplyDelta,
-    ReplyDone,
     ResultListener,
-    ServiceError,
     Transcript,
     TurnEvent,
     VoiceSettings,
     service_error,
 )
+from streamserve.server.seqs import ClientSeqs
 from streamserve.server.voice import listen as L
+from streamserve.server.voice_reply import SpeakingReply, VoiceState
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamserve.media.audio import AudioFormat
     from streamserve.media.encoder import AudioEncoder
-    from streamserve.media.vad import VADConfig
-    from streamserve.server.voice.embed import AudioEmbedder
     from streamserve.server.voice.runtime import VoiceRuntime
-    from streamserve.server.voice.speak import Speaker
 
 log = logging.getLogger("streamserve.voice")
 Respond = Callable[[Any, str, dict[str, Any]], None]  # (connection, session id, params): the service's respond
-
-
-@dataclass
-class VoiceState:
-    encoding: str = "pcm16"
-    rate: int | None = None  # None: each append says
-    channels: int = 1
-    vad: VADConfig | None = None  # None: turn detection off
-    create_response: bool = True
-    interrupt_response: bool = True
-    speak: AudioFormat | None = None  # reply audio format; None: text only
-    configured: bool = False  # set by open/configure (shown in opened/configured)
-    listener: L.Listener | None = None
-    embedder: AudioEmbedder | None = None  # the encoder path (a model that hears audio natively)
-    speaker: Speaker | None = None
-    message_open: bool = False  # a chat session: a user message is being streamed in (ChatSessions.begin)
 
 
 def _unavailable() -> VoiceUnavailableError:
@@ -88,6 +66,7 @@ class VoiceSessions:
         self.respond, self.cancel, self.spawn = respond, cancel, spawn
         self.states: dict[str, VoiceState] = {}
         self.live: set[Any] = set()  # Listeners and Speakers not yet stopped (a leak check's figure)
+        self.seqs = ClientSeqs()  # transcript chunks never cost the client an out-of-order seq (seqs.py)
 
     def info(self) -> AudioInfo | None:
         if self.runtime is None:
@@ -190,6 +169,7 @@ class VoiceSessions:
             st.listener.configure(fmt=fmt)
         t0 = time.perf_counter()
         await st.listener.append(req.audio or b"")
+        self.seqs.client_used(session_id, req.seq)
         entry = self.registry.find(session_id)
         seq = req.seq if req.seq is not None else (entry.session.next_seq if entry is not None else None)
         await deliver(ChunkResult(session_id, seq, req.capture_time, 0, 0.0, round(1e3 * (time.perf_counter() - t0),
@@ -260,6 +240,7 @@ class VoiceSessions:
         entry = self.registry.find(session_id)
         if entry is None or not text.strip():
             return None
+        self.seqs.server_took(session_id)
         if self.chats.get(session_id) is not None:
             if not st.message_open:
                 st.message_open = True
@@ -300,7 +281,8 @@ class VoiceSessions:
         st = self.states.get(session_id)
         if st is None or st.speak is None or self.runtime is None:
             return listener
-        return SpeakingReply(self, st, listener, session_id)  # the last reply's audio gives way at its first delta
+        # the last reply's audio gives way at this reply's first delta (voice_reply.py)
+        return SpeakingReply(self.runtime, self.live, self.spawn, st, listener, session_id)
 
     def hush(self, session_id: str) -> None:
         """The session's reply is cancelled: its audio stops now too."""
@@ -316,6 +298,7 @@ class VoiceSessions:
             self.spawn(self.free(st))
 
     def forget(self, session_id: str) -> None:
+        self.seqs.forget(session_id)
         st = self.states.pop(session_id, None)
         if st is not None:
             self.spawn(self.free(st))
@@ -339,61 +322,3 @@ class VoiceSessions:
     def active(self) -> int:
         """Listeners and Speakers not yet stopped, their media work included (a leak check's figure)."""
         return len(self.live)
-
-
-class SpeakingReply:
-    """A reply's ResultListener that also speaks it: text deltas feed a Speaker, whose audio follows the text."""
-
-    def __init__(self, voices: VoiceSessions, st: VoiceState, inner: ResultListener, session_id: str) -> None:
-        self.voices, self.st, self.inner, self.session_id = voices, st, inner, session_id
-        self.speaker: Speaker | None = None
-        self.response = ""
-
-    def speaker_for(self, response: str) -> Speaker:
-        if self.speaker is None:
-            from streamserve.server.voice.speak import Speaker
-
-            fmt = self.st.speak
-            assert fmt is not None and self.voices.runtime is not None
-            self.response = response
-
-            async def emit(data: bytes) -> None:
-                await self.inner.push(ReplyAudio(self.session_id, response, data, fmt.rate, fmt.encoding,
-                                                 fmt.channels))
-
-            if self.st.speaker is not None:  # this reply runs while the last one's audio still plays: it gives way
-                self.st.speaker.cancel()  # (not before: a refused respond must not silence the running reply)
-            self.speaker = self.st.speaker = Speaker(self.voices.runtime, fmt, emit)
-            self.voices.live.add(self.speaker)
-        return self.speaker
-
-    async def push(self, result: Any) -> None:
-        if isinstance(result, ReplyDelta) and result.text:
-            self.speaker_for(result.response).feed(result.text)
-        await self.inner.push(result)
-        if isinstance(result, ReplyDone):
-            self.voices.spawn(self.finish(result))
-
-    def push_nowait(self, result: Any) -> bool:
-        return self.inner.push_nowait(result)
-
-    async def finish(self, done: ReplyDone) -> None:
-        """The reply's text is complete: speak the rest, then mark the end of its audio."""
-        sp, reason = self.speaker, "done"
-        if sp is not None:
-            if done.reason in ("cancelled", "error", "closed"):
-                sp.cancel()
-            try:
-                await sp.finish()
-            except Exception as e:
-                log.exception("streamserve: a reply's speech failed")
-                await self.inner.push(ServiceError("internal_error", str(service_error(e).message), self.session_id))
-                reason = "error"
-            if sp.cancelled:
-                reason = "cancelled"
-            if self.st.speaker is sp:
-                self.st.speaker = None
-            await sp.wait_idle()
-            self.voices.live.discard(sp)
-        await self.inner.push(ReplyAudioDone(self.session_id, self.response or done.response, reason,
-                                             0.0 if sp is None else round(sp.audio_ms, 1)))

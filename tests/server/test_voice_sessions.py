@@ -102,3 +102,41 @@ async def test_a_refused_reply_leaves_the_running_reply_speaking(parts: tuple[En
     assert audio_done.reason == "cancelled"  # by the cancel, now
     await service.close(ctx, sid)
     assert service.audio.active() == 0
+
+
+async def test_transcript_chunks_never_cost_the_client_an_out_of_order_seq(parts: tuple[Engine, Any]) -> None:
+    """A client numbering its own chunks while the session's speech is appended as transcript chunks: a chunk whose
+    seq a transcript took meanwhile is appended (renumbered), acked with the client's seq and the seq it holds; a
+    seq the client itself used is still refused; rewind to the client's seq reaches the client's chunk."""
+    from streamserve.server.voice import listen as L
+
+    service = service_of(parts)
+    col = Collector()
+    ctx = service.connect(col, Grant())
+    sid = (await service.open(ctx, OpenRequest(voice={"turn_detection": False}))).session
+    entry = service.registry.find(sid)
+    assert entry is not None
+
+    async def append(seq: int, text: str) -> ChunkResult:
+        n = len([r for r in col.results if isinstance(r, ChunkResult)])
+        await service.append(ctx, sid, AppendRequest(seq=seq, text=text))
+        return (await asyncio.wait_for(col.wait_for(ChunkResult, n + 1), WAIT_S))[-1]
+
+    first = await append(0, TEXT)
+    assert first.seq == 0 and first.chunk_seq is None
+    await service.audio.on_event(sid, L.TranscriptDelta(" And God said"))  # the server numbers it: seq 1
+    said = next(r for r in col.results if type(r).__name__ == "Transcript")
+    assert said.seq == 1
+    mine = await append(1, " Let there be light.")  # the client's seq 1, sent before it heard of the transcript
+    assert mine.error is None, mine.error
+    assert mine.seq == 1 and mine.chunk_seq == 2
+    with pytest.raises(StreamserveError):  # the client's own seq again: out of order, as ever
+        await service.append(ctx, sid, AppendRequest(seq=1, text=" again"))
+    later = await append(2, " And there was light.")
+    assert later.error is None and later.seq == 2 and later.chunk_seq == 3
+    rewound = await service.rewind(ctx, sid, None, 1, None)  # keep through the client's chunk 1 (held as 2)
+    assert rewound.tokens == len(entry.session.token_ids) and rewound.tokens > 0
+    assert later.tokens > 0 and rewound.next_seq == 3
+    again = await append(2, " And God saw the light.")  # numbering from the rewind point again
+    assert again.error is None and again.seq == 2
+    await service.close(ctx, sid)

@@ -145,12 +145,15 @@ class Ack:
     round_trip_ms: float  # send to ack, measured here
     deadline_missed: bool = False
     shed: bool = False
+    chunk_seq: int | None = None  # the seq the chunk holds when the server renumbered it past a transcript chunk
 
     @classmethod
     def from_message(cls, m: dict[str, Any], round_trip_ms: float) -> Ack:
         """An `ack` message that `decode` checked."""
+        chunk_seq = m.get("chunk_seq")
         return cls(m["seq"], m.get("tokens") or 0, float(m.get("queue_ms") or 0.0), float(m.get("compute_ms") or 0.0),
-                   round_trip_ms, bool(m.get("deadline_missed")), bool(m.get("shed")))
+                   round_trip_ms, bool(m.get("deadline_missed")), bool(m.get("shed")),
+                   chunk_seq if isinstance(chunk_seq, int) and not isinstance(chunk_seq, bool) else None)
 
 
 @dataclass(frozen=True)
