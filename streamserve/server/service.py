@@ -343,7 +343,7 @@ class SessionService:
         entry = self.registry.get(ctx, session_id)
         self.registry.remove(session_id)  # its page reservation goes back to the connection with it
         self.chats.forget(session_id)
-        self.audio.forget(session_id)
+        await self.audio.free_all(session_id)  # its Listener and Speaker have stopped when `closed` goes out
         await self.run_engine(entry.session.close)
         return Closed(session_id, "client")
 

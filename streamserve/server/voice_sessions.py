@@ -57,6 +57,11 @@ def _unavailable() -> VoiceUnavailableError:
                                  "`streamserve models pull whisper-base piper-joe silero-vad`")
 
 
+def default_rate(encoding: str, other: int | None = 16000) -> int | None:
+    """The rate of audio that names none: G.711 is 8 kHz by definition; `other` for the rest."""
+    return 8000 if encoding in ("g711_ulaw", "g711_alaw") else other
+
+
 class VoiceSessions:
     def __init__(self, runtime: VoiceRuntime | None, registry: SessionRegistry, chats: ChatSessions,
                  max_buffer_s: float, respond: Respond, cancel: Callable[[str], None],
@@ -93,15 +98,17 @@ class VoiceSessions:
         if inp is not None:
             st.encoding, st.rate = inp.get("encoding", st.encoding), inp.get("rate", st.rate)
             st.channels = inp.get("channels", st.channels)
-            AudioFormat(st.encoding, st.rate or 16000, st.channels).check()
+            AudioFormat(st.encoding, st.rate or default_rate(st.encoding), st.channels).check()
         td = voice.get("turn_detection")
         if td is False:
             st.vad = None
-        elif td is not None:
-            st.vad = VADConfig(td.get("threshold", 0.5), td.get("prefix_padding_ms", 300),
-                               td.get("silence_duration_ms", 500), td.get("idle_timeout_ms")).check()
-            st.create_response = td.get("create_response", True)
-            st.interrupt_response = td.get("interrupt_response", True)
+        elif td is not None:  # keys left out keep the session's values (the defaults when it had none)
+            was = st.vad or VADConfig()
+            st.vad = VADConfig(td.get("threshold", was.threshold), td.get("prefix_padding_ms", was.prefix_padding_ms),
+                               td.get("silence_duration_ms", was.silence_duration_ms),
+                               td.get("idle_timeout_ms", was.idle_timeout_ms)).check()
+            st.create_response = td.get("create_response", st.create_response)
+            st.interrupt_response = td.get("interrupt_response", st.interrupt_response)
         speak = voice.get("speak")
         if speak is False:
             st.speak = None
@@ -150,11 +157,12 @@ class VoiceSessions:
         from streamserve.media.audio import AudioFormat, AudioFormatError
 
         st = self.state(session_id)
-        rate = req.rate if req.rate is not None else st.rate
+        encoding = req.encoding or st.encoding
+        rate = req.rate if req.rate is not None else st.rate if st.rate is not None else default_rate(encoding, None)
         if rate is None:
             raise AudioFormatError("audio needs its sample rate: send `rate` with the append, or set the session's "
                                    "voice input rate (open/configure voice.input.rate)")
-        fmt = AudioFormat(req.encoding or st.encoding, rate, req.channels or st.channels).check()
+        fmt = AudioFormat(encoding, rate, req.channels or st.channels).check()
         if self.encoder is not None:
             result = await self.embed(session_id, st, fmt, req)
             if isinstance(result, ChunkResult):
@@ -304,7 +312,9 @@ class VoiceSessions:
             self.spawn(self.free(st))
 
     async def free_all(self, session_id: str) -> None:
-        """The session closes with the server: its Listener and Speaker stop before this returns."""
+        """The session closes (by the client, or with the server): its Listener and Speaker stop before this
+        returns."""
+        self.seqs.forget(session_id)
         st = self.states.pop(session_id, None)
         if st is not None:
             await self.free(st)

@@ -140,3 +140,30 @@ async def test_transcript_chunks_never_cost_the_client_an_out_of_order_seq(parts
     again = await append(2, " And God saw the light.")  # numbering from the rewind point again
     assert again.error is None and again.seq == 2
     await service.close(ctx, sid)
+
+
+async def test_voice_settings_left_out_keep_their_value_and_g711_needs_no_rate(parts: tuple[Engine, Any]) -> None:
+    """configure: a turn_detection key left out keeps the session's value (as input's keys do); G.711 input is
+    8 kHz by definition, so it needs no rate (it was refused: checked at 16 kHz); out-of-range values are refused
+    with nothing changed."""
+    service = service_of(parts)
+    col = Collector()
+    ctx = service.connect(col, Grant())
+    sid = (await service.open(ctx, OpenRequest(voice={"turn_detection": {"threshold": 0.7,
+                                                                           "create_response": False}}))).session
+    v = service.configure(ctx, sid, None, None, {"turn_detection": {"silence_duration_ms": 800}}).voice
+    assert v is not None and v.turn_detection is not None
+    assert v.turn_detection["threshold"] == 0.7 and v.turn_detection["create_response"] is False
+    assert v.turn_detection["silence_duration_ms"] == 800
+    v = service.configure(ctx, sid, None, None, {"input": {"encoding": "g711_ulaw"}}).voice
+    assert v is not None and v.input["encoding"] == "g711_ulaw"
+    await service.append(ctx, sid, AppendRequest(audio=bytes(160)))  # 20 ms of mu-law, no rate given
+    ack = (await asyncio.wait_for(col.wait_for(ChunkResult), WAIT_S))[-1]
+    assert ack.error is None and ack.tokens == 0
+    with pytest.raises(StreamserveError) as bad:
+        service.configure(ctx, sid, None, None, {"turn_detection": {"threshold": 1.5}})
+    assert bad.value.code == "invalid_turn_detection"
+    v = service.configure(ctx, sid, None, None, None).voice
+    assert v is not None and v.turn_detection is not None and v.turn_detection["threshold"] == 0.7
+    await service.close(ctx, sid)
+    assert service.audio.active() == 0
