@@ -46,6 +46,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from streamserve.media.audio import AudioFormat
     from streamserve.media.encoder import AudioEncoder
     from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.voice.speak import Speaker
 
 log = logging.getLogger("streamserve.voice")
 Respond = Callable[[Any, str, dict[str, Any]], None]  # (connection, session id, params): the service's respond
@@ -300,16 +301,17 @@ class VoiceSessions:
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def detach(self, session_id: str) -> None:
-        """The session's connection is gone: its Listener and Speaker go (its settings stay for a resume)."""
+        """The session's connection is gone: its Listener and Speaker go (its settings stay for a resume). They are
+        taken from the session now, so a resume that comes before they have stopped starts afresh."""
         st = self.states.get(session_id)
         if st is not None:
-            self.spawn(self.free(st))
+            self.spawn(self.release(st))
 
     def forget(self, session_id: str) -> None:
         self.seqs.forget(session_id)
         st = self.states.pop(session_id, None)
         if st is not None:
-            self.spawn(self.free(st))
+            self.spawn(self.release(st))
 
     async def free_all(self, session_id: str) -> None:
         """The session closes (by the client, or with the server): its Listener and Speaker stop before this
@@ -317,12 +319,18 @@ class VoiceSessions:
         self.seqs.forget(session_id)
         st = self.states.pop(session_id, None)
         if st is not None:
-            await self.free(st)
+            await self.release(st)
 
-    async def free(self, st: VoiceState) -> None:
-        listener, speaker, st.listener, st.speaker = st.listener, st.speaker, None, None
+    def release(self, st: VoiceState) -> Coroutine[Any, Any, None]:
+        """Take the session's Listener, Speaker and embedder away now (its speech stops at once) -> what stops
+        them (await it: their media work ends)."""
+        listener, speaker, st.listener, st.speaker, st.embedder = st.listener, st.speaker, None, None, None
         if speaker is not None:
             speaker.cancel()
+        return self.stop(listener, speaker)
+
+    async def stop(self, listener: L.Listener | None, speaker: Speaker | None) -> None:
+        if speaker is not None:
             await speaker.wait_idle()
             self.live.discard(speaker)
         if listener is not None:

@@ -20,7 +20,15 @@ from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
 from streamserve.server.auth import Grant
-from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, ReplyAudioDone, ReplyDelta, ReplyDone
+from streamserve.server.results import (
+    AppendRequest,
+    ChunkResult,
+    OpenRequest,
+    ReplyAudio,
+    ReplyAudioDone,
+    ReplyDelta,
+    ReplyDone,
+)
 from streamserve.server.service import SessionService
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -166,4 +174,64 @@ async def test_voice_settings_left_out_keep_their_value_and_g711_needs_no_rate(p
     v = service.configure(ctx, sid, None, None, None).voice
     assert v is not None and v.turn_detection is not None and v.turn_detection["threshold"] == 0.7
     await service.close(ctx, sid)
+    assert service.audio.active() == 0
+
+
+async def test_shutdown_mid_reply_and_mid_speech_leaves_nothing_running() -> None:
+    """The server stops (SIGTERM) while a session is spoken to and its reply is being spoken: shutdown returns, no
+    Listener or Speaker is left, nor any of their tasks, and the media executor is shut."""
+    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
+        needs(module)
+    for name in ("whisper-base", "piper-joe", "silero-vad"):
+        voice_model(name)
+    import numpy as np
+
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+    engine = await asyncio.to_thread(default_engine)
+    runtime = await asyncio.to_thread(VoiceRuntime.load)
+    service = SessionService(engine, ServerConfig(), voice=runtime)
+    col, ctx, sid = await opened_with_text(service, {**SPEAK, "turn_detection": False})
+    tone = (0.3 * np.sin(np.arange(3200) * 0.1) * 32767).astype("<i2").tobytes()  # 200 ms at 16 kHz
+    for _ in range(5):  # a Listener mid-utterance (turn detection off: it goes on until a commit)
+        await service.append(ctx, sid, AppendRequest(audio=tone, rate=16000))
+    service.respond(ctx, sid, {"max_tokens": 200, "temperature": 0.0, "stop": []})
+    await asyncio.wait_for(col.wait_for(ReplyAudio), WAIT_S)
+    assert service.audio.active() == 2  # the Listener and the reply's Speaker
+    await asyncio.wait_for(service.shutdown(), WAIT_S)
+    assert service.audio.active() == 0
+    for _ in range(3):  # tasks cancelled by the shutdown end at their next turn of the loop
+        await asyncio.sleep(0)
+    left = [t.get_name() for t in asyncio.all_tasks()
+            if t.get_name().startswith(("streamserve-listener", "streamserve-speaker")) and not t.done()]
+    assert not left, left
+
+
+async def test_a_resume_right_after_a_disconnect_listens_afresh(parts: tuple[Engine, Any]) -> None:
+    """The connection drops mid-utterance and another resumes at once, before the old Listener has stopped: the
+    resumed session's audio goes to a new Listener (it went to the one being closed, and was dropped); once the old
+    one has stopped, only the new one is live; close leaves none."""
+    import numpy as np
+
+    service = service_of(parts)
+    _, ctx, sid = await opened_with_text(service, {"turn_detection": False})
+    tone = (0.3 * np.sin(np.arange(3200) * 0.1) * 32767).astype("<i2").tobytes()  # 200 ms at 16 kHz
+    await service.append(ctx, sid, AppendRequest(audio=tone, rate=16000))
+    old = service.audio.states[sid].listener
+    assert old is not None
+    token = service.registry.find(sid).resume_token  # type: ignore[union-attr]
+    service.disconnect(ctx)
+    col2 = Collector()
+    ctx2 = service.connect(col2, Grant())
+    await service.resume(ctx2, sid, token)
+    await service.append(ctx2, sid, AppendRequest(audio=tone, rate=16000))
+    new = service.audio.states[sid].listener
+    assert new is not None and new is not old
+    assert (await asyncio.wait_for(col2.wait_for(ChunkResult), WAIT_S))[-1].error is None
+    for _ in range(200):  # the old Listener stops in a task of its own (bounded wait)
+        if service.audio.active() == 1:
+            break
+        await asyncio.sleep(0.05)
+    assert service.audio.live == {new}
+    await service.close(ctx2, sid)
     assert service.audio.active() == 0
