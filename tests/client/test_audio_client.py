@@ -110,3 +110,38 @@ async def test_the_event_queue_is_bounded_and_drops_the_oldest_audio_first() -> 
     q.put(sc.SpeechStarted(5))  # after the end: nothing more
     assert [await asyncio.wait_for(q.get(), WAIT_S) for _ in range(4)][-1] == SessionEnded()
     assert len(q) == 0
+
+
+@pytest.mark.asyncio
+async def test_events_after_the_end_end_at_once() -> None:
+    """Reading events() again after the session ended returns at once (it waited for ever: the end was consumed)."""
+    q = EventQueue(capacity=4)
+    q.put(sc.SpeechStarted(0))
+    q.put(SessionEnded())
+    assert await q.get() == sc.SpeechStarted(0)
+    assert await q.get() == SessionEnded()
+    assert await asyncio.wait_for(q.get(), WAIT_S) == SessionEnded()  # again, and again
+    assert await asyncio.wait_for(q.get(), WAIT_S) == SessionEnded()
+
+
+@pytest.mark.asyncio
+async def test_audio_arrays_carry_their_channels_and_finite_samples_only(fake_server: FakeServer) -> None:
+    """A [n, channels] array is sent with its channel count (it went out as mono, twice as long); a channels
+    argument that contradicts the array, more than 2 dimensions, and NaN/inf samples are refused before sending."""
+    async with sc.connect(fake_server.url) as client:
+        session = await client.open_session(voice={"turn_detection": False})
+        stereo = np.array([[0, 100], [200, 300], [400, 500]], np.int16)  # [n=3, channels=2]
+        await session.append(audio=(stereo, 16000))
+        with pytest.raises(sc.InvalidInputError):
+            await session.append(audio=(stereo, 16000), channels=3)
+        with pytest.raises(sc.InvalidInputError):
+            await session.append(audio=(np.zeros((2, 2, 2), np.int16), 16000))
+        with pytest.raises(sc.InvalidInputError):
+            await session.append(audio=(np.array([0.1, np.nan], np.float32), 16000))
+        with pytest.raises(sc.InvalidInputError):
+            await session.append(audio=(np.array([0.1, np.inf], np.float32), 16000), encoding="float32")
+        await session.append(audio=(b"\x00\x00\x00\x00", 16000), channels=2)  # bytes: as the caller says
+    sent = [m for m in fake_server.received if m["type"] == "append"]
+    assert len(sent) == 2
+    assert sent[0]["channels"] == 2 and sent[0]["audio"] == stereo.astype("<i2").tobytes()
+    assert sent[1]["channels"] == 2

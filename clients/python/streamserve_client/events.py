@@ -122,6 +122,7 @@ class EventQueue:
         self._items: collections.deque[Event] = collections.deque()
         self._arrived = asyncio.Event()
         self._ended = False
+        self._end: SessionEnded = SessionEnded()  # the last event, kept: events() read again ends at once
 
     def __len__(self) -> int:
         return len(self._items)
@@ -133,7 +134,7 @@ class EventQueue:
             self._drop_one()
         self._items.append(event)
         if isinstance(event, SessionEnded):
-            self._ended = True
+            self._ended, self._end = True, event
         self._arrived.set()
 
     def _drop_one(self) -> None:
@@ -147,7 +148,10 @@ class EventQueue:
         self.dropped += 1
 
     async def get(self) -> Event:
+        """The oldest event; after the session's end has been read, that end again (never waits for ever)."""
         while not self._items:
+            if self._ended:
+                return self._end
             self._arrived.clear()
             await self._arrived.wait()
         return self._items.popleft()

@@ -108,15 +108,16 @@ class Session:
                      audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | None = None, *,
                      message: dict[str, str] | list[dict[str, str]] | None = None, seq: int | None = None,
                      capture_time: float | None = None,
-                     deadline_ms: float | None = None, kind: str | None = None, channels: int = 1,
+                     deadline_ms: float | None = None, kind: str | None = None, channels: int | None = None,
                      encoding: str = "pcm16") -> Ack:
         """Send a chunk (exactly one of text, token_ids, audio=(pcm, rate), image, or on a chat session
         message={"role": "system"|"user"|"assistant"|"tool", "content": str}, or a list of such messages
         appended together) and wait for its ack.
         `seq` defaults to the next number; `capture_time` (any clock) comes back in the ack's message;
         `deadline_ms`: how soon after it reaches the server the chunk should be in the KV cache.
-        Audio: raw bytes in `encoding` ("pcm16", "float32", "g711_ulaw", "g711_alaw") with `channels` interleaved,
-        or a numpy array (int16 or float samples in [-1, 1], [n] or [n, channels]) sent as `encoding`. Its ack
+        Audio: raw bytes in `encoding` ("pcm16", "float32", "g711_ulaw", "g711_alaw") with `channels` interleaved
+        (default 1), or a numpy array (int16 or finite float samples in [-1, 1], [n] or [n, channels]: `channels`
+        defaults to its shape's) sent as `encoding`. Its ack
         (0 tokens) says the server has it; what it hears comes as `events()`."""
         self._check()
         if sum(x is not None for x in (text, token_ids, audio, image, message)) != 1:
@@ -126,7 +127,8 @@ class Session:
                                "deadline_ms": deadline_ms, "kind": kind, "message": message}
         if audio is not None:
             pcm, rate = audio
-            msg.update(audio=audio_bytes(pcm, encoding), rate=int(rate), channels=int(channels), encoding=encoding)
+            channels = audio_channels(pcm, channels)
+            msg.update(audio=audio_bytes(pcm, encoding), rate=int(rate), channels=channels, encoding=encoding)
             self.channel.voice_on(self.id)
         if image is not None:
             msg["image"] = ndarray(np.asarray(image))
@@ -221,12 +223,28 @@ class Session:
             self.event_queue.put(event)
 
 
+def audio_channels(pcm: np.ndarray | bytes, channels: int | None) -> int:
+    """The channel count to send: bytes say none (`channels`, default 1); an array [n, c] has c (a `channels` that
+    contradicts it is refused: its samples would be read as another layout)."""
+    if isinstance(pcm, (bytes, bytearray, memoryview)):
+        return 1 if channels is None else int(channels)
+    shape = np.shape(pcm)
+    if len(shape) not in (1, 2):
+        raise InvalidInputError(f"audio arrays are [n] or [n, channels]; got shape {shape}")
+    have = 1 if len(shape) == 1 else shape[1]
+    if channels is not None and int(channels) != have:
+        raise InvalidInputError(f"channels={channels} but the audio array has {have} (shape {shape})")
+    return have
+
+
 def audio_bytes(pcm: np.ndarray | bytes, encoding: str) -> bytes:
     """Audio to send: bytes as they are; an array [n] or [n, channels] (int16, or float in [-1, 1]) in `encoding`
     (pcm16 or float32; G.711 is sent as bytes)."""
     if isinstance(pcm, (bytes, bytearray, memoryview)):
         return bytes(pcm)
     a = np.asarray(pcm)
+    if a.dtype.kind == "f" and not np.isfinite(a).all():  # the server refuses them; as pcm16 they would be noise
+        raise InvalidInputError("audio samples must be finite (NaN or inf found)")
     if encoding == "float32":
         return (a.astype("<f4") if a.dtype.kind == "f" else (a.astype(np.float32) / 32768)).astype("<f4").tobytes()
     if encoding != "pcm16":
