@@ -256,6 +256,8 @@ class RealtimeConnection(ProtocolAdapter):
 
     # ---- responses ----------------------------------------------------------------------------------------
     async def on_response_create(self, ev: E.ClientEvent) -> None:
+        if self.audio is not None:  # after the person's message (busy while they speak)
+            await self.audio.utterance_end()
         if self.current is not None:
             raise RealtimeError(f"Conversation already has an active response in progress: {self.current.id}. Wait "
                                 "for it to finish (response.done) or cancel it (response.cancel)",

@@ -83,6 +83,8 @@ class InputAudio:
         self.placeholder: Entry | None = None  # its place in the conversation, from its begin
         self.pending: list[asyncio.Future[Any]] = []  # its begin and extends, checked at its end
         self.after: list[tuple[Item, str]] = []  # truncations asked while it was open: done after its end
+        self.quiet = asyncio.Event()  # no utterance open: set once the last one is an announced item (or dropped)
+        self.quiet.set()
 
     @property
     def streaming(self) -> bool:
@@ -113,6 +115,16 @@ class InputAudio:
         await self.abort()
         self.item_id = None
 
+    async def utterance_end(self) -> None:
+        """Wait until the utterance being streamed in is an item (its speech has stopped: its last pass is left);
+        RealtimeError `conversation_busy` while the person still speaks (their message is open in the session, and
+        their next audio waits behind the caller's event, so waiting could not end)."""
+        if self.streaming and self.listener.speaking:
+            raise RealtimeError("the person is speaking: their message is being streamed into the session; send "
+                                "this after input_audio_buffer.speech_stopped (or commit the input audio buffer "
+                                "first)", "conversation_busy")
+        await self.quiet.wait()
+
     # ---- the utterance as a streamed user message -----------------------------------------------------------
     def chunk(self) -> dict[str, Any]:
         return {"seq": self.conn.next_seq()}
@@ -125,6 +137,7 @@ class InputAudio:
         self.pending.append(conn.service.chats.begin(conn.session, "user", self.chunk()))
         self.placeholder = Entry({"role": "user", "content": ""})
         conn.conv.entries.append(self.placeholder)
+        self.quiet.clear()
 
     async def extend(self, text: str) -> None:
         if not self.streaming:
@@ -161,6 +174,7 @@ class InputAudio:
             await conn.service.chats.abort(conn.session)
         conn.conv.entries = [e for e in conn.conv.entries if e is not self.placeholder]
         self.placeholder = None
+        self.quiet.set()
 
     # ---- the Listener's events -------------------------------------------------------------------------
     async def on_event(self, ev: Any) -> None:
@@ -206,6 +220,7 @@ class InputAudio:
         self.placeholder = None
         at = next((i for i, e in enumerate(conn.conv.entries) if e is placeholder), None)
         if message is None or at is None:
+            self.quiet.set()
             return
         item = Item(item_id, "user", [{"type": "input_audio", "audio": None, "transcript": message["content"]}])
         conn.conv.entries[at] = Entry(message, item)
@@ -214,6 +229,7 @@ class InputAudio:
         await conn.send(event("conversation.item.added", previous_item_id=previous, item=item.render()))
         await conn.send(event("conversation.item.done", previous_item_id=previous, item=item.render()))
         conn.announced.add(item_id)
+        self.quiet.set()  # a response asked for after the speech stopped follows this item
         if self.settings.transcription:
             seconds = max(0.0, (done.audio_end_ms - done.audio_start_ms) / 1e3)
             await conn.send(event("conversation.item.input_audio_transcription.completed", item_id=item_id,
@@ -282,6 +298,7 @@ class InputAudio:
 
     async def close(self) -> None:
         self.cancel_idle()
+        self.quiet.set()
         await self.listener.close()
         for fut in self.pending:  # the session closes with the connection: nothing waits for these
             if not fut.done():
