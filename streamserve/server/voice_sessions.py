@@ -304,8 +304,12 @@ class VoiceSessions:
         """The session's connection is gone: its Listener and Speaker go (its settings stay for a resume). They are
         taken from the session now, so a resume that comes before they have stopped starts afresh."""
         st = self.states.get(session_id)
-        if st is not None:
-            self.spawn(self.release(st))
+        if st is None:
+            return
+        if st.message_open:  # a chat session's spoken message, cut: taken out, or the chat would wait for its end
+            st.message_open = False
+            self.spawn(self.watch(session_id, self.chats.abort(session_id)))
+        self.spawn(self.release(st))
 
     def forget(self, session_id: str) -> None:
         self.seqs.forget(session_id)

@@ -235,3 +235,36 @@ async def test_a_resume_right_after_a_disconnect_listens_afresh(parts: tuple[Eng
     assert service.audio.live == {new}
     await service.close(ctx2, sid)
     assert service.audio.active() == 0
+
+
+async def test_a_chat_utterance_cut_by_a_disconnect_does_not_block_the_chat(
+        parts: tuple[Engine, Any], tmp_path_factory: pytest.TempPathFactory) -> None:
+    """A chat session's spoken user message is open (streamed in as it is said) when the connection drops: the
+    utterance is lost, as documented, and its message is taken out; after a resume the client's own message goes in
+    and is acked (it waited for ever for the cut message's end)."""
+    from chat_checkpoints import chat_checkpoint
+
+    from streamserve.server.voice import listen as L
+
+    folder = chat_checkpoint(tmp_path_factory.mktemp("voice-chat"), "chatml", seed=5)
+    engine = await asyncio.to_thread(Engine.from_pretrained, folder, device="cpu", kv_memory="64MiB")
+    try:
+        service = SessionService(engine, ServerConfig(), voice=parts[1])
+        col = Collector()
+        ctx = service.connect(col, Grant())
+        sid = (await service.open(ctx, OpenRequest(voice={"turn_detection": False}), chat=True)).session
+        await service.audio.on_event(sid, L.TranscriptDelta(" Hello there"))  # the person's message opens
+        assert service.chats.open_message(sid) is not None or service.audio.states[sid].message_open
+        token = service.registry.find(sid).resume_token  # type: ignore[union-attr]
+        service.disconnect(ctx)
+        col2 = Collector()
+        ctx2 = service.connect(col2, Grant())
+        await service.resume(ctx2, sid, token)
+        await service.append(ctx2, sid, AppendRequest(seq=5), {"role": "user", "content": "Good morning."})
+        ack = (await asyncio.wait_for(col2.wait_for(ChunkResult), WAIT_S))[-1]
+        assert ack.error is None and ack.tokens > 0
+        assert service.chats.open_message(sid) is None
+        assert [m["content"] for m in service.chats.chat(sid).messages if m["role"] == "user"] == ["Good morning."]
+        await service.close(ctx2, sid)
+    finally:
+        engine.shutdown()
