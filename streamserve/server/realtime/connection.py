@@ -21,9 +21,10 @@ from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Grant
 from streamserve.server.realtime import events as E
 from streamserve.server.realtime import settings as S
-from streamserve.server.realtime.conversation import Conversation, Entry, Item, common_prefix, message_of, parse_item
+from streamserve.server.realtime.conversation import Conversation, Entry, Item, common_prefix, message_of
 from streamserve.server.realtime.events import RealtimeError, event
 from streamserve.server.realtime.inbox import Inbox
+from streamserve.server.realtime.items import ItemEvents
 from streamserve.server.realtime.response import ResponseRun, usage
 from streamserve.server.results import (
     AppendRequest,
@@ -44,7 +45,7 @@ log = logging.getLogger("streamserve.server")
 KEEP_SPOKEN = 8  # recent audio responses whose Speaker is kept for conversation.item.truncate
 
 
-class RealtimeConnection(ProtocolAdapter):
+class RealtimeConnection(ItemEvents, ProtocolAdapter):
     def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter) -> None:
         super().__init__(service, transport, grant)
         self.messages = messages
@@ -208,51 +209,6 @@ class RealtimeConnection(ProtocolAdapter):
             acked = asyncio.get_running_loop().create_future()
             self.waiting[await self.append(wanted[kept:], event_id, item)] = acked
             await acked
-
-    # ---- conversation events ----------------------------------------------------------------------------
-    async def on_conversation_item_create(self, ev: E.ClientEvent) -> None:
-        new = parse_item(ev.body, self.conv)
-        position = self.conv.insert_position(new.previous_item_id)
-        item = new.item
-        if new.audio:
-            if self.audio is None:
-                raise S.no_voice("item.content")
-            item = await self.audio.transcribe_item(item, new.audio)
-        await self.add_item(item, position, ev.event_id)
-
-    async def on_conversation_item_retrieve(self, ev: E.ClientEvent) -> None:
-        item = self.conv.find(E.item_id(ev.body, "item_id", "item_id"), code="item_retrieve_invalid_item_id")
-        await self.send(event("conversation.item.retrieved", item=item.render()))
-
-    async def on_conversation_item_delete(self, ev: E.ClientEvent) -> None:
-        item = self.conv.find(E.item_id(ev.body, "item_id", "item_id"), code="item_delete_invalid_item_id")
-        await self.rebuild(self.conv.without(item), ev.event_id)
-        self.spoken.pop(item.id, None)
-        await self.send(event("conversation.item.deleted", item_id=item.id))
-
-    async def on_conversation_item_truncate(self, ev: E.ClientEvent) -> None:
-        """Cut an assistant audio item to what the person heard: the session is rewound to before it and the
-        assistant's message appended again as the Speaker's text of the first audio_end_ms."""
-        item = self.conv.find(E.item_id(ev.body, "item_id", "item_id"), code="item_truncate_invalid_item_id")
-        E.opt_int(ev.body, "content_index", "content_index", 0, 0)
-        end = E.opt_int(ev.body, "audio_end_ms", "audio_end_ms", 0, 1 << 31)
-        run = self.spoken.get(item.id)
-        if item.role != "assistant" or run is None or run.speaker is None or end is None:
-            raise RealtimeError("only an assistant message with audio, given audio_end_ms, can be truncated",
-                                "item_truncate_invalid_item_id", "item_id")
-        if end > run.speaker.audio_ms + 1:
-            raise RealtimeError(f"audio_end_ms {end} is past the item's audio ({run.speaker.audio_ms:.0f} ms)",
-                                "invalid_value", "audio_end_ms")
-        heard = run.speaker.heard_text(end)
-        if self.audio is not None and self.audio.streaming:  # the person speaks: the rewind waits for their turn
-            self.audio.after.append((item, heard))
-        else:
-            await self.truncate(item, heard, ev.event_id)
-        await self.send(event("conversation.item.truncated", item_id=item.id, content_index=0, audio_end_ms=end))
-
-    async def truncate(self, item: Item, heard: str, event_id: str | None = None) -> None:
-        self.conv.find(item.id)
-        await self.rebuild(self.conv.truncated(item, heard), event_id)
 
     # ---- responses ----------------------------------------------------------------------------------------
     async def on_response_create(self, ev: E.ClientEvent) -> None:
