@@ -83,11 +83,11 @@ $(PY):
 
 $(VENV)/.installed: pyproject.toml | $(PY)
 	$(TORCH_INSTALL)
-	$(PIP) install -e ".[voice]"
+	$(PIP) install -e ".[voice,vision,webrtc]"
 	touch $@
 
 $(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml clients/python/pyproject.toml
-	$(PIP) install -e ".[dev,voice]" -e clients/python
+	$(PIP) install -e ".[dev,voice,vision,webrtc]" -e clients/python
 	touch $@
 
 clean:
