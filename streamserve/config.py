@@ -91,6 +91,10 @@ class ServerConfig:
         "help": "do not load the voice models (speech to text, text to speech, voice activity): audio is refused. "
                 "Without this flag they load at start when the voice extra (pip install \"streamserve[voice]\") "
                 "and the models (streamserve models pull whisper-base piper-joe silero-vad) are there"})
+    no_vision: bool = field(default=False, metadata={
+        "help": "do not load the vision model (the classifier that names what a camera sees, for text-only models): "
+                "images are refused. Without this flag it loads at start when the vision extra (pip install "
+                "\"streamserve[vision]\") and the model (streamserve models pull efficientnet-lite0) are there"})
     max_audio_buffer_s: float = field(default=30.0, metadata={
         "help": "most seconds of input audio one stream may hold untranscribed (an utterance longer than this is "
                 "committed as it stands; audio sent faster than it is processed past this is refused)"})

@@ -26,9 +26,12 @@ class RunningServer:
         self.stopped = False
 
     @classmethod
-    async def start(cls, config: ServerConfig, load: Callable[[], Engine], voice: bool = False) -> RunningServer:
-        """`voice`: load the voice models too (slower to start; tests of audio ask for it)."""
-        server = Server(replace(config, host="127.0.0.1", port=0, no_voice=config.no_voice or not voice), load)
+    async def start(cls, config: ServerConfig, load: Callable[[], Engine], voice: bool = False,
+                    vision: bool = False) -> RunningServer:
+        """`voice` / `vision`: load the voice models / the vision model too (slower to start; tests of audio and of
+        images ask for them)."""
+        server = Server(replace(config, host="127.0.0.1", port=0, no_voice=config.no_voice or not voice,
+                                no_vision=config.no_vision or not vision), load)
         runner, port = await start(server)
         await asyncio.wait_for(server.ready.wait(), 120)
         assert server.engine is not None, server.load_error
@@ -55,8 +58,8 @@ class RunningServer:
 
 @contextlib.asynccontextmanager
 async def serve(config: ServerConfig, load: Callable[[], Engine] | None = None,
-                voice: bool = False) -> AsyncIterator[RunningServer]:
-    srv = await RunningServer.start(config, load or default_engine, voice)
+                voice: bool = False, vision: bool = False) -> AsyncIterator[RunningServer]:
+    srv = await RunningServer.start(config, load or default_engine, voice, vision)
     try:
         yield srv
     finally:

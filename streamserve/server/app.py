@@ -131,7 +131,8 @@ class Server:
         limits = engine.scheduler.limits
         step = self.step_tokens or max(limits.step_tokens or 0, limits.min_append_tokens)
         voice = None if self.config.no_voice else await asyncio.to_thread(load_voice)
-        self.service = SessionService(engine, self.config, self.session_defaults, step, voice)
+        vision = None if self.config.no_vision else await asyncio.to_thread(load_vision)
+        self.service = SessionService(engine, self.config, self.session_defaults, step, voice, vision)
         reg = engine.metrics.registry
         self.server_metrics = ServerMetrics(
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),
@@ -290,6 +291,19 @@ def load_voice() -> VoiceRuntime | None:
         log.warning("streamserve: no voice (audio is refused): %s", e)
     except Exception:  # a damaged voice model must not take text serving down with it
         log.exception("streamserve: the voice models failed to load (audio is refused)")
+    return None
+
+
+def load_vision() -> Any:
+    """The vision model (server/vision.py), or None (logged: what to install) when the extra or the model is missing."""
+    try:
+        from streamserve.server.vision import VisionRuntime
+
+        return VisionRuntime.load()
+    except (StreamserveError, ImportError) as e:
+        log.warning("streamserve: no vision (images are refused): %s", e)
+    except Exception:  # a damaged vision model must not take text serving down with it
+        log.exception("streamserve: the vision model failed to load (images are refused)")
     return None
 
 

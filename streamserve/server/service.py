@@ -64,9 +64,11 @@ STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_
 
 class SessionService:
     def __init__(self, engine: Engine, config: ServerConfig, session_defaults: SessionConfig = SESSION_DEFAULTS,
-                 step_tokens: int = ACCELERATOR_STEP_TOKENS, voice: VoiceRuntime | None = None) -> None:
+                 step_tokens: int = ACCELERATOR_STEP_TOKENS, voice: VoiceRuntime | None = None,
+                 vision: Any = None) -> None:
         self.engine, self.config, self.defaults = engine, config, session_defaults
         self.voice = voice  # the voice models (server/voice): None when not loaded, and audio is refused
+        self.vision = vision  # the vision model (server/vision.py): None when not loaded, and images are refused
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
                                         config.max_chunk_tokens, config.max_sessions)
