@@ -66,7 +66,10 @@ def render_hello(info: ServerInfo) -> dict[str, Any]:
                        "min_deadline_ms": lim.min_deadline_ms},
             "audio": None if info.audio is None else {
                 "input": info.audio.input, "output_rate": info.audio.output_rate, "voice": info.audio.voice,
-                "voice_rate": info.audio.voice_rate, "encodings": list(info.audio.encodings)}}
+                "voice_rate": info.audio.voice_rate, "encodings": list(info.audio.encodings)},
+            "image": None if info.image is None else {
+                "input": info.image.input, "model": info.image.model, "max_pixels": info.image.max_pixels,
+                "formats": ["jpeg", "png"]}}
 
 
 def render_voice(v: VoiceSettings | None) -> dict[str, Any] | None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
+import numpy as np
 
 PROTOCOL_VERSION = 1
 MAX_ID_CHARS = 128  # session ids, resume tokens and request ids
@@ -34,6 +35,10 @@ CHAT_ROLES = ("system", "user", "assistant", "tool")  # engine/chat.py's ROLES (
 MAX_CHAT_MESSAGES = 16  # messages in one append (appended together, as one chunk)
 # voice settings (open/configure `voice`); values are range-checked by the service (media's AudioFormat, VADConfig)
 FORMAT_KEYS = ("encoding", "rate", "channels")
+# images (append `image`): encoded bytes, or an array in openpi's form {__ndarray__: true, data, dtype, shape}
+IMAGE_DTYPES = ("|u1", "<f4", "<f8")  # uint8 0..255, float32/float64 0..1 (media/vision.py checks the values)
+NDARRAY_KEYS = ("__ndarray__", "data", "dtype", "shape")
+CHUNK_KINDS = ("text", "audio", "video", "image")  # an append's `kind`: only "video" may be shed under load
 VAD_KEYS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms", "create_response",
             "interrupt_response")
 
@@ -114,9 +119,9 @@ def _resume(f: _Fields) -> dict[str, Any]:
 
 def _append(f: _Fields) -> dict[str, Any]:
     out = {"seq": f.integer("seq", minimum=0), "capture_time": f.number("capture_time"),
-           "deadline_ms": f.number("deadline_ms", positive=True), "kind": f.choice("kind", ("text", "audio", "video")),
+           "deadline_ms": f.number("deadline_ms", positive=True), "kind": f.choice("kind", CHUNK_KINDS),
            "text": f.text("text"), "token_ids": f.int_list("token_ids"),
-           "audio": f.binary("audio"), "image": f.raw("image"), "rate": f.integer("rate", minimum=1),
+           "audio": f.binary("audio"), "image": f.image("image"), "rate": f.integer("rate", minimum=1),
            "channels": f.integer("channels", minimum=1), "encoding": f.text("encoding", max_chars=32)}
     out["message"] = f.chat_message("message", out["seq"])
     given = [k for k in ("text", "token_ids", "audio", "image", "message") if out[k] is not None]
@@ -212,8 +217,30 @@ class _Fields:
             raise self.error(f"{key} must be a list of at most {MAX_TOKEN_LIST} integers")
         return v
 
-    def raw(self, key: str) -> Any:
-        return self.get_field(key, False)
+    def image(self, key: str) -> bytes | np.ndarray | None:
+        """Encoded image bytes (msgpack bin), or an array in openpi's form -> a read-only numpy array viewing the
+        frame's bytes; its shape and values are checked by media/vision.py's decode_image."""
+        v = self.get_field(key, False)
+        if v is None or isinstance(v, bytes):
+            return v
+        if not isinstance(v, dict) or set(v) != set(NDARRAY_KEYS) or v["__ndarray__"] is not True:
+            raise self.bad_image(f"{key} must be JPEG/PNG bytes (msgpack bin) or an array {{__ndarray__: true, data, "
+                                 "dtype, shape}")
+        data, dtype, shape = v["data"], v["dtype"], v["shape"]
+        if dtype not in IMAGE_DTYPES:
+            raise self.bad_image(f"{key}: an image array's dtype is one of {list(IMAGE_DTYPES)}, got {dtype!r}")
+        if not (isinstance(shape, list) and len(shape) in (2, 3) and all(_is_int(n) and 0 <= n < 1 << 20
+                                                                          for n in shape)):
+            raise self.bad_image(f"{key}: an image array's shape is [H, W] or [H, W, C], got {shape!r}")
+        size = math.prod(shape) * np.dtype(dtype).itemsize
+        if not isinstance(data, bytes) or len(data) != size:
+            raise self.bad_image(f"{key}: shape {shape} of {dtype} needs {size} bytes of data, got "
+                                 f"{len(data) if isinstance(data, bytes) else type(data).__name__}")
+        return np.frombuffer(data, dtype=np.dtype(dtype)).reshape(shape)
+
+    def bad_image(self, message: str) -> ProtocolError:
+        return ProtocolError("invalid_image", f"{self.obj.get('type')}: {message}", request_id=self.request_id,
+                             session=self.session, seq=self.obj.get("seq") if _is_int(self.obj.get("seq")) else None)
 
     def binary(self, key: str) -> bytes | None:
         v = self.get_field(key, False)

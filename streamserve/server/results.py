@@ -60,6 +60,15 @@ class AudioInfo:
 
 
 @dataclass(frozen=True)
+class ImageInfo:
+    """What the server does with images (server/vision.py)."""
+
+    input: str  # "labels" (a classifier's labels as a text note, for text-only models) or "encoder" (the model's own)
+    model: str | None  # the classifier of the labels path (efficientnet-lite0)
+    max_pixels: int  # width * height of the largest image accepted
+
+
+@dataclass(frozen=True)
 class ServerInfo:
     model: str
     architecture: str
@@ -69,6 +78,7 @@ class ServerInfo:
     limits: Limits
     chat_template: bool = False  # whether the model has one: sessions may be opened with `chat`
     audio: AudioInfo | None = None  # None: no voice on this server (audio is refused)
+    image: ImageInfo | None = None  # None: no image input on this server (images are refused)
 
 
 @dataclass(frozen=True)
@@ -281,7 +291,8 @@ class AppendRequest:
     text: str | None = None
     token_ids: list[int] | None = None
     audio: bytes | None = None  # raw audio in `encoding` at `rate` with `channels` interleaved
-    image: Any = None
+    image: Any = None  # JPEG/PNG bytes or a decoded array (server/vision.py turns it into text or embeds)
+    embeds: Any = None  # a torch tensor [T, hidden]: an image through the model's own image encoder
     rate: int | None = None  # audio only: None takes the session's voice input rate
     channels: int | None = None
     encoding: str | None = None

@@ -6,7 +6,7 @@ before anything is taken), sampling checks and the client-secret scope. It never
 loop: operations that take the engine lock (open, rewind, close) run on a small executor of their own, long texts
 are tokenized on another, so a burst of long texts can never delay an open or a close.
 
-Per connection: a `ClientContext` (server/context.py). Audio: server/voice_sessions.py.
+Per connection: a `ClientContext` (server/context.py). Audio: server/voice_sessions.py. Images: server/vision.py.
 """
 
 from __future__ import annotations
@@ -43,14 +43,15 @@ from streamserve.server.results import (
     ServerInfo,
     ServiceError,
     Stats,
-    UnsupportedModalityError,
     WindowTooLargeError,
     service_error,
 )
+from streamserve.server.vision import ImageSessions, model_image_encoder
 from streamserve.server.voice.embed import model_encoder
 from streamserve.server.voice_sessions import VoiceSessions
 
 if TYPE_CHECKING:  # pragma: no cover
+    from streamserve.server.vision import VisionRuntime
     from streamserve.server.voice.runtime import VoiceRuntime
 log = logging.getLogger("streamserve.server")
 
@@ -65,7 +66,7 @@ STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_
 class SessionService:
     def __init__(self, engine: Engine, config: ServerConfig, session_defaults: SessionConfig = SESSION_DEFAULTS,
                  step_tokens: int = ACCELERATOR_STEP_TOKENS, voice: VoiceRuntime | None = None,
-                 vision: Any = None) -> None:
+                 vision: VisionRuntime | None = None) -> None:
         self.engine, self.config, self.defaults = engine, config, session_defaults
         self.voice = voice  # the voice models (server/voice): None when not loaded, and audio is refused
         self.vision = vision  # the vision model (server/vision.py): None when not loaded, and images are refused
@@ -79,19 +80,22 @@ class SessionService:
         self.audio = VoiceSessions(voice, self.registry, self.chats, config.max_audio_buffer_s,  # audio in and out
                                    self.respond, self.cancel_session, self.spawn,
                                    model_encoder(engine) if voice is not None else None)
+        self.images = ImageSessions(vision, model_image_encoder(engine), self.registry, self.audio.seqs,  # vision.py
+                                    lambda sid: self.chats.get(sid) is not None)
         self.acks = Acks(self.registry, self.audio.seqs)  # chunk results to their session's connection (acks.py)
         self.deliver, self.finish_chunk = self.acks.deliver, self.acks.finish
 
     # ---- what the server is --------------------------------------------------------------------------
     def info(self) -> ServerInfo:
         e, c = self.engine, self.config
-        audio = self.audio.info()
+        audio, image = self.audio.info(), self.images.info()
+        modalities = ("text", *(("audio",) if audio else ()), *(("image",) if image else ()))
         return ServerInfo(e.name, e.config.architecture, e.config.vocab_size, e.config.max_position_embeddings,
-                          ("text",) if audio is None else ("text", "audio"), Limits(
+                          modalities, Limits(
                               c.max_frame_bytes, c.max_chunk_tokens, c.max_sessions_per_connection,
                               c.messages_per_second, c.bytes_per_second, c.resume_ttl, c.max_reply_tokens,
                               self.max_window(), c.max_pages_per_connection, c.max_queued_tokens_per_connection,
-                              c.min_deadline_ms), self.chats.available, audio)
+                              c.min_deadline_ms), self.chats.available, audio, image)
 
     def max_window(self) -> int:
         """The largest window + sinks a session may ask for."""
@@ -236,10 +240,9 @@ class SessionService:
         s = self.registry.get(ctx, session_id).session
         if req.audio is not None:  # the session's Listener, or its model's encoder (server/voice_sessions.py)
             return await self.audio.append(ctx, session_id, req, self.deliver, self.finish_chunk)
+        if req.image is not None:  # its note (text or a chat message), or the model's image embeds (vision.py)
+            return await self.images.append(s.id, req, self.deliver, lambda r, m: self.append(ctx, session_id, r, m))
         message, req = self.chats.check_append(session_id, message, req)
-        if req.image is not None:
-            raise UnsupportedModalityError(f"this server accepts text, token_ids and audio; {self.engine.name} has "
-                                           "no vision input yet")
         limit = self.config.max_chunk_tokens
         too_many = req.token_ids is not None and len(req.token_ids) > limit
         too_long = req.text is not None and len(req.text) > limit * CHARS_PER_TOKEN
@@ -253,7 +256,7 @@ class SessionService:
                                      f"cache; {n_tokens} more would pass its limit of {cap}: wait for acks")
         now = time.monotonic()
         deadline = None if req.deadline_ms is None else now + self.floor_ms(req.deadline_ms) / 1e3
-        kw = {"text": req.text, "token_ids": req.token_ids, "seq": req.seq, "capture_time": now,
+        kw = {"text": req.text, "token_ids": req.token_ids, "embeds": req.embeds, "seq": req.seq, "capture_time": now,
               "deadline": deadline, "kind": req.kind or "text"}
         ctx.queued_tokens += n_tokens  # taken at the check: appends running at once count each other
         acquired = False
@@ -278,7 +281,7 @@ class SessionService:
     async def count_tokens(self, req: AppendRequest, long_text: bool) -> int:
         """Tokens a chunk adds, for the queued-token quota (text: without special tokens; the engine counts exactly)."""
         if req.text is None or self.config.max_queued_tokens_per_connection is None:
-            return len(req.token_ids or ())
+            return len(req.token_ids or ()) if req.embeds is None else len(req.embeds)
         if not long_text:
             return len(self.engine.tokenizer.encode(req.text, add_special_tokens=False))
         return len(await asyncio.get_running_loop().run_in_executor(
@@ -328,6 +331,7 @@ class SessionService:
         if n is None:
             n = await self.run_engine(s.rewind, to, at)
         self.audio.seqs.rewound(s.id, to_seq)
+        self.images.rewound(s.id)
         return Rewound(s.id, n, s.next_seq)
 
     def configure(self, ctx: ClientContext, session_id: str, sampling: dict[str, Any] | None,
@@ -345,6 +349,7 @@ class SessionService:
         entry = self.registry.get(ctx, session_id)
         self.registry.remove(session_id)  # its page reservation goes back to the connection with it
         self.chats.forget(session_id)
+        self.images.forget(session_id)
         await self.audio.free_all(session_id)  # its Listener and Speaker have stopped when `closed` goes out
         await self.run_engine(entry.session.close)
         return Closed(session_id, "client")
@@ -363,6 +368,7 @@ class SessionService:
         for entry in self.registry.expired():
             self.chats.forget(entry.session.id)
             self.audio.forget(entry.session.id)
+            self.images.forget(entry.session.id)
             await self.run_engine(entry.session.close)
 
     def announce_shutdown(self, ctx: ClientContext) -> None:
@@ -382,3 +388,6 @@ class SessionService:
         self.tokenize_executor.shutdown(wait=False)
         if self.voice is not None:
             self.voice.close()
+        self.images.close()
+        if self.vision is not None:
+            self.vision.close()
