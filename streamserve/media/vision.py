@@ -100,8 +100,8 @@ def decode_image(data: bytes | bytearray | memoryview | np.ndarray, max_pixels: 
         raise
     except UnidentifiedImageError:
         raise ImageError(f"the bytes are not a JPEG or PNG image (they start {data[:8].hex()})") from None
-    except Image.DecompressionBombError as e:  # Pillow's own guard (it trips on what passed ours only if lowered)
-        raise ImageError(f"the image is too large to decode: {e}") from None
+    except Image.DecompressionBombError as e:  # Pillow's own guard, at open: headers claiming > 179 M pixels
+        raise ImageError(f"the image is over the limit of {max_pixels} pixels ({e})") from None
     except (OSError, SyntaxError, ValueError, EOFError) as e:  # truncated or damaged data (Pillow raises these)
         raise ImageError(f"the image is damaged or truncated and cannot be decoded ({e})") from None
 

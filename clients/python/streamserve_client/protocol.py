@@ -70,7 +70,7 @@ class MessageSpec:
 # The server messages of protocol version 1 and the fields the client relies on (docs/protocol.md).
 SERVER_MESSAGES: dict[str, MessageSpec] = {
     "hello": MessageSpec({"protocol": _is_int}, {"limits": _is_map, "modalities": _is_list, "model": _is_str,
-                                                 "chat_template": _is_bool}),
+                                                 "chat_template": _is_bool, "image": _is_map}),
     "opened": MessageSpec({"id": _is_id, "session": _is_str, "resume_token": _is_str},
                           {"resumed": _is_bool, "next_seq": _is_int, "tokens": _is_int, "chat": _is_bool}),
     "ack": MessageSpec({"session": _is_str, "seq": _is_int},

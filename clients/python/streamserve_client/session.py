@@ -105,7 +105,7 @@ class Session:
         channel.attach(self.id, self.resume_token, self._on_lost, self._on_event, voice=bool(opened.get("voice")))
 
     async def append(self, text: str | None = None, token_ids: list[int] | None = None,
-                     audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | None = None, *,
+                     audio: tuple[np.ndarray | bytes, int] | None = None, image: np.ndarray | bytes | None = None, *,
                      message: dict[str, str] | list[dict[str, str]] | None = None, seq: int | None = None,
                      capture_time: float | None = None,
                      deadline_ms: float | None = None, kind: str | None = None, channels: int | None = None,
@@ -118,7 +118,11 @@ class Session:
         Audio: raw bytes in `encoding` ("pcm16", "float32", "g711_ulaw", "g711_alaw") with `channels` interleaved
         (default 1), or a numpy array (int16 or finite float samples in [-1, 1], [n] or [n, channels]: `channels`
         defaults to its shape's) sent as `encoding`. Its ack
-        (0 tokens) says the server has it; what it hears comes as `events()`."""
+        (0 tokens) says the server has it; what it hears comes as `events()`.
+        Image: JPEG or PNG bytes, or an array (uint8 [H, W, 3], [H, W, 4] or [H, W]; float values in [0, 1]; a
+        Pillow image works too), checked here before sending. On a text-only model the server appends a note of
+        what the image shows when that changed (`kind` "video" by default: sheddable); an unchanged scene is
+        acked with 0 tokens (docs/protocol.md, Images)."""
         self._check()
         if sum(x is not None for x in (text, token_ids, audio, image, message)) != 1:
             raise InvalidInputError("append takes exactly one of text, token_ids, audio, image, message")
@@ -131,7 +135,7 @@ class Session:
             msg.update(audio=audio_bytes(pcm, encoding), rate=int(rate), channels=channels, encoding=encoding)
             self.channel.voice_on(self.id)
         if image is not None:
-            msg["image"] = ndarray(np.asarray(image))
+            msg["image"] = image_payload(image, (self.channel.hello.get("image") or {}).get("max_pixels"))
         seq = self.next_seq if seq is None else seq
         msg["seq"] = seq
         limit = self.channel.hello.get("limits", {}).get("max_frame_bytes")
@@ -252,3 +256,31 @@ def audio_bytes(pcm: np.ndarray | bytes, encoding: str) -> bytes:
     if a.dtype.kind == "f":
         a = np.clip(np.rint(a * 32768.0), -32768, 32767)
     return a.astype("<i2").tobytes()
+
+
+JPEG_MAGIC, PNG_MAGIC = b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n"
+
+
+def image_payload(image: Any, max_pixels: int | None = None) -> bytes | dict[str, Any]:
+    """An image to send: JPEG/PNG bytes as they are; an array in openpi's form (uint8, or float32 in [0, 1]).
+    InvalidInputError for what the server would refuse (other bytes, shapes, dtypes, NaN, values out of range,
+    more pixels than the server's `max_pixels`)."""
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        data = bytes(image)
+        if not data.startswith((JPEG_MAGIC, PNG_MAGIC)):
+            raise InvalidInputError(f"image bytes must be a JPEG or PNG file (they start {data[:8].hex() or 'empty'}); "
+                                    "send other images as an array")
+        return data
+    a = np.asarray(image)
+    if a.ndim not in (2, 3) or (a.ndim == 3 and a.shape[2] not in (1, 3, 4)) or 0 in a.shape:
+        raise InvalidInputError(f"an image array is [H, W, 3], [H, W, 4] or [H, W]; got shape {list(a.shape)}")
+    if max_pixels is not None and a.shape[0] * a.shape[1] > max_pixels:
+        raise InvalidInputError(f"an image of {a.shape[1]} x {a.shape[0]} pixels is over the server's limit of "
+                                f"{max_pixels}; scale it down")
+    if a.dtype.kind == "f":
+        if not np.isfinite(a).all() or a.min() < 0.0 or a.max() > 1.0:
+            raise InvalidInputError("a float image array's values must be finite and in [0, 1]")
+        a = a.astype("<f4")
+    elif a.dtype != np.uint8:
+        raise InvalidInputError(f"an image array is uint8 (0..255) or float (0..1), not {a.dtype}")
+    return ndarray(a)
