@@ -20,6 +20,7 @@ export class Conversation {
     this.silenceMs = 500; // session.audio.input.turn_detection.silence_duration_ms
     this.turn = null; // {end, source, serverEnd} between speech_stopped and the first reply audio
     this.speaking = []; // assistant item ids of the running/last response (barge-in targets)
+    this.cut = new Set(); // truncated items whose heard text is asked for at the next response.created
   }
 
   entry(id, role) {
@@ -105,6 +106,8 @@ export class Conversation {
         break;
       case "response.created":
         this.speaking = [];
+        for (const id of this.cut) if (this.send) this.send({ type: "conversation.item.retrieve", item_id: id });
+        this.cut.clear();
         break;
       case "response.output_item.added":
         if (ev.item && ev.item.role === "assistant") {
@@ -125,8 +128,8 @@ export class Conversation {
         break;
       case "conversation.item.truncated":
         this.mark(ev.item_id, "(cut off: you interrupted)");
-        if (this.send) this.send({ type: "conversation.item.retrieve", item_id: ev.item_id }); // what was heard
-        break;
+        this.cut.add(ev.item_id); // retrieved at the next response: the server applies a truncate once the
+        break; //                    person's message has ended, and the next response follows that
       case "conversation.item.retrieved":
         this.heardText(ev.item);
         break;

@@ -205,5 +205,36 @@ class Browser:
         page.on("console", lambda m: self.console.append(f"{m.type}: {m.text}"))
         page.on("pageerror", lambda e: self.console.append(f"pageerror: {e}"))
         page.goto(url)
-        page.wait_for_function("window.__demo && window.__demo.ready")
+        page.wait_for_function("() => window.__demo && window.__demo.ready")
         return page
+
+
+def needs_voice() -> None:
+    """Skips (naming what to install or pull) unless the voice extra and the voice models are there."""
+    from voice_assets import needs, voice_model
+
+    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
+        needs(module)
+    for name in ("whisper-base", "piper-joe", "silero-vad"):
+        voice_model(name)
+
+
+def question_wav(path: Path, text: str, rate: int = 48000, lead_s: float = 0.6, tail_s: float = 9.0) -> Path:
+    """`text` spoken by the Piper voice with silence around it: Chromium's fake microphone loops the file, so the
+    question comes again every len(file) seconds (the second time while the reply plays: a barge-in)."""
+    from voice_assets import speech
+
+    silence = (np.zeros(int(rate * lead_s), np.float32), np.zeros(int(rate * tail_s), np.float32))
+    return write_wav(path, np.concatenate([silence[0], speech(text, rate=rate), silence[1]]), rate)
+
+
+def artifacts(name: str) -> Path:
+    """Where a test's screenshots go: $STREAMSERVE_ARTIFACTS or build/artifacts, per test."""
+    root = Path(os.environ.get("STREAMSERVE_ARTIFACTS", ROOT / "build" / "artifacts")) / "web" / name
+    root.mkdir(parents=True, exist_ok=True)
+    return root
+
+
+def demo(page: Any, expression: str) -> Any:
+    """A value of the page's test hook, e.g. demo(page, "latencies")."""
+    return page.evaluate(f"window.__demo.{expression}")

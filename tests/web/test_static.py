@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, web
-from yarl import URL
 from demo_server import with_demo
+from yarl import URL
 
 from streamserve.config import ServerConfig
 from streamserve.errors import StreamserveError
