@@ -9,6 +9,8 @@ the transport's (server/transport.py).
     WS   /v1/realtime                the OpenAI Realtime API, GA events (docs/realtime.md); `?model=` is accepted
                                      (the server serves its one model, which session.created names)
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
+    POST /v1/realtime/calls          a WebRTC call (SDP offer in, answer out; server/webrtc/, docs/webrtc.md);
+    DELETE /v1/realtime/calls/{id}   hangs it up (only when aiortc, the webrtc extra, is installed)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
 With an API key, /v1/stream and /v1/realtime need it or a live client secret (server/auth.py), /metrics and minting
@@ -109,6 +111,7 @@ class Server:
         self.app.on_cleanup.append(self.on_cleanup)
         self.background: list[asyncio.Task] = []
         self.ready = asyncio.Event()
+        self.calls = webrtc_calls(self)
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def on_startup(self, app: web.Application) -> None:
@@ -154,6 +157,8 @@ class Server:
 
     async def on_shutdown(self, app: web.Application) -> None:
         await asyncio.gather(*(self.say_goodbye(conn) for conn in list(self.connections)))
+        if self.calls is not None:  # their peers, tracks and tasks too
+            await self.calls.close_all()
 
     async def say_goodbye(self, conn: ProtocolAdapter) -> None:
         """Tell a connection which sessions close, give it 2 s to read that, close it; cut it if it will not."""
@@ -279,6 +284,18 @@ class Server:
         finally:
             self.connections.discard(conn)
         return ws
+
+
+def webrtc_calls(server: Server) -> Any:
+    """The WebRTC calls' routes added to the server's app (server/webrtc/), or None without aiortc (logged)."""
+    try:
+        from streamserve.server.webrtc.routes import Calls, routes
+    except ImportError as e:
+        log.info("streamserve: no WebRTC calls (install the webrtc extra): %s", e)
+        return None
+    calls = Calls(server)
+    server.app.add_routes(routes(calls))
+    return calls
 
 
 def load_voice() -> VoiceRuntime | None:

@@ -40,15 +40,18 @@ from streamserve.server.transport import Frame, Transport
 
 if TYPE_CHECKING:
     from streamserve.server.realtime.listening import InputAudio
+    from streamserve.server.realtime.media import MediaPath
 
 log = logging.getLogger("streamserve.server")
 KEEP_SPOKEN = 8  # recent audio responses whose Speaker is kept for conversation.item.truncate
 
 
 class RealtimeConnection(ItemEvents, ProtocolAdapter):
-    def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter) -> None:
+    def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter,
+                 media: MediaPath | None = None) -> None:
         super().__init__(service, transport, grant)
         self.messages = messages
+        self.media = media  # a WebRTC call's tracks (realtime/media.py); None: audio travels in events
         self.voice = service.voice is not None
         self.settings = S.Settings(model=service.engine.name, output_modalities=("audio",) if self.voice else ("text",),
                                    turn_detection=S.TurnDetection() if self.voice else None, id=E.new_id("sess_"))
@@ -101,19 +104,24 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
 
     # ---- greeting and dispatch -----------------------------------------------------------------------
     async def greet(self) -> None:
-        try:
-            opened = await self.service.open(self.ctx, OpenRequest(), chat=True)
-        except Exception as e:  # no chat template, no room: nothing can be served on this connection
-            await self.error(e)
-            await self.transport.close(P.CLOSE_BAD_CLIENT if E.from_service(e).kind == "invalid_request_error"
-                                       else P.CLOSE_INTERNAL, "cannot open the conversation's session")
-            return
+        if self.session is None:  # a WebRTC call opened it before answering its offer
+            try:
+                await self.open_session()
+            except Exception as e:  # no chat template, no room: nothing can be served on this connection
+                await self.error(e)
+                await self.transport.close(P.CLOSE_BAD_CLIENT if E.from_service(e).kind == "invalid_request_error"
+                                           else P.CLOSE_INTERNAL, "cannot open the conversation's session")
+                return
+        await self.send(event("session.created", session=S.render(self.settings)))
+
+    async def open_session(self) -> None:
+        """The conversation's chat session (and the input audio's Listener); raises what the service refuses."""
+        opened = await self.service.open(self.ctx, OpenRequest(), chat=True)
         self.session = opened.session
         if self.voice:
             from streamserve.server.realtime.listening import InputAudio
 
             self.audio = InputAudio(self)
-        await self.send(event("session.created", session=S.render(self.settings)))
 
     def parse(self, frame: Frame) -> E.ClientEvent:
         ev = E.parse(frame, self.service.config.max_frame_bytes)
@@ -161,15 +169,16 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         self.seq += 1
         return self.seq
 
-    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None) -> int:
+    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None,
+                     kind: str = "text") -> int:
         """Append entries' messages as one chunk (in the chat's order); its ack (conversation.item.done for `item`)
-        or error arrives pushed."""
+        or error arrives pushed. `kind`: the chunk's (video: a camera note, sheddable)."""
         assert self.session is not None
         seq = self.next_seq()
         msgs = [e.message for e in entries]
         self.acks[seq] = (item, event_id)
         try:
-            await self.service.append(self.ctx, self.session, AppendRequest(seq=seq),
+            await self.service.append(self.ctx, self.session, AppendRequest(seq=seq, kind=kind),
                                       msgs if len(msgs) > 1 else msgs[0])
         except BaseException:
             self.acks.pop(seq, None)
@@ -267,7 +276,9 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         self.service.cancel(self.ctx, self.session)
 
     async def on_output_audio_buffer_clear(self, ev: E.ClientEvent) -> None:
-        raise S.webrtc_only()
+        if self.media is None:
+            raise S.webrtc_only()
+        await self.media.clear()
 
     async def end_response(self, run: ResponseRun, reason: str, recorded: str | None, used: dict[str, int],
                            error: RealtimeError | None = None) -> None:
@@ -292,6 +303,8 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
                 self.idle.set()
             if self.audio is not None and recorded is not None:
                 self.audio.response_ended(run)
+            if self.media is not None and run.speaker is not None:
+                self.media.reply_done(run)
 
     # ---- audio events (listening.py) -------------------------------------------------------------------
     def input_audio(self) -> InputAudio:
@@ -300,6 +313,8 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         return self.audio
 
     async def on_input_audio_buffer_append(self, ev: E.ClientEvent) -> None:
+        if self.media is not None:
+            raise S.track_input()
         await self.input_audio().append(E.req_str(ev.body, "audio", "audio"))
 
     async def on_input_audio_buffer_commit(self, ev: E.ClientEvent) -> None:

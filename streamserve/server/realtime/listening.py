@@ -33,6 +33,8 @@ from streamserve.server.voice.listen import (
 from streamserve.server.voice.speak import Speaker
 
 if TYPE_CHECKING:
+    from streamserve.media.audio import AudioFormat
+    from streamserve.server.realtime.media import MediaPath
     from streamserve.server.service import ClientContext, SessionService
 
 WHISPER_RATE = 16000
@@ -49,6 +51,7 @@ class Host(Protocol):
     idle: asyncio.Event
     ctx: ClientContext
     announced: set[str]
+    media: MediaPath | None
 
     async def send(self, message: dict[str, Any]) -> None: ...
     async def error(self, e: BaseException, event_id: str | None = None) -> None: ...
@@ -75,7 +78,7 @@ class InputAudio:
         assert voice is not None
         self.runtime = voice
         s = conn.settings
-        self.listener = Listener(voice, s.input_audio, vad_config(s.turn_detection), self.on_event,
+        self.listener = Listener(voice, self.input_format(s), vad_config(s.turn_detection), self.on_event,
                                  max_buffer_s=conn.service.config.max_audio_buffer_s)
         self.item_id: str | None = None  # the user item the utterance being heard becomes
         self.idle_timer: asyncio.Task | None = None
@@ -94,8 +97,12 @@ class InputAudio:
     def settings(self) -> Settings:
         return self.conn.settings
 
+    def input_format(self, s: Settings) -> AudioFormat:
+        """The session's input format, or a WebRTC call's microphone track's (session formats are the WebSocket's)."""
+        return s.input_audio if self.conn.media is None else self.conn.media.input_format
+
     def configure(self, new: Settings) -> None:
-        self.listener.configure(fmt=new.input_audio, turn_detection=vad_config(new.turn_detection))
+        self.listener.configure(fmt=self.input_format(new), turn_detection=vad_config(new.turn_detection))
 
     # ---- client events ---------------------------------------------------------------------------------
     async def append(self, audio: str) -> None:
@@ -190,6 +197,8 @@ class InputAudio:
             if conn.current is not None and td is not None and td.interrupt_response and conn.session is not None:
                 conn.current.cancel("turn_detected")  # barge-in: its audio stops now, the reply within one step
                 conn.service.cancel(conn.ctx, conn.session)
+            if conn.media is not None and td is not None and td.interrupt_response:
+                await conn.media.interrupted()  # a call's track plays on after its response: cleared, truncated
         elif isinstance(ev, SpeechStopped):
             await conn.send(event("input_audio_buffer.speech_stopped", audio_end_ms=int(ev.audio_end_ms),
                                   item_id=self.current_id()))
@@ -251,7 +260,18 @@ class InputAudio:
 
     # ---- spoken responses and the idle timeout ---------------------------------------------------------
     def speaker(self, run: ResponseRun) -> Speaker:
-        return Speaker(self.runtime, self.settings.output_audio, run.audio_delta)
+        media = self.conn.media
+        if media is None:
+            return Speaker(self.runtime, self.settings.output_audio, run.audio_delta)
+        return Speaker(self.runtime, media.output_format, media.emitter(run))
+
+    async def truncate_heard(self, item: Item, heard: str) -> None:
+        """Cut an assistant item to what was heard: now, or (the person speaks: their message is open in the
+        session) right after their message ends."""
+        if self.streaming:
+            self.after.append((item, heard))
+        else:
+            await self.conn.truncate(item, heard)
 
     def response_ended(self, run: ResponseRun) -> None:
         td = self.settings.turn_detection

@@ -125,6 +125,11 @@ def webrtc_only() -> RealtimeError:
                          "(response.cancel) and truncate its item", "unsupported_event", "type")
 
 
+def track_input() -> RealtimeError:
+    return RealtimeError("over WebRTC the input audio is the microphone track: input_audio_buffer.append is not "
+                         "taken (commit and clear are)", "unsupported_event", "type")
+
+
 def check_format(fmt: Mapping[str, Any] | None, param: str) -> str | None:
     if fmt is None:
         return None
