@@ -135,7 +135,7 @@ def _from_array(a: np.ndarray, max_pixels: int) -> np.ndarray:
         out = out[:, :, None]
     if out.shape[2] == 1:
         out = np.repeat(out, 3, axis=2)
-    return np.ascontiguousarray(out[:, :, :3])  # a copy (or a new array): the caller's buffer is not kept
+    return np.array(out[:, :, :3], order="C")  # always a copy: the caller's buffer (a frame's, read-only) is not kept
 
 
 def preprocess(rgb: np.ndarray) -> torch.Tensor:

@@ -211,7 +211,10 @@ def test_decode_image_takes_png_jpeg_and_arrays() -> None:
     buf = io.BytesIO()
     deep.save(buf, "PNG")
     assert np.array_equal(V.decode_image(buf.getvalue())[:, :, 0], grey)  # 16 bits -> its top 8
-    assert np.array_equal(V.decode_image(rgb), rgb) and V.decode_image(rgb) is not rgb
+    ro = rgb.copy()
+    ro.flags.writeable = False  # as the protocol's arrays are (views of the frame)
+    assert np.array_equal(V.decode_image(ro), rgb) and not np.shares_memory(V.decode_image(ro), ro)
+    assert V.decode_image(ro).flags.writeable
     assert np.array_equal(V.decode_image(grey), np.dstack([grey] * 3))
     assert np.array_equal(V.decode_image(np.dstack([rgb, rgb[:, :, :1]])), rgb)
     assert np.array_equal(V.decode_image(rgb.astype(np.float32) / 255), rgb)
