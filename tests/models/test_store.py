@@ -242,6 +242,8 @@ def test_resolve_model_pulls_refuses_offline_or_passes_other_names(isolated_pip:
     for voice in ("whisper-base", "piper-joe", "silero-vad"):  # voice models are pulled, never served as an LLM
         with pytest.raises(UnknownModelError, match="voice model"):
             Store(tmp_path / "voice").resolve(voice, offline=True)
+    with pytest.raises(UnknownModelError, match="not an LLM"):  # nor is the image classifier
+        Store(tmp_path / "vision").resolve("efficientnet-lite0", offline=True)
 
 
 def test_streamserve_home_is_the_default_cache(isolated_pip: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -324,7 +326,7 @@ def test_cli_list_shows_the_catalog(tmp_path: Path) -> None:
     assert [r["name"] for r in rows] == list(CATALOG) and not any(r["installed"] for r in rows)
     assert {r["license"] for r in rows} == {"Apache-2.0", "Gemma Terms of Use", "MIT", "CC0-1.0"}
     assert {r["name"]: r["kind"] for r in rows if r["kind"] != "llm"} == {
-        "whisper-base": "stt", "piper-joe": "tts", "silero-vad": "vad"}
+        "whisper-base": "stt", "piper-joe": "tts", "silero-vad": "vad", "efficientnet-lite0": "vision"}
     assert all(r["path"].startswith(str(tmp_path / "models")) and r["size"] > 0 for r in rows)
     table = run_cli(tmp_path, "list").stdout
     assert "not installed" in table and "98 MB" in table and str(tmp_path) in table

@@ -72,3 +72,18 @@ def test_gemma3_in_the_cache_has_no_template_so_the_catalog_supplies_one() -> No
     assert "gemma3.block_count" in keys and "tokenizer.chat_template" not in keys  # the base model's file
     assert fallback_chat_template(path) == GEMMA_CHAT_TEMPLATE
     assert (path.parent / "GEMMA_TERMS.html").stat().st_size > 0 and Store().accepted("gemma3-270m")
+
+
+def test_efficientnet_lite0_in_the_cache_is_the_pinned_state_dict_with_its_licence() -> None:
+    import torch
+
+    from streamserve.models.catalog import VISION_MODELS, VOICE_MODELS
+
+    assert VISION_MODELS == ("efficientnet-lite0",) and "efficientnet-lite0" not in VOICE_MODELS
+    path = pulled("efficientnet-lite0")
+    entry = CATALOG["efficientnet-lite0"]
+    assert entry.kind == "vision" and path.name == entry.filename and path.stat().st_size == entry.size
+    assert Store().verify("efficientnet-lite0", progress=False)
+    assert (path.parent / "LICENSE").read_text().startswith("Apache Software License 2.0")
+    state = torch.load(path, map_location="cpu", weights_only=True)  # tensors only: no pickled code runs
+    assert state["_fc.weight"].shape == (1000, 1280) and state["_conv_stem.weight"].shape == (32, 3, 3, 3)
