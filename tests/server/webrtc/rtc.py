@@ -27,6 +27,17 @@ RATE = 48000
 FRAME = RATE // 50  # 20 ms
 
 
+def check_event(message: dict[str, Any]) -> None:
+    """`message` validates against the openai SDK's GA server-event union, every field its model defines present."""
+    from openai.types.realtime.realtime_server_event import RealtimeServerEvent
+    from pydantic import TypeAdapter
+
+    assert isinstance(message.get("event_id"), str) and message["event_id"], message
+    model = TypeAdapter(RealtimeServerEvent).validate_python(message)
+    missing = set(type(model).model_fields) - set(message)
+    assert not missing, f"{message['type']} lacks {missing}"
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
@@ -144,6 +155,7 @@ class CallClient:
 
     async def recv(self) -> dict[str, Any]:
         message = await asyncio.wait_for(self.events.get(), EVENT_TIMEOUT)
+        check_event(message)
         self.seen.append(message)
         return message
 
