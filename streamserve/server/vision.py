@@ -150,6 +150,7 @@ class ImageSessions:
         self.worker = vision.worker if vision is not None and encoder is None else Worker("streamserve-image")
         self.notes: dict[str, SceneNotes] = {}  # per session: the labels its last note named
         self.locks: dict[str, asyncio.Lock] = {}  # per session: images in arrival order (notes compare in order)
+        self.noted: dict[str, int] = {}  # per session: the seq of its last note chunk, until its ack is seen
 
     def info(self) -> ImageInfo | None:
         if self.encoder is not None:
@@ -173,6 +174,8 @@ class ImageSessions:
             except BaseException:
                 self.rewound(session_id)  # the note is not in the session: the next image notes its scene again
                 raise
+            if got[0].text is not None and got[0].seq is not None:
+                self.noted[session_id] = got[0].seq  # a sheddable text chunk: its ack is looked at later
 
     async def prepare(self, session_id: str, req: AppendRequest) -> tuple[AppendRequest, Any] | ChunkResult:
         """-> (the request to append in the image's place, the chat message or None), or the ChunkResult of an
@@ -188,6 +191,7 @@ class ImageSessions:
             return replace(req, image=None, embeds=torch.from_numpy(vectors), kind=req.kind or "video"), None
         assert self.vision is not None
         labels = await self.vision.describe(req.image)
+        self.check_last_note(session_id)
         if session_id not in self.notes and len(self.notes) >= len(self.registry) + 64:
             self.prune()
         note = self.notes.setdefault(session_id, SceneNotes()).update(labels)
@@ -206,8 +210,21 @@ class ImageSessions:
         assert self.encoder is not None
         return self.encoder.encode(decode_image(data))
 
+    def check_last_note(self, session_id: str) -> None:
+        """The session's last note chunk was shed (kind "video", under load) or failed: it is not in the session,
+        so the scene is noted again. Its result is among the session's recent ones once it has come."""
+        seq, entry = self.noted.get(session_id), self.registry.find(session_id)
+        if seq is None or entry is None:
+            return
+        result = next((r for r in reversed(entry.recent) if r.seq == seq), None)
+        if result is not None:
+            del self.noted[session_id]
+            if result.shed or result.error is not None:
+                self.rewound(session_id)
+
     def rewound(self, session_id: str) -> None:
         """The session lost chunks (perhaps its last note): the next image is noted again whatever it shows."""
+        self.noted.pop(session_id, None)
         notes = self.notes.get(session_id)
         if notes is not None:
             notes.reset()
@@ -219,6 +236,7 @@ class ImageSessions:
 
     def forget(self, session_id: str) -> None:
         self.notes.pop(session_id, None)
+        self.noted.pop(session_id, None)
         lock = self.locks.get(session_id)
         if lock is not None and not lock.locked():
             del self.locks[session_id]

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 import websockets
-from serving import RunningServer, default_engine, serve
+from serving import RunningServer, default_engine, engine_paused, serve
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
@@ -102,6 +102,27 @@ async def test_an_image_becomes_a_note_once_per_scene(seeing: RunningServer) -> 
         await s.close()
     images = seeing.server.service.images
     assert s.id not in images.notes and s.id not in images.locks  # a close forgets the session's scene
+
+
+async def test_a_shed_note_is_noted_again(seeing: RunningServer) -> None:
+    """A note is a "video" chunk: under load the engine may shed it (an older frame past its deadline with a newer
+    one queued). The session then lacks it, so the same scene is noted again at the next image."""
+    async with sc.connect(seeing.url) as client:
+        s = await client.open_session()
+        mouse = picture("input-mouse")
+        stats = seeing.engine.stats
+        with engine_paused(seeing.engine):
+            note = asyncio.ensure_future(s.append(image=mouse, deadline_ms=20))
+            await until(lambda: stats()["queued_chunks"] == 1)
+            newer = asyncio.ensure_future(s.append(text=" (a newer frame)", kind="video", deadline_ms=20))
+            await until(lambda: stats()["queued_chunks"] == 2)
+            await asyncio.sleep(0.1)  # both deadlines pass while the engine is held
+        first, second = await asyncio.wait_for(asyncio.gather(note, newer), WAIT_S)
+        assert first.shed and first.tokens == 0 and not second.shed
+        assert "The camera shows" not in session_text(seeing, s.id)
+        assert (await s.append(image=mouse)).tokens > 0  # not taken for already said
+        assert "The camera shows: mouse" in session_text(seeing, s.id)
+        await s.close()
 
 
 async def test_a_chat_session_gets_the_note_as_a_user_message(seeing: RunningServer) -> None:
