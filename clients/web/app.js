@@ -23,7 +23,7 @@ const state = {
 };
 window.__demo = state;
 
-const creds = new Credentials();
+const creds = new Credentials((key) => { if (key) $("key").value = key; });
 const conv = new Conversation({
   log: $("log"), empty: $("empty"), latency: $("latency"), latencies: $("latencies"), cameraNote: $("camera-note"),
   info: { model: $("info-model"), session: $("info-session"), voice: $("info-voice"), vad: $("info-vad") },
@@ -41,6 +41,7 @@ function setStatus(kind, text) {
 }
 
 function showError(message) {
+  if (state.errors[state.errors.length - 1] === message) return; // the same again (e.g. per audio frame): once
   state.errors.push(message);
   const p = document.createElement("p");
   p.textContent = message;
@@ -131,6 +132,7 @@ async function start() {
   busy = true;
   $("start").disabled = true;
   $("errors").replaceChildren();
+  state.errors = [];
   setStatus("connecting", "Connecting…");
   const c = { graph: null, transport: null, mic: null, cam: null, poll: 0, quiet: 0 };
   try {
@@ -162,6 +164,11 @@ async function start() {
     $("info-transport").textContent = c.transport.name === "webrtc" ? "WebRTC" : "WebSocket (/v1/realtime)";
     if (c.cam && c.transport.name !== "webrtc") {
       $("camera-note").textContent = "Preview only: camera frames reach the model over WebRTC, not the WebSocket.";
+    }
+    if (c.transport.voice === false) {
+      showError("this server has no voice: it answers text only. Install the voice extra (pip install " +
+        "\"streamserve[voice]\"), pull the voice models (streamserve models pull whisper-base piper-joe " +
+        "silero-vad) and restart it");
     }
     c.poll = setInterval(poll, POLL_MS);
     configure(c.transport);
@@ -262,6 +269,5 @@ $("camera").addEventListener("change", toggleCamera);
 $("key").addEventListener("change", (e) => creds.setKey(e.target.value.trim()));
 if (params.get("camera") === "1") $("camera").checked = true;
 if (params.get("transport")) $("transport").value = transportChoice();
-if (creds.key) $("key").value = creds.key;
 window.addEventListener("pagehide", () => stop());
 state.ready = true;

@@ -8,11 +8,21 @@
 // the page keeps the values in memory only (no storage).
 
 export class Credentials {
-  constructor() {
+  constructor(onKey = () => {}) {
+    this.token = this.key = null;
+    this.onKey = onKey;
+    this.readFragment();
+    window.addEventListener("hashchange", () => this.readFragment()); // a key pasted into the open page's URL
+  }
+
+  readFragment() {
     const params = new URLSearchParams(location.hash.slice(1));
-    this.token = params.get("token");
-    this.key = params.get("key");
-    if (this.token || this.key) history.replaceState(null, "", location.pathname + location.search);
+    this.token = params.get("token") || this.token;
+    this.key = params.get("key") || this.key;
+    if (params.has("token") || params.has("key")) {
+      history.replaceState(null, "", location.pathname + location.search);
+      this.onKey(this.key);
+    }
   }
 
   setKey(key) {

@@ -59,9 +59,10 @@ export class Conversation {
     return span.textContent;
   }
 
-  mark(id, note) {
+  mark(id, note, keep = false) {
     const li = this.entries.get(id);
     if (!li) return;
+    if (keep && li.querySelector(".note")) return; // a truncation's note says more than the response's status
     li.setAttribute("aria-busy", "false");
     li.classList.remove("partial");
     let tag = li.querySelector(".note");
@@ -189,10 +190,8 @@ export class Conversation {
     for (const item of response.output || []) {
       const reply = this.state.replies.find((r) => r.id === item.id);
       if (reply) reply.status = response.status;
-      if (response.status === "cancelled") this.mark(item.id, "(interrupted)");
-      else if (response.status === "incomplete") this.mark(item.id, "(length limit)");
-      else if (response.status === "failed") this.mark(item.id, "(failed)");
-      else this.mark(item.id, "");
+      const note = { cancelled: "(interrupted)", incomplete: "(length limit)", failed: "(failed)" }[response.status];
+      this.mark(item.id, note || "", true);
     }
   }
 

@@ -49,6 +49,8 @@ export class WebSocketTransport {
     }).catch(async (e) => {
       throw new Error(await explainRefusal(e, credential));
     });
+    let greeted;
+    const greeting = new Promise((resolve) => { greeted = resolve; });
     ws.onmessage = (e) => {
       let ev;
       try {
@@ -56,20 +58,28 @@ export class WebSocketTransport {
       } catch {
         return;
       }
-      if (ev.type === "response.output_audio.delta") this.play(ev);
+      if (ev.type === "session.created") greeted(ev.session);
+      else if (ev.type === "response.output_audio.delta") this.play(ev);
       else if (ev.type === "response.output_item.added" && ev.item) this.running.add(ev.item.id);
       else if (ev.type === "response.done") this.responseDone(ev.response);
       this.onEvent(ev);
     };
-    ws.onclose = (e) => {
-      this.ws = null;
-      this.onClose(e.code === 1000 || e.code === 1005 ? null : closeText(e));
-    };
+    const closed = new Promise((_, reject) => {
+      ws.onclose = (e) => {
+        this.ws = null;
+        reject(new Error(closeText(e)));
+        this.onClose(e.code === 1000 || e.code === 1005 ? null : closeText(e));
+      };
+    });
+    // the session says whether the server listens (voice models): without them the mic is metered, not sent
+    const session = await Promise.race([greeting, closed]);
+    this.voice = Boolean(session.audio && session.audio.input && session.audio.input.turn_detection) ||
+      (session.output_modalities || []).includes("audio");
     this.graph.attachPlayer((m) => {
       if (m.type === "cleared" && m.id && m.playedMs > 0) this.truncate(m.id, m.playedMs);
       this.onPlayer(m);
     });
-    this.graph.attachMic(micStream, (pcm) => this.sendAudio(pcm));
+    this.graph.attachMic(micStream, this.voice ? (pcm) => this.sendAudio(pcm) : null);
   }
 
   sendAudio(pcm) {

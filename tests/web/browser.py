@@ -17,6 +17,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import wave
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -28,6 +29,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 CHROMIUM = os.environ.get("STREAMSERVE_CHROMIUM", "/usr/bin/chromium")
+ALIAS = "127.0.0.2"  # on lo inside the namespace: the server's ICE host candidate
 INSTALL = "apt-get install -y chromium && pip install playwright (never `playwright install`)"
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-quic", "--no-first-run",
          "--disable-background-networking", "--disable-component-update", "--disable-sync",
@@ -72,16 +74,18 @@ def write_y4m(path: Path, frames: list[np.ndarray], fps: int = 10) -> Path:
     return path
 
 
-def test_pattern(h: int = 240, w: int = 320, n: int = 20) -> list[np.ndarray]:
-    """A moving colour gradient: frames that change (the camera is live) and are not one flat colour."""
+def camera_frames(h: int = 240, w: int = 320, n: int = 10) -> list[np.ndarray]:
+    """A black-and-white checkerboard, drifting a pixel a frame: the server's ImageNet classifier names it
+    ("crossword puzzle", p ~ 0.4, above the note threshold), so the camera has something to report."""
     yy, xx = np.mgrid[0:h, 0:w]
-    return [np.stack([(xx * 255 // w + 12 * i) % 256, yy * 255 // h, ((xx + yy) // 3 + 20 * i) % 256],
-                     axis=-1).astype(np.uint8) for i in range(n)]
+    return [np.repeat(((((yy // 30) + ((xx + i) // 30)) % 2) * 255).astype(np.uint8)[..., None], 3, axis=-1)
+            for i in range(n)]
 
 
 @dataclass
 class Namespace:
-    """A network namespace with only loopback, up: nothing run inside it can reach another address."""
+    """A network namespace with only loopback, up (127.0.0.1 and the alias 127.0.0.2): nothing run inside it can
+    reach another address."""
 
     name: str
     enabled: bool = True
@@ -101,6 +105,8 @@ class Namespace:
             return
         try:
             subprocess.run(["ip", "netns", "exec", name, "ip", "link", "set", "lo", "up"], check=True)
+            # aiortc (aioice) never offers 127.0.0.1 as an ICE candidate: a loopback alias gives it one
+            subprocess.run(["ip", "netns", "exec", name, "ip", "addr", "add", f"{ALIAS}/8", "dev", "lo"], check=True)
             yield cls(name)
         finally:
             subprocess.run(["ip", "netns", "del", name], check=False)
@@ -120,7 +126,8 @@ class DemoServer:
 
     @classmethod
     @contextlib.contextmanager
-    def start(cls, ns: Namespace, flags: list[str], log: Path, port: int = 8000) -> Iterator[DemoServer]:
+    def start(cls, ns: Namespace, flags: list[str], log: Path, port: int = 8000,
+              env: dict[str, str] | None = None) -> Iterator[DemoServer]:
         if not ns.enabled:  # in the host's namespace: a free port
             import socket
 
@@ -129,7 +136,7 @@ class DemoServer:
                 port = s.getsockname()[1]
         argv = ns.wrap([sys.executable, str(ROOT / "tests/web/demo_server.py"), "serve", "--host", "127.0.0.1",
                         "--port", str(port), *flags])
-        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log.open("wb") as out:
             proc = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         srv = cls(proc, port, log)
@@ -176,7 +183,8 @@ class Browser:
     @classmethod
     @contextlib.contextmanager
     def launch(cls, tmp: Path, ns: Namespace, wav: Path | None = None, y4m: Path | None = None,
-               viewport: dict[str, int] | None = None) -> Iterator[Browser]:
+               viewport: dict[str, int] | None = None, allow_media: bool = True) -> Iterator[Browser]:
+        """`allow_media` False: the browser denies the page the microphone (no fake permission prompt)."""
         exe = chromium()
         from playwright.sync_api import sync_playwright
 
@@ -185,8 +193,8 @@ class Browser:
             wrapper.write_text(f'#!/bin/sh\nexec ip netns exec {ns.name} {exe} "$@"\n')
             wrapper.chmod(0o755)
             exe = str(wrapper)
-        profile = tmp / "profile"  # a fresh --user-data-dir (Playwright passes it)
-        args = list(FLAGS)
+        profile = Path(tempfile.mkdtemp(prefix="profile-", dir=tmp))  # a fresh --user-data-dir (Playwright passes it)
+        args = [f for f in FLAGS if allow_media or f != "--use-fake-ui-for-media-stream"]
         if wav is not None:
             args.append(f"--use-file-for-fake-audio-capture={wav}")
         if y4m is not None:

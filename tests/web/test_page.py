@@ -1,0 +1,114 @@
+"""The demo page in real Chromium without the voice models (a text-only server with an API key): the layout at
+desktop and phone widths, keyboard order, the resampler the worklets use, errors in words (no key, microphone
+denied), a call with the key from the URL fragment (a client secret minted per call), and nothing left on the
+server after Stop. Skips when chromium or playwright is missing."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from browser import Browser, DemoServer, Namespace, artifacts, chromium, demo
+from demo_checks import WAIT
+
+pytestmark = pytest.mark.slow
+KEY = "test-key-for-the-page"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[DemoServer]:
+    chromium()
+    tmp = tmp_path_factory.mktemp("page-server")
+    with Namespace.create(required=False) as ns, \
+            DemoServer.start(ns, ["--no-voice", "--no-vision"], tmp / "server.log", env={"STREAMSERVE_API_KEY": KEY},
+                             port=8001) as srv:
+        srv.ns = ns  # type: ignore[attr-defined]
+        yield srv
+
+
+@pytest.fixture
+def browser(server: DemoServer, tmp_path: Path) -> Iterator[Browser]:
+    with Browser.launch(tmp_path, server.ns) as b:  # type: ignore[attr-defined]
+        yield b
+
+
+def test_layout_and_keyboard_at_desktop_and_phone_width(server: DemoServer, browser: Browser) -> None:
+    out = artifacts("page")
+    page = browser.new_page(server.url + "/")
+    page.screenshot(path=str(out / "desktop.png"), full_page=True)
+    order = []
+    for _ in range(5):
+        page.keyboard.press("Tab")
+        order.append(page.evaluate("document.activeElement.id || document.activeElement.tagName"))
+    assert order[:4] == ["start", "camera", "transport", "SUMMARY"], order  # Stop is disabled until a call
+    assert page.get_attribute("#log", "aria-live") == "polite"
+    assert page.get_attribute("#errors", "role") == "alert"
+    page.set_viewport_size({"width": 360, "height": 740})
+    assert page.evaluate("document.documentElement.scrollWidth <= window.innerWidth")
+    box = page.locator("#start").bounding_box()
+    assert box is not None and box["height"] >= 44  # a finger-sized target
+    page.screenshot(path=str(out / "phone.png"), full_page=True)
+    assert not [m for m in browser.console if m.startswith(("pageerror", "error"))], browser.console
+
+
+def test_the_worklets_resampler_keeps_a_tone_and_drops_what_would_alias(server: DemoServer, browser: Browser) -> None:
+    page = browser.new_page(server.url + "/")
+    result = page.evaluate("""async () => {
+      const { Resampler } = await import('/web/worklets/resampler.js');
+      const run = (inRate, outRate, f) => {
+        const r = new Resampler(inRate, outRate); const out = []; let n = 0;
+        for (let b = 0; b < 300; b++) {            // in 128-sample quanta, as a worklet gets them
+          const x = new Float32Array(128);
+          for (let i = 0; i < 128; i++, n++) x[i] = 0.5 * Math.sin(2 * Math.PI * f * n / inRate);
+          out.push(...r.process(x));
+        }
+        return { out, n };
+      };
+      const err = (inRate, outRate) => {
+        const { out, n } = run(inRate, outRate, 440); let e = 0;
+        for (let i = 1000; i < 2000; i++) e += (out[i] - 0.5 * Math.sin(2 * Math.PI * 440 * i / outRate)) ** 2;
+        return { rmse: Math.sqrt(e / 1000), ratio: out.length / (n * outRate / inRate) };
+      };
+      const alias = run(48000, 24000, 15000).out.slice(1000);   // 15 kHz: above 24 kHz's Nyquist
+      const rms = Math.sqrt(alias.reduce((s, v) => s + v * v, 0) / alias.length);
+      return { down: err(48000, 24000), odd: err(44100, 24000), up: err(24000, 48000), aliasRms: rms };
+    }""")
+    for name in ("down", "odd", "up"):
+        assert result[name]["rmse"] < 1e-3, result  # a 0.5-amplitude tone, delay-free
+        assert 0.99 < result[name]["ratio"] <= 1.0, result  # all the samples come out (less the filter's reach)
+    assert result["aliasRms"] < 1e-3, result  # vs 0.35 unfiltered
+
+
+def test_without_the_key_the_page_says_so_and_a_key_in_the_fragment_connects(server: DemoServer,
+                                                                            browser: Browser) -> None:
+    page = browser.new_page(server.url + "/?transport=ws")
+    page.click("#start")
+    page.wait_for_function("() => __demo.state === 'error'", timeout=WAIT)
+    assert "needs an API key" in page.text_content("#errors")
+    assert page.is_enabled("#start")
+    # the key in the fragment: the page mints a client secret with it and the WebSocket carries only that
+    page.goto(f"{server.url}/?transport=ws#key={KEY}")
+    page.wait_for_function("() => window.__demo && window.__demo.ready")
+    assert "#" not in page.url  # the fragment was taken out of the address bar
+    page.click("#start")
+    page.wait_for_function("() => __demo.session !== null", timeout=WAIT)
+    assert demo(page, "transport") == "websocket"
+    assert "text only" in page.text_content("#info-voice")
+    errors = demo(page, "errors")  # one, in words: what to install (the mic is not sent to a deaf server)
+    assert len(errors) == 1 and "has no voice" in errors[0] and "whisper-base" in errors[0], errors
+    page.screenshot(path=str(artifacts("page") / "text-only-call.png"))
+    page.click("#stop")
+    page.wait_for_function("() => __demo.state === 'idle'", timeout=WAIT)
+    page.wait_for_function(f"() => fetch('/healthz', {{headers: {{Authorization: 'Bearer {KEY}'}}}})"
+                           ".then(r => r.json()).then(h => h.connections === 0 && h.sessions_open === 0)",
+                           timeout=WAIT)
+
+
+def test_a_denied_microphone_is_explained(server: DemoServer, tmp_path: Path) -> None:
+    with Browser.launch(tmp_path, server.ns, allow_media=False) as b:  # type: ignore[attr-defined]
+        page = b.new_page(server.url + "/?transport=ws")
+        page.click("#start")
+        page.wait_for_function("() => __demo.state === 'error'", timeout=WAIT)
+        assert "Microphone access was denied" in page.text_content("#errors")
+        assert demo(page, "transport") is None and page.is_enabled("#start")
