@@ -196,3 +196,22 @@ async def delete_call(http: str, location: str, key: str | None = None) -> int:
     headers = {"Authorization": f"Bearer {key}"} if key else {}
     async with aiohttp.ClientSession() as s, s.delete(f"{http}{location}", headers=headers) as r:
         return r.status
+
+
+def state(srv: Any) -> tuple[int, int, int, int, int]:
+    """What a call holds on a running server: sessions, KV pages, tasks, calls, connections."""
+    st = srv.engine.stats()
+    return (st["sessions_open"], st["kv_pages_used"], len(asyncio.all_tasks()), len(srv.server.calls.live),
+            len(srv.server.connections))
+
+
+async def settled(srv: Any, before: tuple[int, ...]) -> None:
+    """Poll (at most ~30 s) until the server is back to `before`: nothing of the call is left."""
+    after = state(srv)
+    for _ in range(600):
+        if after == before:
+            break
+        await asyncio.sleep(0.05)
+        after = state(srv)
+    assert after == before, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+    srv.engine.check_integrity()

@@ -4,12 +4,11 @@ call ends (DELETE, a peer that goes away, server shutdown) leaving no session, p
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
 import pytest
-from rtc import CallClient, delete_call, post_offer
+from rtc import CallClient, delete_call, post_offer, settled, state
 from serving import serve
 
 from streamserve.config import ServerConfig
@@ -40,24 +39,6 @@ async def refused(http: str, body: Any, status: int, code: str, **kw: Any) -> No
     err = json.loads(raw)["error"]
     assert (got, err["code"]) == (status, code), err
     assert err["type"] in ("invalid_request_error", "authentication_error") and err["message"]
-
-
-def state(srv: Any) -> tuple[int, int, int, int, int]:
-    st = srv.engine.stats()
-    return (st["sessions_open"], st["kv_pages_used"], len(asyncio.all_tasks()), len(srv.server.calls.live),
-            len(srv.server.connections))
-
-
-async def settled(srv: Any, before: tuple[int, ...]) -> None:
-    """Poll (at most ~30 s) until the server is back to `before`: nothing of the call is left."""
-    after = state(srv)
-    for _ in range(600):
-        if after == before:
-            break
-        await asyncio.sleep(0.05)
-        after = state(srv)
-    assert after == before, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
-    srv.engine.check_integrity()
 
 
 @pytest.mark.asyncio

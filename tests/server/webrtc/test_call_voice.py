@@ -9,7 +9,7 @@ import asyncio
 
 import numpy as np
 import pytest
-from rtc import RATE, CallClient
+from rtc import RATE, CallClient, delete_call, settled, state
 from serving import serve
 from voice_assets import speech
 
@@ -69,3 +69,23 @@ async def test_barge_in_clears_the_track_and_truncates(voiced: None) -> None:
         assert got["content"][0]["transcript"]  # what was heard, kept
         del cleared_at
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_voice_calls_ended_mid_reply_and_mid_speech_leave_nothing(voiced: None) -> None:
+    async with serve(ServerConfig(), voice=True) as srv:
+        before = state(srv)
+        for hang_up in ("delete", "peer closes"):
+            c = CallClient()
+            await c.connect(srv.http, session={"type": "realtime", "max_output_tokens": 200})
+            await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+                {"type": "input_text", "text": "In the beginning God created the heaven and the earth."}]}})
+            await c.send({"type": "response.create"})
+            await c.until("output_audio_buffer.started")
+            c.mic.say(spoken("And the earth was without form.", tail_s=0.0))
+            await c.until("input_audio_buffer.speech_started")  # mid-speech (the Listener busy), mid-reply
+            if hang_up == "delete":
+                assert c.location is not None
+                assert await delete_call(srv.http, c.location) == 204
+            await c.close()
+            await settled(srv, before)
