@@ -6,7 +6,7 @@ Two paths, chosen per served model (hello's `image.input`):
 - "labels": a text-only model, with the vision model loaded (EfficientNet-Lite0, media/vision.py): the image's
   ImageNet labels become a short text note ("The camera shows: coffee mug, desk.") appended as text, and only when
   the session's label set changed (`SceneNotes`); an unchanged image is acked with 0 tokens. On a chat session the
-  note goes in as a user message (every chat template takes one).
+  note goes in as a user message. A note shed under load or refused is noticed at the next image and said again.
 Neither: images are refused with `unsupported_modality`, naming the extra and the pull command.
 
 Decoding and inference never run on the event loop (every connection would stall) nor on the engine thread (decode
@@ -174,8 +174,8 @@ class ImageSessions:
             except BaseException:
                 self.rewound(session_id)  # the note is not in the session: the next image notes its scene again
                 raise
-            if got[0].text is not None and got[0].seq is not None:
-                self.noted[session_id] = got[0].seq  # a sheddable text chunk: its ack is looked at later
+            if self.encoder is None and got[0].seq is not None:  # a note: shed or refused later, it is not said
+                self.noted[session_id] = got[0].seq  # its ack is looked at before the next note
 
     async def prepare(self, session_id: str, req: AppendRequest) -> tuple[AppendRequest, Any] | ChunkResult:
         """-> (the request to append in the image's place, the chat message or None), or the ChunkResult of an
