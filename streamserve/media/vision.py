@@ -7,7 +7,7 @@ desk." when they change. It names objects, nothing more: no positions, counts, t
 
     decode_image    JPEG/PNG bytes (Pillow: the vision extra) or a numpy array -> uint8 RGB [H, W, 3], with limits
     preprocess      RGB -> the classifier's input [1, 3, 224, 224] (shorter side to 256, centre crop 224, bicubic)
-    EfficientNetLite0, load_classifier, Classifier   the network in plain torch, its checkpoint, top-k labels
+    build_model, load_classifier, Classifier   the network in plain torch, its checkpoint, top-k labels
     SceneNotes      labels -> a note when the label set changes (I/O-free)
 
 The checkpoint (efficientnet-lite0-57934424.pth) is Google's TensorFlow EfficientNet-Lite0 converted to PyTorch, so
