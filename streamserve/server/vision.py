@@ -130,6 +130,8 @@ def model_image_encoder(engine: Any) -> ImageEncoder | None:
     used (logged; images then take the labels path when the vision model is loaded)."""
     from streamserve.media.encoder import ImageEncoderError, load_image_encoder
 
+    if getattr(engine, "path", None) is None:  # an engine without a local checkpoint has no encoder file
+        return None
     try:
         encoder = load_image_encoder(Path(engine.path), engine.config.hidden_size)
     except ImageEncoderError:
