@@ -5,8 +5,6 @@ heard. Skips (naming what to install or pull) when the voice extra, a voice mode
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 from rtc import RATE, CallClient, delete_call, settled, state
@@ -55,19 +53,40 @@ async def test_barge_in_clears_the_track_and_truncates(voiced: None) -> None:
         await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": "Tell me a long story about the sea, the ships and the sailors."}]}})
         await c.send({"type": "response.create"})
-        await c.until("output_audio_buffer.started")
+        before = await c.until("output_audio_buffer.started")
         c.mic.say(spoken("Stop, please stop."))
-        events = await c.until("output_audio_buffer.cleared")
+        events = before + await c.until("output_audio_buffer.cleared")
         kinds = [m["type"] for m in events]
         assert "input_audio_buffer.speech_started" in kinds
         truncated = await c.until("conversation.item.truncated")
+        events += truncated
         assert truncated[-1]["audio_end_ms"] > 0
-        cleared_at = asyncio.get_running_loop().time()
-        await c.until("input_audio_buffer.committed")
+        events += await c.until("input_audio_buffer.committed")
+        said = "".join(m["delta"] for m in c.seen if m["type"] == "response.output_audio_transcript.delta"
+                       and m["item_id"] == truncated[-1]["item_id"])
         await c.send({"type": "conversation.item.retrieve", "item_id": truncated[-1]["item_id"]})
         got = (await c.until("conversation.item.retrieved"))[-1]["item"]
-        assert got["content"][0]["transcript"]  # what was heard, kept
-        del cleared_at
+        heard = got["content"][0]["transcript"]
+        assert heard and len(heard) < len(said)  # what was heard, kept; the rest (generated, never played) gone
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_output_audio_buffer_clear(voiced: None) -> None:
+    async with serve(ServerConfig(), voice=True) as srv:
+        c = CallClient()
+        await c.connect(srv.http, session={"type": "realtime", "max_output_tokens": 200})
+        await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "In the beginning God created the heaven and the earth."}]}})
+        await c.send({"type": "response.create"})
+        started = (await c.until("output_audio_buffer.started"))[-1]
+        await c.send({"type": "response.cancel"})
+        await c.send({"type": "output_audio_buffer.clear"})
+        events = await c.until("output_audio_buffer.cleared")
+        assert events[-1]["response_id"] == started["response_id"]
+        done = (await c.until("response.done"))[-1] if not any(m["type"] == "response.done" for m in events) else \
+            next(m for m in events if m["type"] == "response.done")
+        assert done["response"]["status"] == "cancelled"
         await c.close()
 
 
