@@ -35,6 +35,7 @@ let busy = false;
 
 function setStatus(kind, text) {
   state.state = kind;
+  document.body.dataset.call = kind === "live" || kind === "connecting" ? "on" : "off"; // hides what a call fixes
   const el = $("status");
   el.dataset.state = kind;
   el.textContent = text;
@@ -172,7 +173,7 @@ async function start() {
     }
     c.poll = setInterval(poll, POLL_MS);
     configure(c.transport);
-    setStatus("live", "Listening — speak");
+    setStatus("live", c.transport.voice === false ? "Connected — text only" : "Listening — speak");
     $("stop").disabled = false;
     $("stop").focus();
   } catch (e) {
@@ -267,6 +268,11 @@ $("start").addEventListener("click", start);
 $("stop").addEventListener("click", () => stop());
 $("camera").addEventListener("change", toggleCamera);
 $("key").addEventListener("change", (e) => creds.setKey(e.target.value.trim()));
+$("key-form").addEventListener("submit", (e) => { // Enter in the key field: keep the key, start the call
+  e.preventDefault();
+  creds.setKey($("key").value.trim());
+  start();
+});
 if (params.get("camera") === "1") $("camera").checked = true;
 if (params.get("transport")) $("transport").value = transportChoice();
 window.addEventListener("pagehide", () => stop());

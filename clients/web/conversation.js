@@ -158,7 +158,7 @@ export class Conversation {
       ? (out.voice || "default") : "text only (the server has no voice models)";
     const td = inp.turn_detection;
     if (td) this.silenceMs = td.silence_duration_ms;
-    info.vad.textContent = td ? `server VAD, ${td.silence_duration_ms} ms of silence ends a turn` : "push to talk";
+    info.vad.textContent = td ? `server VAD, ${td.silence_duration_ms} ms of silence ends a turn` : "no turn detection";
   }
 
   endOfSpeech() {

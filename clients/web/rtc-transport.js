@@ -64,10 +64,20 @@ export class WebRtcTransport {
         if (pc.connectionState === "failed") reject(fallbackError("the WebRTC connection failed (ICE/DTLS)"));
       };
     });
-    const timeout = new Promise((_, reject) =>
-      setTimeout(() => reject(fallbackError("the WebRTC connection did not open in time")), CONNECT_TIMEOUT_MS));
-    await Promise.race([opened, failed, timeout]);
-    const stream = await Promise.race([remote, timeout]);
+    let timer = 0;
+    const timeout = new Promise((_, reject) => {
+      timer = setTimeout(() => reject(fallbackError("the WebRTC connection did not open in time")),
+                         CONNECT_TIMEOUT_MS);
+    });
+    let stream;
+    try {
+      await Promise.race([opened, failed, timeout]);
+      stream = await Promise.race([remote, timeout]);
+    } finally {
+      clearTimeout(timer);
+      failed.catch(() => {}); // settled or abandoned: never an unhandled rejection
+      opened.catch(() => {});
+    }
     this.audioEl.srcObject = stream;
     await this.audioEl.play().catch(() => {}); // started inside the Start click: allowed
     this.graph.attachRemote(stream);

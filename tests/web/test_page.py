@@ -112,3 +112,16 @@ def test_a_denied_microphone_is_explained(server: DemoServer, tmp_path: Path) ->
         page.wait_for_function("() => __demo.state === 'error'", timeout=WAIT)
         assert "Microphone access was denied" in page.text_content("#errors")
         assert demo(page, "transport") is None and page.is_enabled("#start")
+
+
+def test_a_browser_without_webrtc_falls_back_to_the_websocket(server: DemoServer, browser: Browser) -> None:
+    browser.context.add_init_script("delete window.RTCPeerConnection;")  # as a browser without WebRTC
+    page = browser.new_page(f"{server.url}/?transport=auto#key={KEY}")
+    page.click("#start")
+    page.wait_for_function("() => __demo.session !== null", timeout=WAIT)
+    assert demo(page, "transport") == "websocket"
+    assert "no WebRTC" in demo(page, "fallbackReason")
+    assert "using the WebSocket instead" in page.text_content("#errors")
+    assert page.text_content("#info-transport") == "WebSocket (/v1/realtime)"
+    page.click("#stop")
+    page.wait_for_function("() => __demo.state === 'idle'", timeout=WAIT)
