@@ -225,6 +225,18 @@ async def test_without_vision_images_are_unsupported_naming_what_to_install() ->
         assert (await s.append(text="Text still works.")).tokens > 0
 
 
+async def test_loading_without_the_model_names_the_pull_command(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("PIL.Image", reason=f"Pillow is not installed: {VISION_EXTRA}")
+    from streamserve.media.vision import VisionUnavailableError
+    from streamserve.server.vision import VisionRuntime
+
+    monkeypatch.setenv("STREAMSERVE_HOME", str(tmp_path))  # an empty model cache
+    with pytest.raises(VisionUnavailableError, match=f"streamserve models pull {VISION_MODEL}") as info:
+        VisionRuntime.load()
+    assert info.value.code == "unsupported_modality"
+
+
 async def test_the_vision_thread_is_bounded() -> None:
     needs_vision()
     from streamserve.server.vision import VisionBusyError, VisionRuntime
