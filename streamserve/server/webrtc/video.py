@@ -26,7 +26,7 @@ class CameraSampler:
                  on_note: Callable[[str], Awaitable[None]]) -> None:
         self.track, self.fps, self.vision, self.on_note = track, fps, vision, on_note
         self.latest: Any = None  # the newest frame received and not yet sampled
-        self.received = self.sampled = self.notes = 0
+        self.received = self.sampled = self.notes = self.failures = 0
         self.scene = self.make_scene()
         self.tasks = [asyncio.create_task(self.drain(), name="streamserve-webrtc-camera-drain")]
         if vision is not None and self.scene is not None:
@@ -63,8 +63,10 @@ class CameraSampler:
                     if note:
                         self.notes += 1
                         await self.on_note(note)
-                except Exception:  # one bad frame (or a vision failure) must not end the call
-                    log.exception("streamserve: a camera frame could not be labelled")
+                except Exception:  # one bad frame, or the vision thread busy (vision_busy): skipped, counted
+                    self.failures += 1
+                    if self.failures == 1:  # the first is worth a traceback; the rest only a count
+                        log.exception("streamserve: a camera frame could not be labelled")
             await asyncio.sleep(max(0.0, start + period - time.monotonic()))  # a slow model lowers the rate
 
     async def close(self) -> None:
