@@ -157,7 +157,8 @@ export class WebRtcTransport {
     this.callUrl = null;
     if (url) {
       const headers = this.credential ? { Authorization: `Bearer ${this.credential}` } : {};
-      await fetch(url, { method: "DELETE", headers }).catch(() => {}); // hang up; the peer's close ends it too
+      // hang up (keepalive: also when the page is closing); the peer's close would end the call too
+      await fetch(url, { method: "DELETE", headers, keepalive: true }).catch(() => {});
     }
   }
 }

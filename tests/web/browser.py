@@ -150,17 +150,20 @@ class DemoServer:
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
-    def wait_ready(self) -> None:
-        """Until the server announces `ready` (the model and voice loaded); its exit is a failure with its log."""
+    def wait_ready(self, ceiling_s: float = 900.0) -> None:
+        """Until the server announces `ready` (the model and voice loaded); its exit, or no `ready` within the
+        ceiling (a hung load, never a timing check), is a failure with its log."""
         import time
 
-        while True:
+        give_up = time.monotonic() + ceiling_s
+        while time.monotonic() < give_up:
             text = self.log.read_text(errors="replace")
             if "streamserve: ready:" in text:
                 return
             if self.proc.poll() is not None:
                 raise AssertionError(f"the server exited with {self.proc.returncode}:\n{text[-4000:]}")
             time.sleep(0.2)
+        raise AssertionError(f"the server did not get ready in {ceiling_s:.0f} s:\n{self.log.read_text()[-4000:]}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:
