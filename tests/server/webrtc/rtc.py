@@ -169,6 +169,13 @@ class CallClient:
     def loud_frames(self, since: float = 0.0, level: float = 0.01) -> int:
         return sum(1 for t, rms in self.audio if t >= since and rms > level)
 
+    def vanish(self) -> None:
+        """The peer disappears without a word (a closed laptop, a lost network): its ICE sockets close silently."""
+        for transceiver in self.pc.getTransceivers():
+            ice = transceiver.receiver.transport.transport
+            for protocol in ice._connection._protocols:
+                protocol.transport.abort()
+
     async def close(self) -> None:
         await self.pc.close()
         for t in self.tasks:
@@ -205,10 +212,10 @@ def state(srv: Any) -> tuple[int, int, int, int, int]:
             len(srv.server.connections))
 
 
-async def settled(srv: Any, before: tuple[int, ...]) -> None:
-    """Poll (at most ~30 s) until the server is back to `before`: nothing of the call is left."""
+async def settled(srv: Any, before: tuple[int, ...], polls: int = 600) -> None:
+    """Poll (at most `polls` x 50 ms) until the server is back to `before`: nothing of the call is left."""
     after = state(srv)
-    for _ in range(600):
+    for _ in range(polls):
         if after == before:
             break
         await asyncio.sleep(0.05)

@@ -134,3 +134,14 @@ async def test_an_offer_never_connected_and_shutdown_free_calls() -> None:
         assert all(not call.tasks and call.runner is not None and call.runner.done() for call in calls)
         assert srv.engine.stats()["sessions_open"] == 0
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_peer_that_vanishes_without_a_word_is_noticed() -> None:
+    async with serve(ServerConfig()) as srv:
+        before = state(srv)
+        c = CallClient()
+        await c.connect(srv.http)
+        c.vanish()  # no DTLS close, no SCTP abort: only ICE consent freshness (aioice: ~30 s) can tell
+        await settled(srv, before, polls=2400)
+        await c.close()
