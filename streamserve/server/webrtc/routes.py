@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import logging
 import secrets
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import BodyPartReader, web
 
@@ -30,8 +30,10 @@ from streamserve.server.webrtc.call import Call
 from streamserve.server.webrtc.video import DEFAULT_FPS, MAX_FPS
 
 if TYPE_CHECKING:
-    from streamserve.server.app import Server
+    from streamserve.config import ServerConfig
+    from streamserve.server.adapter import ProtocolAdapter
     from streamserve.server.auth import ClientSecret, Grant
+    from streamserve.server.service import SessionService
 
 log = logging.getLogger("streamserve.server")
 
@@ -82,6 +84,18 @@ def check_offer(raw: bytes) -> str:
 
 def new_call_id() -> str:
     return "rtc_" + secrets.token_urlsafe(24)  # 192 random bits
+
+
+class Server(Protocol):
+    """What the calls need of the server (app.py's Server, which imports this module)."""
+
+    config: ServerConfig
+    service: SessionService | None
+    server_metrics: Any
+    load_error: BaseException | None
+    connections: set[ProtocolAdapter]
+
+    def grant(self, request: web.Request) -> Grant | None: ...
 
 
 class Calls:
