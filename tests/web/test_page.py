@@ -125,3 +125,47 @@ def test_a_browser_without_webrtc_falls_back_to_the_websocket(server: DemoServer
     assert page.text_content("#info-transport") == "WebSocket (/v1/realtime)"
     page.click("#stop")
     page.wait_for_function("() => __demo.state === 'idle'", timeout=WAIT)
+
+
+def test_the_player_worklet_plays_gaplessly_and_stops_at_once_on_clear(server: DemoServer, browser: Browser) -> None:
+    """The WebSocket path's loudspeaker, rendered offline: two deltas of a 24 kHz tone play as one (resampled to
+    48 kHz), a "clear" (barge-in) silences the output from the next render quantum and reports what was played."""
+    page = browser.new_page(server.url + "/")
+    r = page.evaluate("""async () => {
+      const rate = 48000, ctx = new OfflineAudioContext(1, rate, rate);       // one second
+      await ctx.audioWorklet.addModule('/web/worklets/player.js');
+      const node = new AudioWorkletNode(ctx, 'player', { numberOfInputs: 0, outputChannelCount: [1] });
+      node.connect(ctx.destination);
+      const msgs = [], waiting = {};
+      node.port.onmessage = (e) => { msgs.push(e.data); if (waiting[e.data.type]) waiting[e.data.type](); };
+      const answer = (type) => new Promise((ok) => { waiting[type] = ok; });  // the render waits for the worklet
+      const tone = (from, n) => Int16Array.from({ length: n },
+                                                (_, i) => 16000 * Math.sin(2 * Math.PI * 440 * (from + i) / 24000));
+      ctx.suspend(0).then(async () => {        // before the first quantum: 0.8 s of audio in two deltas
+        node.port.postMessage({ type: 'push', id: 'item_a', pcm: tone(0, 9600) });
+        node.port.postMessage({ type: 'push', id: 'item_a', pcm: tone(9600, 9600) });
+        node.port.postMessage({ type: 'sync', token: 1 });
+        await answer('synced');
+        ctx.resume();
+      });
+      ctx.suspend(0.4).then(async () => {      // the person speaks at 0.4 s
+        node.port.postMessage({ type: 'clear' });
+        await answer('cleared');
+        ctx.resume();
+      });
+      const out = (await ctx.startRendering()).getChannelData(0);
+      await new Promise((ok) => setTimeout(ok, 50));                          // the last messages arrive
+      const cleared = msgs.find((m) => m.type === 'cleared');
+      const end = Math.round(cleared.playedMs * rate / 1000);                 // the samples played before the clear
+      const rms = (a) => Math.sqrt(a.reduce((s, v) => s + v * v, 0) / Math.max(1, a.length));
+      let jump = 0;                                                           // the largest step: a gap would show
+      for (let i = 4800; i < end - 1; i++) jump = Math.max(jump, Math.abs(out[i + 1] - out[i]));
+      return { types: msgs.map((m) => m.type), cleared, end, before: rms(out.slice(2000, end)),
+               afterPeak: Math.max(...out.slice(end).map(Math.abs)), jump };
+    }""")
+    assert r["types"] == ["synced", "started", "cleared"], r  # no "idle": the deltas played as one
+    assert r["cleared"]["id"] == "item_a" and r["cleared"]["playedMs"] == 400, r  # cleared where asked
+    assert r["cleared"]["droppedMs"] > 300, r  # the rest of the 0.8 s was dropped, not played
+    assert 0.3 < r["before"] < 0.4, r  # the tone, 16000/32768 x 1/sqrt(2) ~ 0.345, resampled intact
+    assert r["jump"] < 0.06, r  # no gap between the two deltas (a 440 Hz tone moves ~0.028 a sample at 48 kHz)
+    assert r["afterPeak"] == 0.0, r  # silent from the clear on

@@ -3,6 +3,7 @@
 //
 // In:  {type: "push", id, pcm: Int16Array}  audio of assistant item `id` (resampled here, queued)
 //      {type: "clear"}                      barge-in: drop everything queued NOW; answered with "cleared"
+//      {type: "sync", token}                answered {type: "synced", token} once the messages before it are handled
 // Out: {type: "started", id}                the item's first sample went to the output
 //      {type: "idle", id, playedMs}         the queue ran dry (the reply so far has been played)
 //      {type: "cleared", id, playedMs, droppedMs}  after "clear": what of item `id` had been played (the
@@ -43,6 +44,8 @@ class Player extends AudioWorkletProcessor {
       }
       this.queue.push({ id: m.id, samples, offset: 0 });
       this.queued += samples.length;
+    } else if (m.type === "sync") { // messages are handled in order: every push before this one is queued
+      this.port.postMessage({ type: "synced", token: m.token });
     } else if (m.type === "clear") {
       const answer = { type: "cleared", id: this.current, playedMs: (1000 * this.played) / sampleRate,
                        droppedMs: (1000 * this.queued) / sampleRate };
