@@ -169,3 +169,38 @@ def test_the_player_worklet_plays_gaplessly_and_stops_at_once_on_clear(server: D
     assert 0.3 < r["before"] < 0.4, r  # the tone, 16000/32768 x 1/sqrt(2) ~ 0.345, resampled intact
     assert r["jump"] < 0.06, r  # no gap between the two deltas (a 440 Hz tone moves ~0.028 a sample at 48 kHz)
     assert r["afterPeak"] == 0.0, r  # silent from the clear on
+
+
+def test_the_capture_worklet_sends_20ms_pcm16_frames_at_24khz(server: DemoServer, browser: Browser) -> None:
+    """The WebSocket path's microphone, rendered offline at 48 kHz: a 440 Hz tone comes out as 480-sample (20 ms)
+    PCM16 frames of the same tone at 24 kHz, with a level report per 20 ms."""
+    page = browser.new_page(server.url + "/")
+    r = page.evaluate("""async () => {
+      const rate = 48000, ctx = new OfflineAudioContext(1, rate, rate);       // one second of input
+      await ctx.audioWorklet.addModule('/web/worklets/capture.js');
+      const node = new AudioWorkletNode(ctx, 'capture', { numberOfInputs: 1, numberOfOutputs: 0,
+                                                         processorOptions: { send: true } });
+      const osc = new OscillatorNode(ctx, { frequency: 440 });
+      const gain = new GainNode(ctx, { gain: 0.5 });
+      osc.connect(gain).connect(node);
+      osc.start();
+      const frames = [], levels = [];
+      node.port.onmessage = (e) => (e.data.type === 'pcm' ? frames : levels).push(e.data);
+      await ctx.startRendering();
+      for (let i = 0; i < 200 && levels.length < 50; i++) await new Promise((ok) => setTimeout(ok, 10));
+      const pcm = new Int16Array(frames.length * 480);
+      frames.forEach((f, i) => pcm.set(f.pcm, i * 480));
+      let best = 1e9;                                                         // the tone at 24 kHz, any phase
+      for (let lag = 0; lag < 55; lag++) {
+        let e = 0;
+        for (let i = 2400; i < 7200; i++) {
+          e += (pcm[i] / 32768 - 0.5 * Math.sin(2 * Math.PI * 440 * (i - lag) / 24000)) ** 2;
+        }
+        best = Math.min(best, Math.sqrt(e / 4800));
+      }
+      return { frames: frames.length, sizes: [...new Set(frames.map((f) => f.pcm.length))], levels: levels.length,
+               level: levels[25].rms, rmse: best };
+    }""")
+    assert r["sizes"] == [480] and 48 <= r["frames"] <= 50, r  # 20 ms frames: ~1 s less the filter's reach
+    assert r["levels"] == 50 and abs(r["level"] - 0.5 / 2 ** 0.5) < 0.01, r  # one level per 20 ms, the tone's RMS
+    assert r["rmse"] < 2e-3, r  # the same tone (PCM16 rounding and the resampler's ripple only)
