@@ -18,6 +18,7 @@ const SILENT_POLLS = 3; // consecutive quiet polls (60 ms) that count as "playba
 
 const state = {
   state: "idle", transport: null, fallbackReason: null, session: null, events: {}, userFinal: [], userPartial: "",
+  userTyped: [],
   replies: [], latencies: [], latencyDetails: [], bargeIns: [], errors: [], videoNotes: [], playing: false,
   outputRms: 0, outputRmsMax: 0, micRms: 0, micRmsMax: 0, camera: false, droppedMicFrames: 0,
 };
@@ -35,6 +36,7 @@ let busy = false;
 
 function setStatus(kind, text) {
   state.state = kind;
+  $("text").disabled = $("send").disabled = kind !== "live";
   document.body.dataset.call = kind === "live" || kind === "connecting" ? "on" : "off"; // hides what a call fixes
   const el = $("status");
   el.dataset.state = kind;
@@ -167,7 +169,7 @@ async function start() {
       $("camera-note").textContent = "Preview only: camera frames reach the model over WebRTC, not the WebSocket.";
     }
     if (c.transport.voice === false) {
-      showError("this server has no voice: it answers text only. Install the voice extra (pip install " +
+      showError("this server has no voice: type your messages below. To talk, install the voice extra (pip install " +
         "\"streamserve[voice]\"), pull the voice models (streamserve models pull whisper-base piper-joe " +
         "silero-vad) and restart it");
     }
@@ -264,7 +266,19 @@ async function toggleCamera() {
   if (call.transport.setCamera) await call.transport.setCamera(call.cam ? call.cam.getVideoTracks()[0] : null);
 }
 
+/** A typed message: a user item, then a response (the same events a Realtime client sends). */
+function say(e) {
+  e.preventDefault();
+  const text = $("text").value.trim();
+  if (!call || !text) return;
+  call.transport.send({ type: "conversation.item.create",
+                        item: { type: "message", role: "user", content: [{ type: "input_text", text }] } });
+  call.transport.send({ type: "response.create" });
+  $("text").value = "";
+}
+
 $("start").addEventListener("click", start);
+$("say").addEventListener("submit", say);
 $("stop").addEventListener("click", () => stop());
 $("camera").addEventListener("change", toggleCamera);
 $("key").addEventListener("change", (e) => creds.setKey(e.target.value.trim()));

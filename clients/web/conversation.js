@@ -204,9 +204,17 @@ export class Conversation {
     if (reply) reply.heard = text;
   }
 
-  /** A system item the server added for the camera (the vision path's note), shown apart from the dialogue. */
+  /** A typed user message (input_text; spoken ones are shown from speech_started on), or a system item the
+   *  server added for the camera (the vision path's note), shown apart from the dialogue. */
   cameraNote(item) {
-    if (!item || item.role !== "system" || !Array.isArray(item.content)) return;
+    if (!item || !Array.isArray(item.content)) return;
+    if (item.role === "user" && item.content.every((c) => c.type === "input_text") && !this.entries.has(item.id)) {
+      const text = item.content.map((c) => c.text).join(" ");
+      this.state.userTyped.push(text);
+      this.setText(item.id, "user", text, true);
+      return;
+    }
+    if (item.role !== "system") return;
     const text = item.content.map((c) => c.text || c.transcript || "").join(" ").trim();
     if (!text || this.entries.has(item.id)) return;
     this.state.videoNotes.push(text);

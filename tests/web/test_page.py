@@ -97,6 +97,13 @@ def test_without_the_key_the_page_says_so_and_a_key_in_the_fragment_connects(ser
     assert "text only" in page.text_content("#info-voice")
     errors = demo(page, "errors")  # one, in words: what to install (the mic is not sent to a deaf server)
     assert len(errors) == 1 and "has no voice" in errors[0] and "whisper-base" in errors[0], errors
+    # typed: a user item and a response, the reply streamed as text (output_text.delta)
+    page.fill("#text", "In the beginning")
+    page.press("#text", "Enter")
+    page.wait_for_function("() => __demo.replies.some(r => r.status === 'completed' || r.status === 'incomplete')",
+                           timeout=WAIT)
+    assert demo(page, "userTyped") == ["In the beginning"] and "In the beginning" in page.text_content("#log")
+    assert demo(page, "replies[0].text").strip() and demo(page, "events['response.output_text.delta']") >= 1
     page.screenshot(path=str(artifacts("page") / "text-only-call.png"))
     page.click("#stop")
     page.wait_for_function("() => __demo.state === 'idle'", timeout=WAIT)
