@@ -37,7 +37,9 @@ def _spoken(text: str, rate: int) -> np.ndarray:
     from streamserve.media.audio import Resampler
     from streamserve.media.tts import PiperVoice
 
-    voice = PiperVoice(voice_model("piper-joe"))
+    # without the voice's sampling noise: the same text gives the same samples in every run (with it, Whisper base
+    # heard "capital of France" as "capital of friends" in some runs and not others)
+    voice = PiperVoice(voice_model("piper-joe"), variation=False)
     audio = voice.synthesize(text)  # [n] float32 at voice.sample_rate (22050 Hz for piper-joe)
     resampler = Resampler(voice.sample_rate, rate)
     out = np.concatenate([resampler.process(audio), resampler.flush()])
@@ -46,7 +48,8 @@ def _spoken(text: str, rate: int) -> np.ndarray:
 
 
 def speech(text: str, rate: int = 16000) -> np.ndarray:
-    """`text` spoken by the Piper voice (piper-joe), as float32 mono [n] at `rate` (read-only, cached per text).
+    """`text` spoken by the Piper voice (piper-joe), as float32 mono [n] at `rate` (read-only, cached per text;
+    the same samples in every run).
 
     Skips when onnxruntime, soxr or the piper-joe model is missing.
     """

@@ -36,7 +36,10 @@ _SPACES = re.compile(r"\s+")
 class PiperVoice:
     """A Piper voice: text -> float32 mono audio at `sample_rate`. `synthesize` may run on several threads."""
 
-    def __init__(self, model_path: str | Path, config_path: str | Path | None = None, threads: int = 1) -> None:
+    def __init__(self, model_path: str | Path, config_path: str | Path | None = None, threads: int = 1,
+                 variation: bool = True) -> None:
+        """`variation`: the voice's sampling noise (its config's noise_scale and noise_w, drawn anew each run, so the
+        same text never sounds exactly the same); False sets both to 0: the same text, the same samples (tests)."""
         ort = require("onnxruntime")
         model_path = Path(model_path)
         config_path = Path(config_path) if config_path is not None else Path(f"{model_path}.json")
@@ -58,8 +61,9 @@ class PiperVoice:
             if symbol not in self.phoneme_ids:
                 raise ModelLoadError(f"{config_path}: phoneme_id_map has no {symbol!r}; not a Piper voice config")
         # scales input: [noise_scale, length_scale, noise_w] (float32 [3])
-        self.scales = np.array([inference.get("noise_scale", 0.667), inference.get("length_scale", 1.0),
-                                inference.get("noise_w", 0.8)], dtype=np.float32)
+        noise = 1.0 if variation else 0.0
+        self.scales = np.array([noise * inference.get("noise_scale", 0.667), inference.get("length_scale", 1.0),
+                                noise * inference.get("noise_w", 0.8)], dtype=np.float32)
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1

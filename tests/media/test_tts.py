@@ -123,6 +123,16 @@ def rms(x: np.ndarray) -> float:
 
 
 @pytest.mark.models
+def test_variation_off_gives_the_same_samples_every_run() -> None:
+    text = "Hello there, how are you?"
+    varied = PiperVoice(voice_model("piper-joe"))
+    fixed = PiperVoice(voice_model("piper-joe"), variation=False)
+    assert not np.array_equal(varied.synthesize(text), varied.synthesize(text))  # the voice's sampling noise
+    a, b = fixed.synthesize(text), fixed.synthesize(text)
+    assert np.array_equal(a, b) and rms(a) > 0.01
+
+
+@pytest.mark.models
 def test_a_question_is_speech(voice: PiperVoice) -> None:
     audio = voice.synthesize("What is the capital of France?")
     assert voice.sample_rate == 22050

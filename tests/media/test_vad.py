@@ -20,7 +20,7 @@ from streamserve.media.vad import (
     VADConfig,
 )
 
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital city of France?"
 MS = SAMPLE_RATE // 1000  # samples per ms
 
 

@@ -22,7 +22,7 @@ from streamserve.engine import Engine
 
 RATE = 24000
 FRAME = RATE * 2 // 50  # bytes of 20 ms of PCM16 at 24 kHz
-QUESTION = "What is the capital of France?"
+QUESTION = "What is the capital city of France?"
 
 
 def pcm16(x: np.ndarray) -> bytes:
