@@ -330,8 +330,8 @@ class Store:
         if name not in self.catalog:
             return None
         if (kind := self.catalog[name].kind) != "llm":
-            raise UnknownModelError(f"{name} is a {'vision' if kind == 'vision' else 'voice'} model ({kind}), not an LLM "
-                                    "for --model")
+            family = "vision" if kind == "vision" else "voice"
+            raise UnknownModelError(f"{name} is a {family} model ({kind}), not an LLM for --model")
         if path := self.installed(name):
             return path
         if offline:
