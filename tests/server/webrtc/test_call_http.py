@@ -4,6 +4,7 @@ call ends (DELETE, a peer that goes away, server shutdown) leaving no session, p
 
 from __future__ import annotations
 
+import asyncio
 from typing import Any
 
 import aiohttp
@@ -145,3 +146,36 @@ async def test_a_peer_that_vanishes_without_a_word_is_noticed() -> None:
         c.vanish()  # no DTLS close, no SCTP abort: only ICE consent freshness (aioice: ~30 s) can tell
         await settled(srv, before, polls=2400)
         await c.close()
+
+
+@pytest.mark.asyncio
+async def test_ice_and_dtls_failures_free_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Whichever notices first, the peer's state (failed) or the connect deadline (no connected peer with an events
+    channel within CONNECT_TIMEOUT, shortened here), the call is freed."""
+    from streamserve.server.webrtc import call
+
+    monkeypatch.setattr(call, "CONNECT_TIMEOUT", 5.0)
+    async with serve(ServerConfig()) as srv:
+        before = state(srv)
+        # ICE: the client goes before any check can succeed (its sockets closed; the server's checks fail)
+        c = CallClient()
+        status, _, _ = await post_offer(srv.http, await c.offer())
+        assert status == 201 and len(srv.server.calls.live) == 1
+        await c.close()
+        await settled(srv, before, polls=1200)
+        # DTLS: the answer's certificate fingerprint is not the one the server presents: the handshake fails
+        c = CallClient()
+        status, answer, _ = await post_offer(srv.http, await c.offer())
+        assert status == 201
+        from aiortc import RTCSessionDescription
+
+        forged = "\r\n".join(line[:-2] + ("00" if line[-2:] != "00" else "11") if line.startswith("a=fingerprint:")
+                             else line for line in answer.decode().split("\r\n"))
+        await c.pc.setRemoteDescription(RTCSessionDescription(forged, "answer"))
+        for _ in range(1200):  # the server ends the call by itself (the client's peer is still up)
+            if not srv.server.calls.live:
+                break
+            await asyncio.sleep(0.05)
+        assert not srv.server.calls.live
+        await c.close()
+        await settled(srv, before)
