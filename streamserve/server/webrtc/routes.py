@@ -90,6 +90,7 @@ class Server(Protocol):
     """What the calls need of the server (app.py's Server, which imports this module)."""
 
     config: ServerConfig
+    engine: Any
     service: SessionService | None
     server_metrics: Any
     load_error: BaseException | None
@@ -105,6 +106,7 @@ class Calls:
         self.server = server
         self.live: dict[str, Call] = {}
         self.limit = getattr(server.config, "max_calls_per_key", MAX_CALLS_PER_KEY)
+        self.metrics: CallMetrics | None = None  # registered with the engine's metrics once it has loaded
 
     def owned_by(self, secret: ClientSecret | None) -> int:
         return sum(1 for c in self.live.values() if c.grant.secret is secret)
@@ -133,6 +135,8 @@ class Calls:
             fps = self.video_fps(session)
         except RealtimeError as e:
             return error(400, e.code, e.message, e.param)
+        if self.metrics is None:
+            self.metrics = CallMetrics(srv.engine.metrics.registry, self)
         call = Call(new_call_id(), service, grant, srv.server_metrics.messages, fps, self.ended)
         if session is not None:  # the session configuration, checked whole as session.update checks it
             try:
@@ -226,10 +230,32 @@ class Calls:
     def ended(self, call: Call) -> None:
         self.live.pop(call.id, None)
         self.server.connections.discard(call.conn)
+        if self.metrics is not None:
+            self.metrics.ended(call)
 
     async def close_all(self) -> None:
         for call in list(self.live.values()):
             await call.close()
+
+
+class CallMetrics:
+    """Prometheus figures of the calls (GET /metrics): live calls, and at each call's end what it dropped."""
+
+    def __init__(self, registry: Any, calls: Calls) -> None:
+        from prometheus_client import Counter, Gauge
+
+        Gauge("streamserve_webrtc_calls", "Live WebRTC calls", registry=registry).set_function(lambda: len(calls.live))
+        self.total = Counter("streamserve_webrtc_calls_ended", "WebRTC calls ended", registry=registry)
+        self.mic_dropped = Counter("streamserve_webrtc_mic_frames_dropped", "Microphone frames (20 ms) dropped: "
+                                   "feeding fell behind or the Listener refused them", registry=registry)
+        self.notes = Counter("streamserve_webrtc_camera_notes", "Camera notes made", registry=registry)
+
+    def ended(self, call: Call) -> None:
+        self.total.inc()
+        if call.mic is not None:
+            self.mic_dropped.inc(call.mic.dropped)
+        if call.camera is not None:
+            self.notes.inc(call.camera.notes)
 
 
 def routes(calls: Calls) -> list[web.RouteDef]:

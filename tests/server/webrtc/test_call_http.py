@@ -104,6 +104,10 @@ async def test_a_text_call_then_delete_leaves_nothing() -> None:
         assert await delete_call(srv.http, c.location, key=KEY) == 204  # mid-reply
         await c.close()
         await settled(srv, before)
+        async with aiohttp.ClientSession() as s, s.get(f"{srv.http}/metrics",
+                                                       headers={"Authorization": f"Bearer {KEY}"}) as r:
+            text = await r.text()
+        assert "streamserve_webrtc_calls 0.0" in text and "streamserve_webrtc_calls_ended_total 1.0" in text
 
 
 @pytest.mark.asyncio
