@@ -23,7 +23,7 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve test models voice-models wheel-check bench install install-dev clean
+.PHONY: serve demo test models voice-models wheel-check bench install install-dev clean
 
 serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
@@ -33,6 +33,14 @@ serve: $(VENV)/.installed voice-models
 # `streamserve serve` loads them when they are there.
 voice-models: $(VENV)/.installed
 	$(VENV)/bin/streamserve models pull $(VOICE_MODELS) $(VISION_MODELS)
+
+# The browser demo (clients/web, served at /): SmolLM2-135M-Instruct, which answers in English, with the voice
+# models and the camera's classifier. Open http://127.0.0.1:$(PORT)/ and press Start.
+DEMO_MODEL ?= smollm2-135m-instruct
+demo: $(VENV)/.installed voice-models
+	$(VENV)/bin/streamserve models pull $(DEMO_MODEL)
+	@echo "streamserve demo: open http://127.0.0.1:$(PORT)/ and press Start"
+	$(VENV)/bin/streamserve serve --model $(DEMO_MODEL) --offline --port $(PORT)
 
 test: $(VENV)/.installed-dev models
 	$(PY) -m ruff check .

@@ -13,7 +13,8 @@ from __future__ import annotations
 from setuptools import find_packages, setup
 
 # installed package name -> its folder in the repository (the same table as [tool.setuptools.package-dir])
-PACKAGE_ROOTS = {"streamserve": "streamserve", "streamserve.kernels": "kernels", "streamserve.sessions": "sessions"}
+PACKAGE_ROOTS = {"streamserve": "streamserve", "streamserve.kernels": "kernels", "streamserve.sessions": "sessions",
+                 "streamserve.web": "clients/web"}
 
 
 def discover_packages() -> list[str]:

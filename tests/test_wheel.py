@@ -18,7 +18,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 CLIENT = ROOT / "clients" / "python"
 # repository folder -> where its files are installed (DESIGN.md §1)
-SERVER_TREES = {"streamserve": "streamserve", "kernels": "streamserve/kernels", "sessions": "streamserve/sessions"}
+SERVER_TREES = {"streamserve": "streamserve", "kernels": "streamserve/kernels", "sessions": "streamserve/sessions",
+                "clients/web": "streamserve/web"}
 CLIENT_TREES = {"streamserve_client": "streamserve_client"}
 
 pytestmark = pytest.mark.slow
@@ -40,8 +41,9 @@ def source_files(root: Path, folders: list[str]) -> list[str]:
 
 
 def installed_name(path: str, trees: dict[str, str]) -> str:
-    top, _, rest = path.partition("/")
-    return f"{trees[top]}/{rest}"
+    """Where a source file lands in the wheel: under the installed name of the longest tree holding it."""
+    top = max((t for t in trees if path == t or path.startswith(t + "/")), key=len)
+    return trees[top] + path[len(top):]
 
 
 def build(project: Path, out: Path) -> Dist:
