@@ -76,6 +76,10 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         """The connection ended: the Realtime API has no resume, so its session closes now (not after a TTL)."""
         if self.current is not None:
             self.current.cancel("client_cancelled")  # nobody hears it: its speech stops at once
+        for waiter in self.waiting.values():  # a rebuild waiting for an ack that will never come (the Listener's
+            if not waiter.done():  # worker may be the one waiting, and its close waits for it)
+                waiter.set_exception(RealtimeError("the connection ended", "session_closed"))
+        self.waiting.clear()
         if self.session is not None and (entry := self.service.registry.find(self.session)) is not None:
             self.service.chats.forget(self.session)
             self.service.abandon(entry)

@@ -250,7 +250,7 @@ class InputAudio:
                 await conn.truncate(cut, heard)
         self.after = []
         td = self.settings.turn_detection
-        if td is None or not td.create_response:
+        if td is None or not td.create_response or conn.ctx.gone:  # gone: its session closed, nobody to answer
             return
         if conn.current is not None:
             if conn.current.cancel_reason is None:
