@@ -132,7 +132,7 @@ class Calls:
             return error(503, "server_busy", "too many connections; retry later")
         service = srv.service
         try:
-            fps = self.video_fps(session)
+            fps = self.video_fps(session, getattr(srv.config, "video_fps", DEFAULT_FPS))
         except RealtimeError as e:
             return error(400, e.code, e.message, e.param)
         if self.metrics is None:
@@ -166,11 +166,12 @@ class Calls:
                             headers={"Location": f"/v1/realtime/calls/{call.id}"})
 
     @staticmethod
-    def video_fps(session: dict[str, Any] | None) -> float:
+    def video_fps(session: dict[str, Any] | None, default: float) -> float:
+        """The session configuration's video.fps, else the server's (ServerConfig.video_fps once it exists)."""
         video = (session or {}).get("video")
         if video is None:
-            return DEFAULT_FPS
-        fps = video.get("fps", DEFAULT_FPS) if isinstance(video, dict) else None
+            return min(default, MAX_FPS)
+        fps = video.get("fps", default) if isinstance(video, dict) else None
         if isinstance(fps, bool) or not isinstance(fps, int | float) or not 0 < fps <= MAX_FPS:
             raise RealtimeError(f"session.video.fps must be a number above 0 and at most {MAX_FPS:g}",
                                 "invalid_value", "session.video.fps")
