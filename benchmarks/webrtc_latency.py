@@ -50,7 +50,7 @@ from streamserve.media.audio import Resampler
 RATE = 48000
 FRAME = RATE // 50
 LEVEL = 0.01  # -40 dBFS
-QUESTION = "What is the capital of France?"
+QUESTION = "Which city is the capital of France?"
 KEPT_UP_STOP_MS = 1500.0  # speech_stopped within this of the end of speech (silence_duration_ms 500 included)
 KEPT_UP_RATE = 0.95
 LOOPBACK = "import aioice.ice as i; i.get_host_addresses = lambda use_ipv4, use_ipv6: ['127.0.0.1']; "

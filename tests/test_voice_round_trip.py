@@ -1,4 +1,4 @@
-"""A spoken turn over /v1/realtime, end to end on loopback: the Piper voice says "What is the capital city of France?",
+"""A spoken turn over /v1/realtime, end to end on loopback: the Piper voice says "Which city is the capital of France?",
 streamed as 20 ms PCM16 24 kHz frames at real-time pace -> server VAD fires -> Whisper's transcript holds the
 question -> the model replies as text and audio; with SmolLM2 the reply says Paris, and Whisper hears the reply
 audio say the reply text.
@@ -26,7 +26,7 @@ from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.media import VOICE_MODELS
 
-QUESTION = "What is the capital city of France?"
+QUESTION = "Which city is the capital of France?"
 RATE = 24000  # the Realtime API's PCM16 rate
 FRAME = RATE // 50  # 20 ms = 480 samples
 HANG_GUARD_S = 240.0  # a hung turn fails here instead of hanging the suite; no latency is asserted

@@ -178,7 +178,7 @@ def test_whisper_names_the_pull_command_when_the_model_folder_is_incomplete(tmp_
 
 # -- Whisper on synthesised speech ------------------------------------------------------------------------------
 
-QUESTION = "What is the capital city of France?"
+QUESTION = "Which city is the capital of France?"
 SENTENCE = "The quick brown fox jumps over the lazy dog near the river bank today."
 LONG = ("I would like two tickets for the concert on Saturday night, if there are any left. "
         "Please remind me to call my sister at seven tomorrow evening.")

@@ -20,7 +20,7 @@ from streamserve.media.vad import (
     VADConfig,
 )
 
-QUESTION = "What is the capital city of France?"
+QUESTION = "Which city is the capital of France?"
 MS = SAMPLE_RATE // 1000  # samples per ms
 
 

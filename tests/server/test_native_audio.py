@@ -82,14 +82,14 @@ async def test_spoken_turn_gets_transcript_reply_and_reply_audio(voiced: Running
         assert session.info["voice"]["turn_detection"]["create_response"] is True
         assert session.info["voice"]["speak"] == VOICE["speak"]
         events = asyncio.ensure_future(collect(session, sc.ReplyAudioDone))
-        await stream(session, spoken("What is the capital city of France?"))
+        await stream(session, spoken("Which city is the capital of France?"))
         got = await asyncio.wait_for(events, WAIT_S)
     kinds = [type(e) for e in got]
     assert kinds[0] is sc.SpeechStarted
     stop = kinds.index(sc.SpeechStopped)
     final = next(e for e in got if isinstance(e, sc.TranscriptFinal))
     assert stop < got.index(final)
-    assert heard(final.text, "What is the capital city of France?"), final.text
+    assert heard(final.text, "Which city is the capital of France?"), final.text
     deltas = [e for e in got if isinstance(e, sc.TranscriptDelta)]
     assert "".join(d.text for d in deltas).strip() == final.text
     assert all(d.seq is not None for d in deltas)  # appended to the session as chunks

@@ -125,7 +125,7 @@ async def feed_slowly(listener: L.Listener, x: np.ndarray) -> None:
 async def test_the_speculative_pass_is_the_last_one_when_speech_does_not_resume(models: Any) -> None:
     rec = Recorder(models)
     listener = L.Listener(rec.runtime, audio_format(), server_vad(), rec)
-    for frame in frames(np.concatenate([silence(0.5), speech("What is the capital city of France?", RATE)])):
+    for frame in frames(np.concatenate([silence(0.5), speech("Which city is the capital of France?", RATE)])):
         await listener.append(frame)
     await rec.idle(listener)
     await feed_slowly(listener, silence(1.2))  # the VAD's hint, the speculative pass, then the stop

@@ -21,7 +21,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 RATE = 24000
 FRAME = RATE // 50  # 20 ms
-QUESTION = "What is the capital city of France?"
+QUESTION = "Which city is the capital of France?"
 WAIT_S = 300  # a hang guard only: a pass takes ~1 s on a 2-core CPU
 
 

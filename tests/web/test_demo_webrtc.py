@@ -31,7 +31,7 @@ def test_voice_and_camera_over_webrtc(tmp_path: Path) -> None:
     chromium()
     needs_voice()
     pytest.importorskip("aiortc", reason='aiortc is missing: pip install "streamserve[webrtc]"')
-    wav = question_wav(tmp_path / "question.wav", "What is the capital of France?")
+    wav = question_wav(tmp_path / "question.wav", "Which city is the capital of France?")
     y4m = write_y4m(tmp_path / "camera.y4m", camera_frames())
     out = artifacts("webrtc")
     with Namespace.create(required=True) as ns, \

@@ -28,7 +28,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.models]
 def test_voice_turn_barge_in_and_latency_over_the_websocket(tmp_path: Path) -> None:
     chromium()
     needs_voice()
-    wav = question_wav(tmp_path / "question.wav", "What is the capital of France?")
+    wav = question_wav(tmp_path / "question.wav", "Which city is the capital of France?")
     y4m = write_y4m(tmp_path / "camera.y4m", camera_frames())
     out = artifacts("websocket")
     with Namespace.create(required=False) as ns, \

@@ -47,7 +47,7 @@ def pcm16(x: np.ndarray) -> bytes:
 async def test_a_burst_of_audio_is_refused_past_the_limit_and_the_connection_goes_on(voiced: None) -> None:
     from voice_assets import speech
 
-    data = pcm16(speech("What is the capital city of France? " * 8, rate=RATE))  # ~15 s of speech, sent at once
+    data = pcm16(speech("Which city is the capital of France? " * 8, rate=RATE))  # ~15 s of speech, sent at once
     async with serve(ServerConfig(max_audio_buffer_s=4.0), voice=True) as srv:
         c = await RawRealtime.connect(srv.http)
         await c.send({"type": "session.update", "session": {"type": "realtime", "audio": {"input": {

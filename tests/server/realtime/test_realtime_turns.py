@@ -42,7 +42,7 @@ async def test_response_create_during_speech_is_busy_then_follows_the_item(voice
                                                             "audio": {"input": {"turn_detection": {
                                                                 "type": "server_vad", "create_response": False}}}}})
         await c.until("session.updated")
-        sender = asyncio.create_task(play(c, spoken("What is the capital city of France?")))
+        sender = asyncio.create_task(play(c, spoken("Which city is the capital of France?")))
         started = (await c.until("input_audio_buffer.speech_started"))[-1]
         await c.send({"type": "response.create", "event_id": "early", "response": {"max_output_tokens": 4}})
         error = await c.error()

@@ -13,7 +13,7 @@ from voice_assets import speech
 
 from streamserve.config import ServerConfig
 
-QUESTION = "What is the capital of France?"
+QUESTION = "Which city is the capital of France?"
 
 
 def spoken(text: str, tail_s: float = 1.5) -> np.ndarray:
