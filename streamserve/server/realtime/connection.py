@@ -190,12 +190,13 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         self.conv.entries += entries
         return seq
 
-    async def add_item(self, item: Item, position: int | None = None, event_id: str | None = None) -> None:
+    async def add_item(self, item: Item, position: int | None = None, event_id: str | None = None,
+                       kind: str = "text") -> None:
         """A new item into the conversation and the session: at the end, or at `position` (a rewind)."""
         self.conv.check_room()
         entry = Entry(message_of(item), item)
         if position is None or position >= len(self.conv.entries):
-            await self.append([*self.take_instructions(), entry], event_id, item)
+            await self.append([*self.take_instructions(), entry], event_id, item, kind)
         else:
             await self.rebuild(self.conv.with_entry_at(position, entry), event_id, item)
         previous = self.conv.previous_id(item)
@@ -246,6 +247,9 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
                           previous, E.new_id("resp_"))
         if run.audio and self.audio is not None:
             run.speaker = self.audio.speaker(run)
+            self.spoken[item.id] = run  # truncatable at once: clients truncate right at speech_started
+            while len(self.spoken) > KEEP_SPOKEN:
+                self.spoken.pop(next(iter(self.spoken)))
         self.current = run
         self.idle.clear()
         await run.start()
@@ -298,10 +302,8 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
             await run.finish(reason, recorded, usage(max(0, total - out), min(self.cached, total), out), error)
         finally:
             self.cached = total
-            if run.speaker is not None:
-                self.spoken[run.item.id] = run
-                while len(self.spoken) > KEEP_SPOKEN:
-                    self.spoken.pop(next(iter(self.spoken)))
+            if recorded is None:  # its item is gone: nothing left to truncate
+                self.spoken.pop(run.item.id, None)
             if self.current is run:
                 self.current = None
                 self.idle.set()

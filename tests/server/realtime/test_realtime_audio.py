@@ -22,7 +22,7 @@ from streamserve.engine import Engine
 
 RATE = 24000
 FRAME = RATE * 2 // 50  # bytes of 20 ms of PCM16 at 24 kHz
-QUESTION = "What is the capital city of France?"
+QUESTION = "Which city is the capital of France?"
 
 
 def pcm16(x: np.ndarray) -> bytes:
@@ -123,10 +123,39 @@ async def test_barge_in_cancels_and_truncates_to_what_was_heard(voiced: None) ->
         # the session holds what was heard, then the interruption: nothing the person did not hear
         chat = srv.server.service.chats
         (entry,) = srv.server.service.registry.all()
-        messages = chat.get(entry.session.id).messages
+        # the truncation waited for the person's message to end, and its rewind and re-append run after that
+        # message's committed event: poll (bounded) until the messages are back in
+        for _ in range(400):
+            messages = chat.get(entry.session.id).messages
+            if len(messages) == 3:
+                break
+            await asyncio.sleep(0.05)
         assert [m["role"] for m in messages] == ["user", "assistant", "user"]
         assert messages[1]["content"] == heard
         assert "stop" in messages[2]["content"].lower()
+        await c.close()
+
+
+@pytest.mark.asyncio
+async def test_a_truncate_while_the_response_runs_is_taken(voiced: None) -> None:
+    """Clients truncate as soon as they stop playing (at speech_started, before response.done): the item is
+    truncatable from its first audio (it was refused with item_truncate_invalid_item_id until response.done). The
+    response is stopped, and the session keeps what was heard."""
+    async with serve(ServerConfig(), voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send(user_text("In the beginning God created the heaven and the earth."))
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 400}})
+        item_id = (await c.until("response.output_audio.delta"))[-1]["item_id"]
+        await c.send({"type": "conversation.item.truncate", "item_id": item_id, "content_index": 0,
+                      "audio_end_ms": 0, "event_id": "t"})
+        got = await c.until("conversation.item.truncated")
+        assert not [m for m in got if m["type"] == "error"], got
+        assert got[-1]["item_id"] == item_id
+        done = [m for m in c.seen if m["type"] == "response.done"]
+        assert done and done[-1]["response"]["status"] == "cancelled"  # stopped before the rewind
+        (entry,) = srv.server.service.registry.all()
+        messages = srv.server.service.chats.get(entry.session.id).messages
+        assert [m["role"] for m in messages] == ["user", "assistant"] and messages[1]["content"] == ""
         await c.close()
 
 
