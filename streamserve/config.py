@@ -98,6 +98,10 @@ class ServerConfig:
     max_audio_buffer_s: float = field(default=30.0, metadata={
         "help": "most seconds of input audio one stream may hold untranscribed (an utterance longer than this is "
                 "committed as it stands; audio sent faster than it is processed past this is refused)"})
+    max_calls_per_key: int = field(default=16, metadata={
+        "help": "live WebRTC calls (POST /v1/realtime/calls) per credential: the API key, or one client secret"})
+    video_fps: float = field(default=1.0, metadata={
+        "help": "camera frames sampled per second on WebRTC calls (at most 5; a call's session.video.fps changes it)"})
     min_deadline_ms: float = field(default=20.0, metadata={
         "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
                 "client cannot jump the queue by claiming a 0 ms deadline"})
@@ -109,13 +113,16 @@ class ServerConfig:
 
         optional = ("max_pages_per_connection", "max_queued_tokens_per_connection")  # None: no quota
         counts = ("max_frame_bytes", "max_chunk_tokens", "max_sessions_per_connection", "max_sessions",
-                  "max_connections", "max_reply_tokens", "max_window", *optional)
+                  "max_connections", "max_reply_tokens", "max_window", "max_calls_per_key", *optional)
         for name in counts:
             v = getattr(self, name)
             if v is None and name in optional:
                 continue
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise InvalidInputError(f"{name} must be an integer >= 1, got {v!r}")
+        if isinstance(self.video_fps, bool) or not isinstance(self.video_fps, (int, float)) \
+                or not 0 < self.video_fps <= 5:
+            raise InvalidInputError(f"video_fps must be a number above 0 and at most 5, got {self.video_fps!r}")
         for name, low in (("messages_per_second", None), ("bytes_per_second", None), ("resume_ttl", 0.0),
                           ("min_deadline_ms", 0.0), ("max_audio_buffer_s", None)):
             v = getattr(self, name)

@@ -11,6 +11,8 @@ the transport's (server/transport.py).
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
     POST /v1/realtime/calls          a WebRTC call (SDP offer in, answer out; server/webrtc/, docs/webrtc.md);
     DELETE /v1/realtime/calls/{id}   hangs it up (only when aiortc, the webrtc extra, is installed)
+    GET  /                           the browser voice/video demo (clients/web/, installed as streamserve.web)
+    GET  /web/{path}                 its modules, worklets and styles (server/static.py: listed at start, in memory)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
 With an API key, /v1/stream and /v1/realtime need it or a live client secret (server/auth.py), /metrics and minting
@@ -54,6 +56,7 @@ from streamserve.server.realtime.connection import RealtimeConnection
 from streamserve.server.results import service_error
 from streamserve.server.secrets_route import mint_client_secret
 from streamserve.server.service import SessionService
+from streamserve.server.static import StaticFiles
 from streamserve.server.transport import RateLimiter, Transport, WebSocketChannel
 
 if TYPE_CHECKING:
@@ -105,7 +108,8 @@ class Server:
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
         self.app.add_routes([web.get("/healthz", self.healthz), web.get("/metrics", self.metrics),
                              web.get("/v1/stream", self.stream), web.get("/v1/realtime", self.realtime),
-                             web.post("/v1/realtime/client_secrets", self.client_secrets)])
+                             web.post("/v1/realtime/client_secrets", self.client_secrets),
+                             *StaticFiles().routes()])
         self.app.on_startup.append(self.on_startup)
         self.app.on_shutdown.append(self.on_shutdown)
         self.app.on_cleanup.append(self.on_cleanup)

@@ -117,7 +117,7 @@ class Namespace:
 
 @dataclass
 class DemoServer:
-    """`streamserve serve` with the demo's routes (demo_server.py) as a subprocess in the namespace."""
+    """`streamserve serve` (it serves the demo at /) as a subprocess in the namespace."""
 
     proc: subprocess.Popen[bytes]
     port: int
@@ -134,7 +134,7 @@ class DemoServer:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-        argv = ns.wrap([sys.executable, str(ROOT / "tests/web/demo_server.py"), "serve", "--host", "127.0.0.1",
+        argv = ns.wrap([sys.executable, "-m", "streamserve", "serve", "--host", "127.0.0.1",
                         "--port", str(port), *flags])
         env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         with log.open("wb") as out:

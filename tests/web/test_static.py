@@ -10,7 +10,6 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from aiohttp import ClientSession, web
-from demo_server import with_demo
 from yarl import URL
 
 from streamserve.config import ServerConfig
@@ -27,8 +26,8 @@ def no_engine() -> None:
 
 @pytest_asyncio.fixture
 async def site() -> AsyncIterator[str]:
-    """The real app (its origin guard, its error middleware) with the demo's routes, no model."""
-    server = with_demo(Server(ServerConfig(host="127.0.0.1", port=0, no_voice=True, no_vision=True), no_engine))
+    """The real app (its origin guard, its error middleware, the demo's routes), no model."""
+    server = Server(ServerConfig(host="127.0.0.1", port=0, no_voice=True, no_vision=True), no_engine)
     runner = web.AppRunner(server.app)
     await runner.setup()
     s = web.TCPSite(runner, "127.0.0.1", 0)

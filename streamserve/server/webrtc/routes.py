@@ -27,7 +27,7 @@ from streamserve.server.realtime import events as E
 from streamserve.server.realtime import settings as S
 from streamserve.server.realtime.events import RealtimeError
 from streamserve.server.webrtc.call import Call
-from streamserve.server.webrtc.video import DEFAULT_FPS, MAX_FPS
+from streamserve.server.webrtc.video import MAX_FPS
 
 if TYPE_CHECKING:
     from streamserve.config import ServerConfig
@@ -39,7 +39,6 @@ log = logging.getLogger("streamserve.server")
 
 MAX_SDP_BYTES = 64 * 1024  # a browser's offer is a few KB
 MAX_SESSION_BYTES = 64 * 1024
-MAX_CALLS_PER_KEY = 16  # live calls per credential (the API key, or one client secret); ServerConfig.max_calls_per_key
 
 
 def error(status: int, code: str, message: str, param: str | None = None) -> web.Response:
@@ -105,7 +104,7 @@ class Calls:
     def __init__(self, server: Server) -> None:
         self.server = server
         self.live: dict[str, Call] = {}
-        self.limit = getattr(server.config, "max_calls_per_key", MAX_CALLS_PER_KEY)
+        self.limit = server.config.max_calls_per_key
         self.metrics: CallMetrics | None = None  # registered with the engine's metrics once it has loaded
 
     def owned_by(self, secret: ClientSecret | None) -> int:
@@ -132,7 +131,7 @@ class Calls:
             return error(503, "server_busy", "too many connections; retry later")
         service = srv.service
         try:
-            fps = self.video_fps(session, getattr(srv.config, "video_fps", DEFAULT_FPS))
+            fps = self.video_fps(session, srv.config.video_fps)
         except RealtimeError as e:
             return error(400, e.code, e.message, e.param)
         if self.metrics is None:
