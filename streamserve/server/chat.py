@@ -92,7 +92,8 @@ class ChatSessions:
         if not checked:
             raise ChatMessageError("append took an empty list of messages; send at least one")
         text = "".join(m["content"] for m in checked)
-        return (checked if isinstance(message, list) else checked[0]), replace(req, text=text, kind="text")
+        kind = "video" if req.kind == "video" else "text"  # a camera note stays sheddable
+        return (checked if isinstance(message, list) else checked[0]), replace(req, text=text, kind=kind)
 
     def add(self, session_id: str, message: Message | list[Message], chunk: dict[str, Any]) -> asyncio.Future[Ack]:
         """Append a message in its turn (`chunk`: seq, capture_time, deadline); -> its chunk's ack, to come."""

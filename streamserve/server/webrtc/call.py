@@ -211,11 +211,14 @@ class Call:
             return
         if conn.audio is not None and conn.audio.streaming:
             return  # tried again when the next sample or reply ends
-        from streamserve.server.realtime.conversation import Entry
+        from streamserve.server.realtime.conversation import Item
+        from streamserve.server.realtime.events import new_id
 
         self.pending_note = None
+        # a system item the client sees (conversation.item.added, then .done at its ack), as the model reads it
+        note = Item(new_id("item_"), "system", [{"type": "input_text", "text": f"(camera) {text}"}])
         try:
-            await conn.append([Entry({"role": "system", "content": f"(camera) {text}"})], kind="video")
+            await conn.add_item(note, kind="video")
         except Exception as e:  # shed under load, or the session is going: the next change brings a new note
             log.debug("streamserve: a camera note was not appended: %s", e)
 

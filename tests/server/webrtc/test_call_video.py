@@ -65,6 +65,12 @@ async def test_camera_frames_become_a_note_in_the_session() -> None:
         await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": "What do you see?"}]}})
         await c.send({"type": "response.create", "response": {"max_output_tokens": 8}})
-        done = (await c.until("response.done"))[-1]["response"]
+        got = await c.until("response.done")
+        done = got[-1]["response"]
         assert done["status"] in ("completed", "incomplete"), done  # the note before it did not break the chat
+        # the client saw the note as a system item (the page shows these), added and then done at its ack
+        seen = [m for m in got if m["type"] in ("conversation.item.added", "conversation.item.done")
+                and m["item"]["role"] == "system"]
+        assert [m["type"] for m in seen] == ["conversation.item.added", "conversation.item.done"], seen
+        assert seen[0]["item"]["content"][0]["text"] == notes[0]
         await c.close()
