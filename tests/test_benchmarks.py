@@ -28,7 +28,14 @@ ROOT = Path(__file__).resolve().parent.parent
                                         or None in map(installed, VOICE_MODELS),
                                         reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
                                                f"(streamserve models pull {' '.join(VOICE_MODELS)})"),
-                                                 id="voice_latency")])
+                                                 id="voice_latency"),
+                                    pytest.param(["webrtc_latency.py", "--quick"], marks=pytest.mark.skipif(
+                                        not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
+                                                                               "soxr", "espeakng_loader", "aiortc")))
+                                        or None in map(installed, VOICE_MODELS),
+                                        reason=f"needs the voice and webrtc extras ({VOICE_EXTRA}, aiortc) and "
+                                               f"the voice models (streamserve models pull {' '.join(VOICE_MODELS)})"),
+                                                 id="webrtc_latency")])
 def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     if script[0] == "gpu_check.py":
         pytest.importorskip("triton")
