@@ -130,6 +130,9 @@ def check_serve() -> None:
                 assert session.append(text="In the beginning").tokens > 0
                 text = "".join(d.text for d in session.respond(max_tokens=8, temperature=0.0))
                 assert session.finish_reason == "length" and text, (session.finish_reason, text)
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=10) as r:  # the demo, from the wheel
+                page = r.read().decode()
+            assert r.status == 200 and "<html" in page.lower(), page[:200]
             server.send_signal(signal.SIGTERM)
             assert server.wait(60) == 0, f"the server exited with {server.returncode}"
         except BaseException:
@@ -137,7 +140,8 @@ def check_serve() -> None:
             log.seek(0)
             print(log.read()[-4000:], file=sys.stderr)
             raise
-    print(f"streamserve serve from the wheel answered the client's wheel over /v1/stream: {text!r}")
+    print(f"streamserve serve from the wheel answered the client's wheel over /v1/stream: {text!r}, and served the "
+          "browser demo at /")
 
 
 def check_client() -> None:
