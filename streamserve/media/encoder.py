@@ -142,24 +142,10 @@ def load_audio_encoder(checkpoint: str | Path, hidden_size: int | None = None) -
 
     `checkpoint`: its folder (or a file in it, such as a GGUF). `hidden_size`: the model's (default: config.json's
     `hidden_size`); an encoder of another size is refused. AudioEncoderError for a damaged or mismatched file."""
-    folder = Path(checkpoint)
-    folder = folder if folder.is_dir() else folder.parent
-    path = folder / PROJECTOR_FILE
-    if not path.is_file():
+    found = _read_projector(checkpoint, PROJECTOR_FILE, AudioEncoderError, "save_audio_projector")
+    if found is None:
         return None
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            if "projection" not in list(f.keys()):
-                raise AudioEncoderError(f"{path} has no 'projection' tensor; write it with save_audio_projector")
-            projection = f.get_tensor("projection")
-    except AudioEncoderError:
-        raise
-    except Exception as e:  # safetensors raises its own errors (and numpy TypeErrors) for damaged or bf16 files
-        raise AudioEncoderError(f"cannot read {path} ({e}); it must be safetensors holding a float32 or "
-                                "float16 'projection'") from None
+    folder, path, meta, projection = found
     try:
         stack = int(meta["stack"])
     except (KeyError, ValueError):
@@ -173,6 +159,31 @@ def load_audio_encoder(checkpoint: str | Path, hidden_size: int | None = None) -
         raise AudioEncoderError(f"{path} projects to {encoder.hidden_size} values per embedding, but the model's "
                                 f"hidden size is {expected}: it belongs to another model")
     return encoder
+
+
+def _read_projector(checkpoint: str | Path, filename: str, error: type[ModelLoadError],
+                    writer: str) -> tuple[Path, Path, dict[str, str], np.ndarray] | None:
+    """The checkpoint folder's projector file `filename` -> (folder, its path, its metadata, its 'projection'
+    [in, hidden]), or None when the checkpoint has none; `error` (naming `writer`) for a damaged file."""
+    folder = Path(checkpoint)
+    folder = folder if folder.is_dir() else folder.parent
+    path = folder / filename
+    if not path.is_file():
+        return None
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as f:
+            meta = f.metadata() or {}
+            if "projection" not in list(f.keys()):
+                raise error(f"{path} has no 'projection' tensor; write it with {writer}")
+            projection = f.get_tensor("projection")
+    except error:
+        raise
+    except Exception as e:  # safetensors raises its own errors (and numpy TypeErrors) for damaged or bf16 files
+        raise error(f"cannot read {path} ({e}); it must be safetensors holding a float32 or float16 "
+                    "'projection'") from None
+    return folder, path, meta, projection
 
 
 def _config_hidden_size(folder: Path) -> int | None:
@@ -277,24 +288,10 @@ def save_image_projector(folder: str | Path, projection: np.ndarray, patch: int,
 def load_image_encoder(checkpoint: str | Path, hidden_size: int | None = None) -> ImageEncoder | None:
     """The checkpoint's image encoder, or None when it has none (a text-only model: images take the labels path).
     As load_audio_encoder; ImageEncoderError for a damaged or mismatched file."""
-    folder = Path(checkpoint)
-    folder = folder if folder.is_dir() else folder.parent
-    path = folder / IMAGE_PROJECTOR_FILE
-    if not path.is_file():
+    found = _read_projector(checkpoint, IMAGE_PROJECTOR_FILE, ImageEncoderError, "save_image_projector")
+    if found is None:
         return None
-    from safetensors import safe_open
-
-    try:
-        with safe_open(str(path), framework="numpy") as f:
-            meta = f.metadata() or {}
-            if "projection" not in list(f.keys()):
-                raise ImageEncoderError(f"{path} has no 'projection' tensor; write it with save_image_projector")
-            projection = f.get_tensor("projection")
-    except ImageEncoderError:
-        raise
-    except Exception as e:  # safetensors raises its own errors for damaged files
-        raise ImageEncoderError(f"cannot read {path} ({e}); it must be safetensors holding a float32 or float16 "
-                                "'projection'") from None
+    folder, path, meta, projection = found
     try:
         patch, size = int(meta["patch"]), int(meta["size"])
     except (KeyError, ValueError):
