@@ -153,13 +153,16 @@ export class WebRtcTransport {
 
   async close() {
     const url = this.callUrl;
-    this.teardown();
     this.callUrl = null;
+    this.audioEl.srcObject = null; // silent at once
     if (url) {
       const headers = this.credential ? { Authorization: `Bearer ${this.credential}` } : {};
-      // hang up (keepalive: also when the page is closing); the peer's close would end the call too
-      await fetch(url, { method: "DELETE", headers, keepalive: true }).catch(() => {});
+      // hang up before closing the peer: a closed peer ends the call on the server, and a DELETE that came after
+      // would find no call (404). keepalive: the request goes out also when the page is closing.
+      const hangUp = fetch(url, { method: "DELETE", headers, keepalive: true }).catch(() => {});
+      await Promise.race([hangUp, new Promise((resolve) => setTimeout(resolve, 2000))]);
     }
+    this.teardown();
   }
 }
 

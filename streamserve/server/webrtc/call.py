@@ -199,8 +199,11 @@ class Call:
         return next((r for r in self.conn.spoken.values() if r.id == reply), None)
 
     # ---- camera notes ----------------------------------------------------------------------------------------------
-    async def note(self, text: str) -> None:
-        self.pending_note = text  # the newest replaces one still waiting
+    async def note(self, text: str | None) -> None:
+        """After each camera sample: its new note (None when the scene did not change) replaces one still waiting,
+        and a waiting note goes in if the conversation is quiet now."""
+        if text is not None:
+            self.pending_note = text
         await self.flush_note()
 
     async def flush_note(self) -> None:

@@ -2,7 +2,9 @@
 (default DEFAULT_FPS, at most MAX_FPS), each sample converted to an RGB array [H, W, 3] uint8 and labelled by the
 server's vision model (`service.vision.labels(rgb) -> [(label, confidence)]`, server/vision.py). SceneNotes
 (streamserve.media.vision) turns labels into a short text note only when they change; the note goes to `on_note`
-(the call appends it to the conversation's session as a sheddable video chunk, call.py).
+(the call appends it to the conversation's session as a sheddable video chunk, call.py). `on_note` is called after
+every sample, with None when nothing changed: a note that had to wait (the person was speaking) goes in at the next
+quiet sample, not only when the scene changes again.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ MAX_FPS = 5.0
 
 class CameraSampler:
     def __init__(self, track: MediaStreamTrack, fps: float, vision: Any,
-                 on_note: Callable[[str], Awaitable[None]]) -> None:
+                 on_note: Callable[[str | None], Awaitable[None]]) -> None:
         self.track, self.fps, self.vision, self.on_note = track, fps, vision, on_note
         self.latest: Any = None  # the newest frame received and not yet sampled
         self.received = self.sampled = self.notes = self.failures = 0
@@ -62,7 +64,7 @@ class CameraSampler:
                     note = self.scene.update(labels)
                     if note:
                         self.notes += 1
-                        await self.on_note(note)
+                    await self.on_note(note or None)
                 except Exception:  # one bad frame, or the vision thread busy (vision_busy): skipped, counted
                     self.failures += 1
                     if self.failures == 1:  # the first is worth a traceback; the rest only a count

@@ -62,6 +62,17 @@ async def test_camera_frames_become_a_note_in_the_session() -> None:
         while call.camera.sampled < sampled + 2:
             await asyncio.sleep(0.05)
         assert call.camera.notes == 1
+        # a note that had to wait (the person was speaking when it came) goes in at the next quiet sample, though
+        # the scene has not changed since
+        call.pending_note = "a note that waited"
+        for _ in range(1200):
+            chat = chats.get(session)
+            if chat is not None and any("(camera) a note that waited" in m["content"] for m in chat.messages):
+                break
+            await asyncio.sleep(0.05)
+        else:
+            raise AssertionError("the waiting note never went in")
+        assert call.pending_note is None and call.camera.notes == 1
         await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
             {"type": "input_text", "text": "What do you see?"}]}})
         await c.send({"type": "response.create", "response": {"max_output_tokens": 8}})
@@ -69,8 +80,9 @@ async def test_camera_frames_become_a_note_in_the_session() -> None:
         done = got[-1]["response"]
         assert done["status"] in ("completed", "incomplete"), done  # the note before it did not break the chat
         # the client saw the note as a system item (the page shows these), added and then done at its ack
-        seen = [m for m in got if m["type"] in ("conversation.item.added", "conversation.item.done")
-                and m["item"]["role"] == "system"]
-        assert [m["type"] for m in seen] == ["conversation.item.added", "conversation.item.done"], seen
-        assert seen[0]["item"]["content"][0]["text"] == notes[0]
+        seen = [(m["type"], m["item"]["content"][0]["text"]) for m in got
+                if m["type"] in ("conversation.item.added", "conversation.item.done") and m["item"]["role"] == "system"]
+        waited = "(camera) a note that waited"
+        assert seen == [("conversation.item.added", notes[0]), ("conversation.item.done", notes[0]),
+                        ("conversation.item.added", waited), ("conversation.item.done", waited)], seen
         await c.close()
