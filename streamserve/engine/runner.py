@@ -153,9 +153,10 @@ class Runner:
 
     @staticmethod
     def _draft_len(s: SessionState, r: Response) -> int:
-        """Tokens to draft for the reply's next step. None for replies with stop strings: a string can end
-        inside a verified run, and the session must hold exactly what plain decoding leaves in it."""
-        if s.spec is None or r.stop:
+        """Tokens to draft for the reply's next step. None for replies with stop strings (a string can end
+        inside a verified run, and the session must hold exactly what plain decoding leaves in it) or with allowed
+        ids (a draft is not constrained)."""
+        if s.spec is None or r.stop or r.allowed is not None:
             return 0
         return s.spec.next_k(fixed_costs=r.seeded)
 
@@ -184,7 +185,8 @@ class Runner:
     def _decode(self, s: SessionState, r: Response) -> ItemResult:
         assert s.logits is not None
         try:
-            tok = sample(s.logits, r.temperature, r.top_p, r.draws.at(len(s.token_ids)), r.top_k)
+            logits = s.logits if r.allowed is None else s.logits.masked_fill(~r.allowed, float("-inf"))
+            tok = sample(logits, r.temperature, r.top_p, r.draws.at(len(s.token_ids)), r.top_k)
         except Exception as e:
             return ItemResult(error=_fault(e), fatal=True)
         # pending from here on: it enters the KV with the next forward

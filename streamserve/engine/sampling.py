@@ -68,6 +68,15 @@ def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: to
     return int(tok[0])
 
 
+def allowed_mask(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
+    """Checked ids -> a bool mask [vocab] on `device`, True where a constrained reply may emit the id."""
+    if not ids:
+        raise InvalidInputError("allowed_token_ids is empty: a constrained reply needs at least one id")
+    mask = torch.zeros(vocab, dtype=torch.bool)
+    mask[torch.tensor(list(ids), dtype=torch.long)] = True
+    return mask.to(device)
+
+
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 256
 

@@ -29,7 +29,7 @@ from streamserve.engine.admission import Admission
 from streamserve.engine.guard import BetweenSteps
 from streamserve.engine.inputs import check_embeds, check_ids, check_time
 from streamserve.engine.loop import EngineLoop
-from streamserve.engine.sampling import MAX_SEED, Draws, check_sampling, check_seed, check_stop
+from streamserve.engine.sampling import MAX_SEED, Draws, allowed_mask, check_sampling, check_seed, check_stop
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.streams import Outbox, ResponseStream, TokenIterator
@@ -262,19 +262,25 @@ class Session:
     # ---- output ---------------------------------------------------------------------------------------
     def stream(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature, top_p: float = SD.top_p,
                top_k: int = SD.top_k, seed: int | None = SD.seed, stop: Sequence[str] | None = None,
-               stop_token_ids: Sequence[int] | None = None) -> ResponseStream:
+               stop_token_ids: Sequence[int] | None = None,
+               allowed_token_ids: Sequence[int] | None = None) -> ResponseStream:
         """Request a reply; iterate the returned stream (`async for` or `for`) for its `Delta`s.
 
         It starts after the chunks appended before it. Ends after `max_tokens`, at a stop token
         (`stop_token_ids`, default the model's EOS ids; `()` never stops early; the stop token is
         delivered), before a stop string of `stop` (not delivered in the text), at the model's context, or
-        at `cancel()`. Bad parameters, a closed session or a reply already running raise here."""
+        at `cancel()`. `allowed_token_ids` constrains every token of the reply to those ids (a logits mask in the
+        sampler: robot action tokens); such a reply is not drafted. Bad parameters, a closed session or a reply
+        already running raise here."""
         self._check_open()
         check_sampling(max_tokens, temperature, top_p, top_k)
         stops = tuple(check_stop(stop))
         stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
                              else check_ids(list(stop_token_ids), self.engine.config.vocab_size))
         check_seed(seed)
+        allowed = None if allowed_token_ids is None else allowed_mask(
+            check_ids(list(allowed_token_ids), self.engine.config.vocab_size), self.engine.config.vocab_size,
+            self.engine.device)
         loop, gen = self.engine.loop, self.core.generator
         with loop.cv:  # the draw and the submission under one hold: a refused reply takes no draw
             if not self.core.token_ids and not loop.scheduler.queued_chunks(self.id):
@@ -284,7 +290,8 @@ class Session:
             if seed is None:  # one draw of the session's generator seeds the reply (a seeded session repeats too)
                 seed = int(torch.randint(0, MAX_SEED, (1,), generator=gen, device=self.engine.device))
             r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
-                         Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(), seeded=seeded)
+                         Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(), seeded=seeded,
+                         allowed=allowed)
             try:
                 loop.submit(r)
             except BaseException:
