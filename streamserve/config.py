@@ -102,6 +102,9 @@ class ServerConfig:
         "help": "live WebRTC calls (POST /v1/realtime/calls) per credential: the API key, or one client secret"})
     video_fps: float = field(default=1.0, metadata={
         "help": "camera frames sampled per second on WebRTC calls (at most 5; a call's session.video.fps changes it)"})
+    policy_port: int | None = field(default=None, metadata={
+        "help": "also serve the robot policy endpoint (WS /v1/policy) at / on this port: openpi clients connect to a "
+                "bare host and port (needs a model with a policy codec, e.g. --model default-policy; same host)"})
     min_deadline_ms: float = field(default=20.0, metadata={
         "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
                 "client cannot jump the queue by claiming a 0 ms deadline"})
@@ -132,6 +135,9 @@ class ServerConfig:
                                         f"got {v!r}")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise InvalidInputError(f"port must be an integer from 0 to 65535, got {self.port!r}")
+        if self.policy_port is not None and (isinstance(self.policy_port, bool) or not isinstance(self.policy_port, int)
+                                             or not 0 <= self.policy_port <= 65535):
+            raise InvalidInputError(f"policy_port must be an integer from 0 to 65535, got {self.policy_port!r}")
 
 
 CPU_STEP_TOKENS = 64  # SchedulerConfig.step_tokens by default on a CPU
