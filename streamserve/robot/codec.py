@@ -1,0 +1,283 @@
+"""The policy codec: how a robot's observations and actions become token ids on a session, and back.
+
+A checkpoint that is a robot policy carries `policy.json` beside its config.json; `PolicyCodec.load` reads it.
+One control tick on an episode's session is
+
+    [<obs>, s_1 .. s_Ds, <act>]   appended (state_ids: one token per state dimension)
+    a_1 .. a_(H*D)                 the reply, constrained to the action ids, step-major: step 0's D dims first
+
+and the episode's first tick (and any tick whose instruction changed) is preceded by `[<task>, *prompt tokens]`.
+Values are discretised the OpenVLA way: per dimension `bins` uniform bins over [low, high], a value is clipped into
+the range and mapped to its bin, a bin decodes to its centre. All dimensions share one block of token ids
+(`offset + bin`), so the vocabulary holds `state_bins` state ids and `action_bins` action ids.
+
+This module needs NumPy only (no torch, nothing from the engine or server): robot-side code may import it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import MISSING, asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from streamserve.errors import InvalidInputError, ModelLoadError
+
+POLICY_FILE = "policy.json"
+POLICY_FORMAT = 1  # policy.json's "format": bumped when the layout changes incompatibly
+
+
+class PolicyInputError(InvalidInputError):
+    """An observation (or action chunk) the codec cannot encode: missing key, wrong shape or type, NaN/inf."""
+
+    code = "invalid_observation"
+
+
+class PolicyConfigError(ModelLoadError):
+    """A checkpoint's policy.json is malformed: missing or mistyped fields, bad ranges, overlapping token ids."""
+
+    code = "invalid_policy_config"
+
+
+def _floats(name: str, value: Any) -> tuple[float, ...]:
+    if not isinstance(value, (list, tuple)) or not value:
+        raise PolicyConfigError(f"policy.json: {name} must be a non-empty list of numbers, got {value!r}")
+    out = []
+    for v in value:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+            raise PolicyConfigError(f"policy.json: {name} must hold finite numbers, got {v!r}")
+        out.append(float(v))
+    return tuple(out)
+
+
+def _int(name: str, value: Any, least: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < least:
+        raise PolicyConfigError(f"policy.json: {name} must be an integer >= {least}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class PolicyCodec:
+    state_key: str  # observation key of the state vector, e.g. "observation/state"
+    state_low: tuple[float, ...]  # [Ds] per-dimension range of the state bins
+    state_high: tuple[float, ...]
+    state_bins: int
+    state_token_offset: int  # the id of state bin 0; bin b is offset + b
+    action_dims: int  # D
+    action_horizon: int  # H: steps in one chunk
+    action_low: tuple[float, ...]  # [D]
+    action_high: tuple[float, ...]
+    action_bins: int
+    action_token_offset: int
+    obs_token: int  # marker ids: <obs> opens a state, <act> asks for the actions, <task> opens an instruction
+    act_token: int
+    task_token: int
+    prompt_key: str = "prompt"
+    default_prompt: str = ""
+    image_keys: tuple[str, ...] = ()  # camera images (uint8 [H, W, 3]) for the server's vision path; none here
+    window: int = 256  # an episode's session keeps `sinks` first tokens + the last `window` (rolling positions)
+    sinks: int = 8
+    control_hz: float = 50.0
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- configuration ------------------------------------------------------------------------------
+    def validate(self, vocab_size: int | None = None) -> None:
+        """PolicyConfigError unless the fields make a usable codec (and its ids fit `vocab_size` when given)."""
+        for name in ("state_key", "prompt_key", "default_prompt"):
+            if not isinstance(getattr(self, name), str):
+                raise PolicyConfigError(f"policy.json: {name} must be a string")
+        if not self.state_key or not self.prompt_key:
+            raise PolicyConfigError("policy.json: state_key and prompt_key must not be empty")
+        if not all(isinstance(k, str) and k for k in self.image_keys):
+            raise PolicyConfigError("policy.json: image_keys must be a list of non-empty strings")
+        _int("state_bins", self.state_bins, 2)
+        _int("action_bins", self.action_bins, 2)
+        _int("action_dims", self.action_dims, 1)
+        _int("action_horizon", self.action_horizon, 1)
+        for kind, dims in (("state", len(self.state_low)), ("action", self.action_dims)):
+            low, high = getattr(self, f"{kind}_low"), getattr(self, f"{kind}_high")
+            if len(low) != dims or len(high) != dims:
+                raise PolicyConfigError(f"policy.json: {kind}_low and {kind}_high must both have {dims} values")
+            if not all(lo < hi for lo, hi in zip(low, high, strict=True)):
+                raise PolicyConfigError(f"policy.json: every {kind}_low must be below its {kind}_high")
+        _int("sinks", self.sinks, 0)
+        if _int("window", self.window, 1) < self.sinks:
+            raise PolicyConfigError(f"policy.json: window ({self.window}) must be at least sinks ({self.sinks})")
+        if isinstance(self.control_hz, bool) or not isinstance(self.control_hz, (int, float)) \
+                or not math.isfinite(self.control_hz) or self.control_hz <= 0:
+            raise PolicyConfigError(f"policy.json: control_hz must be a number > 0, got {self.control_hz!r}")
+        # the id ranges: state bins, action bins and the three markers must not overlap
+        spans = [(_int("state_token_offset", self.state_token_offset, 0), self.state_bins, "state bins"),
+                 (_int("action_token_offset", self.action_token_offset, 0), self.action_bins, "action bins")]
+        spans += [(_int(f"{m}_token", getattr(self, f"{m}_token"), 0), 1, f"<{m}>") for m in ("obs", "act", "task")]
+        spans.sort()
+        for (a, n, what), (b, _, other) in itertools.pairwise(spans):
+            if a + n > b:
+                raise PolicyConfigError(f"policy.json: the token ids of {what} and {other} overlap")
+        top = spans[-1][0] + spans[-1][1]
+        if vocab_size is not None and top > vocab_size:
+            raise PolicyConfigError(f"policy.json: token ids run to {top - 1}, past the model's vocabulary of "
+                                    f"{vocab_size}")
+
+    @classmethod
+    def from_dict(cls, data: Any) -> PolicyCodec:
+        """The codec from policy.json's object (its field names are the dataclass's, plus "format")."""
+        if not isinstance(data, dict):
+            raise PolicyConfigError("policy.json must hold a JSON object")
+        if data.get("format") != POLICY_FORMAT:
+            raise PolicyConfigError(f"policy.json: format must be {POLICY_FORMAT}, got {data.get('format')!r}")
+        names = {f.name for f in fields(cls)}
+        unknown = sorted(set(data) - names - {"format"})
+        if unknown:
+            raise PolicyConfigError(f"policy.json: unknown fields {unknown}")
+        required = [f.name for f in fields(cls) if f.default is MISSING and f.default_factory is MISSING]
+        missing = sorted(n for n in required if n not in data)
+        if missing:
+            raise PolicyConfigError(f"policy.json: missing fields {missing}")
+        kw = {k: v for k, v in data.items() if k != "format"}
+        for name in ("state_low", "state_high", "action_low", "action_high"):
+            kw[name] = _floats(name, kw[name])
+        if "image_keys" in kw:
+            if not isinstance(kw["image_keys"], list):
+                raise PolicyConfigError("policy.json: image_keys must be a list of strings")
+            kw["image_keys"] = tuple(kw["image_keys"])
+        return cls(**kw)
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path) -> PolicyCodec | None:
+        """The codec of a checkpoint folder; None when it has no policy.json (not a policy). A malformed file,
+        or ids past config.json's vocab_size, raise PolicyConfigError."""
+        folder = Path(checkpoint_dir)
+        path = folder / POLICY_FILE
+        if not folder.is_dir() or not path.is_file():
+            return None
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+            raise PolicyConfigError(f"{path} is not readable JSON: {e}") from e
+        codec = cls.from_dict(data)
+        config = folder / "config.json"
+        if config.is_file():
+            try:
+                vocab = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                vocab = None  # the model loader reports a broken config.json in its own words
+            if isinstance(vocab, int) and not isinstance(vocab, bool):
+                codec.validate(vocab)
+        return codec
+
+    def to_dict(self) -> dict[str, Any]:
+        """policy.json's object (`from_dict` reads it back)."""
+        d = asdict(self)
+        for k, v in d.items():
+            if isinstance(v, tuple):
+                d[k] = list(v)
+        return {"format": POLICY_FORMAT, **d}
+
+    def save(self, checkpoint_dir: str | Path) -> Path:
+        path = Path(checkpoint_dir) / POLICY_FILE
+        path.write_text(json.dumps(self.to_dict(), indent=2) + "\n", encoding="utf-8")
+        return path
+
+    # ---- observations -----------------------------------------------------------------------------------
+    @property
+    def state_dims(self) -> int:
+        return len(self.state_low)
+
+    def state_of(self, obs: Mapping[str, Any]) -> np.ndarray:
+        """The state vector [Ds] float64 of an observation dict (PolicyInputError when missing or malformed)."""
+        if not isinstance(obs, Mapping):
+            raise PolicyInputError(f"an observation must be a dict, got {type(obs).__name__}")
+        if self.state_key not in obs:
+            raise PolicyInputError(f"the observation has no {self.state_key!r} (keys: {sorted(map(str, obs))})")
+        return self._vector(obs[self.state_key], (self.state_dims,), self.state_key)
+
+    def prompt_of(self, obs: Mapping[str, Any]) -> str:
+        """The instruction of an observation (its prompt key; the codec's default when absent)."""
+        prompt = obs.get(self.prompt_key, self.default_prompt) if isinstance(obs, Mapping) else None
+        if not isinstance(prompt, str):
+            raise PolicyInputError(f"{self.prompt_key!r} must be a string, got {type(prompt).__name__}")
+        return prompt
+
+    def state_ids(self, state: Any) -> list[int]:
+        """[<obs>, s_1 .. s_Ds, <act>] for a state vector [Ds]; values outside the ranges are clipped."""
+        x = self._vector(state, (self.state_dims,), "state")
+        bins = _bin(x, self.state_low, self.state_high, self.state_bins)
+        return [self.obs_token, *(self.state_token_offset + bins).tolist(), self.act_token]
+
+    def prompt_ids(self, prompt_tokens: Sequence[int]) -> list[int]:
+        """[<task>, *prompt_tokens] (the text tokenized by the checkpoint's own tokenizer)."""
+        toks = list(prompt_tokens)
+        if not all(isinstance(t, (int, np.integer)) and not isinstance(t, bool) and t >= 0 for t in toks):
+            raise PolicyInputError("prompt tokens must be non-negative integers")
+        return [self.task_token, *(int(t) for t in toks)]
+
+    # ---- actions --------------------------------------------------------------------------------------
+    @property
+    def action_ids(self) -> list[int]:
+        """Every action token id: the allowed set of a reply."""
+        return list(range(self.action_token_offset, self.action_token_offset + self.action_bins))
+
+    @property
+    def n_action_tokens(self) -> int:
+        """H * D: the tokens of one reply."""
+        return self.action_horizon * self.action_dims
+
+    def actions(self, ids: Sequence[int]) -> np.ndarray:
+        """H*D action ids (step-major) -> the chunk [H, D] float32 of bin centres."""
+        arr = np.asarray(list(ids))
+        if arr.shape != (self.n_action_tokens,) or not np.issubdtype(arr.dtype, np.integer):
+            raise PolicyInputError(f"an action reply must be {self.n_action_tokens} integer ids, got {arr.shape}")
+        bins = arr - self.action_token_offset
+        if bins.min() < 0 or bins.max() >= self.action_bins:
+            raise PolicyInputError("an action reply holds ids outside the action vocabulary")
+        low, high = np.asarray(self.action_low), np.asarray(self.action_high)
+        width = (high - low) / self.action_bins  # [D]
+        centres = low + (bins.reshape(self.action_horizon, self.action_dims) + 0.5) * width
+        return centres.astype(np.float32)
+
+    def action_tokens(self, actions: Any) -> list[int]:
+        """A chunk [H, D] -> its H*D ids (step-major); values outside the ranges are clipped."""
+        x = self._vector(actions, (self.action_horizon, self.action_dims), "actions")
+        bins = _bin(x, self.action_low, self.action_high, self.action_bins)
+        return (self.action_token_offset + bins).reshape(-1).tolist()
+
+    def metadata(self) -> dict[str, Any]:
+        """What a client is told about the policy (JSON- and msgpack-able)."""
+        return {"state_key": self.state_key, "state_dims": self.state_dims, "state_low": list(self.state_low),
+                "state_high": list(self.state_high), "state_bins": self.state_bins,
+                "action_dims": self.action_dims, "action_horizon": self.action_horizon,
+                "action_low": list(self.action_low), "action_high": list(self.action_high),
+                "action_bins": self.action_bins, "prompt_key": self.prompt_key,
+                "default_prompt": self.default_prompt, "image_keys": list(self.image_keys),
+                "control_hz": float(self.control_hz), "window": self.window, "sinks": self.sinks}
+
+    # ---- helpers ------------------------------------------------------------------------------------------
+    @staticmethod
+    def _vector(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+        try:
+            x = np.asarray(value)
+        except (TypeError, ValueError) as e:
+            raise PolicyInputError(f"{name} is not an array of numbers: {e}") from e
+        if x.dtype == np.bool_ or not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
+            raise PolicyInputError(f"{name} must hold numbers, got dtype {x.dtype}")
+        if x.shape != shape:
+            raise PolicyInputError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
+        x = x.astype(np.float64)
+        if not np.isfinite(x).all():
+            raise PolicyInputError(f"{name} holds NaN or infinite values")
+        return x
+
+
+def _bin(x: np.ndarray, low: tuple[float, ...], high: tuple[float, ...], bins: int) -> np.ndarray:
+    """Values [..., D] -> bin indices [..., D] int64: clipped into [low, high], `bins` uniform bins per dim."""
+    lo, hi = np.asarray(low), np.asarray(high)
+    frac = (np.clip(x, lo, hi) - lo) / (hi - lo)
+    return np.minimum((frac * bins).astype(np.int64), bins - 1)

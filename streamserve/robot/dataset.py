@@ -1,0 +1,93 @@
+"""Behaviour-cloning data for the arm: token streams of expert episodes, cropped the way a rolling session sees them.
+
+NumPy only. A stream is what one episode's session would hold: `[<task>, prompt..]` then per query
+`[<obs>, s_1..s_6, <act>]` + the expert's chunk as action ids. The states come from rollouts where the executed
+commands are the expert's plus noise (DART-style), so the data covers the states a slightly wrong policy drifts
+into, while the labels stay the clean expert chunk. Long streams change targets, so the crops also hold what the
+server sees late in an endless episode.
+
+A crop ending at stream length L is exactly what the engine attends to when it produces the token at L - 1 on a
+session with `[sinks | window]` rolling positions: the first `sinks` tokens, then the last tokens from
+max(sinks, L - window) on, at consecutive positions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from streamserve.robot import arm
+from streamserve.robot.codec import PolicyCodec
+
+PROMPTS = ("reach the target", "reach the target", "reach the target", "move the hand to the target",
+           "touch the target", "go to the goal", "reach for the point")  # mostly the default instruction
+
+
+@dataclass
+class Stream:
+    ids: np.ndarray  # [N] int64 token ids of the whole episode
+    query: np.ndarray  # [N] int64: index of the <obs> token of the query each token belongs to (-1: prompt)
+    is_action: np.ndarray  # [N] bool: the token is an action id (a training target)
+
+
+def expert_stream(rng: np.random.Generator, codec: PolicyCodec, tokenize: Callable[[str], list[int]],
+                  queries: int) -> Stream:
+    """One episode of `queries` policy calls with noisy execution and changing targets."""
+    H = codec.action_horizon
+    replan = int(rng.integers(1, H + 1)) if rng.random() < 0.5 else max(1, H // 2)
+    sigma = float(rng.choice([0.0, 0.1, 0.25, 0.5, 0.8]))  # rad/s of execution noise in this episode
+    target = arm.random_target(rng)
+    q = arm.random_start(rng, target)
+    ids: list[int] = []
+    query: list[int] = []
+    act: list[bool] = []
+
+    def put(tokens: list[int], owner: int, action: bool) -> None:
+        ids.extend(tokens)
+        query.extend([owner] * len(tokens))
+        act.extend([action] * len(tokens))
+
+    put(codec.prompt_ids(tokenize(str(rng.choice(PROMPTS)))), -1, False)
+    since, reached_at = 0, None
+    for _ in range(queries):
+        state = arm.state_vector(q, target)
+        chunk = arm.expert_chunk(q, target, H)  # [H, 2] the label
+        start = len(ids)
+        put(codec.state_ids(state), start, False)
+        put(codec.action_tokens(chunk), start, True)
+        kick = rng.random() < 0.05  # now and then a burst of random commands: states far off the expert's path
+        for h in range(replan):
+            qd = chunk[h] + rng.normal(0.0, sigma, 2)
+            if kick:
+                qd = rng.uniform(-arm.QD_MAX, arm.QD_MAX, 2)
+            q = arm.step(q, qd)
+            since += 1
+            if reached_at is None and np.linalg.norm(arm.hand(q) - target) <= arm.TOLERANCE:
+                reached_at = since
+        if (reached_at is not None and since >= reached_at + int(rng.integers(0, 30))) or since >= arm.TIME_LIMIT:
+            target, since, reached_at = arm.random_target(rng), 0, None
+            if rng.random() < 0.05:  # a new instruction mid-episode (the server appends it on change)
+                put(codec.prompt_ids(tokenize(str(rng.choice(PROMPTS)))), -1, False)
+    return Stream(np.asarray(ids, dtype=np.int64), np.asarray(query, dtype=np.int64), np.asarray(act, dtype=bool))
+
+
+def crop(stream: Stream, end: int, sinks: int, window: int) -> tuple[np.ndarray, np.ndarray]:
+    """What the session holds when producing token end - 1: -> (input ids [T], labels [T] with -100 where no
+    loss: non-action tokens, and action tokens cut off from their query's observation by the window's gap)."""
+    a, lo = min(sinks, end), max(sinks, end - window)  # kept: positions [0, a) and [lo, end)
+    keep = np.concatenate([np.arange(a), np.arange(max(lo, a), end)])
+    ids = stream.ids[keep]
+    intact = (lo <= a) | (stream.query[keep] >= lo) | (keep < a)  # no kept token between the obs and this one
+    target = stream.is_action[keep] & intact
+    # the label of position i is the token at i + 1 (causal LM): shift left
+    labels = np.full(len(keep), -100, dtype=np.int64)
+    labels[:-1] = np.where(target[1:], ids[1:], -100)
+    return ids, labels
+
+
+def query_ends(stream: Stream) -> np.ndarray:
+    """Stream lengths at which a query's reply is complete (good crop ends: the engine has just decoded it)."""
+    a = stream.is_action
+    return np.flatnonzero(a & ~np.append(a[1:], False)) + 1

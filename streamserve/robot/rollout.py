@@ -1,0 +1,102 @@
+"""A policy checkpoint driven in-process through the real engine: one persistent session per episode.
+
+`EnginePolicy` is what the server's policy endpoint does per tick, without the network: the episode's session is
+opened with the codec's rolling window, the instruction is appended on the first tick (and when it changes), each
+tick appends the state's ids and decodes exactly H*D tokens constrained to the action vocabulary (greedy, no stop
+ids), and the ids are de-binned into the chunk [H, D]. Tests, the training script's evaluation and benchmarks use it.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from streamserve.errors import ModelLoadError
+from streamserve.robot.codec import PolicyCodec
+
+if TYPE_CHECKING:
+    from streamserve.engine import Engine, Session
+
+
+def engine_codec(engine: Engine) -> PolicyCodec:
+    """The codec of the engine's checkpoint (ModelLoadError when it is not a policy)."""
+    codec = PolicyCodec.load(engine.path)
+    if codec is None:
+        raise ModelLoadError(f"{engine.path} has no policy.json: it is not a robot policy checkpoint")
+    return codec
+
+
+class EnginePolicy:
+    """observation dict -> action chunk [H, D] float32, on one session per episode (`reset` starts the next)."""
+
+    def __init__(self, engine: Engine, codec: PolicyCodec | None = None) -> None:
+        self.engine = engine
+        self.codec = codec if codec is not None else engine_codec(engine)
+        self.session: Session | None = None
+        self.prompt: str | None = None  # the instruction last appended to the session
+        self.growth: list[int] = []  # per tick: tokens the session grew by with the state (the reply not counted)
+        self.replies: list[list[int]] = []  # per tick: the reply's token ids (kept only when `record` is set)
+        self.record = False
+        self.ticks = 0
+
+    def _open(self) -> Session:
+        if self.session is None:
+            self.session = self.engine.open_session(window=self.codec.window, sinks=self.codec.sinks)
+            self.prompt = None
+        return self.session
+
+    def __call__(self, obs: dict[str, Any]) -> np.ndarray:
+        c = self.codec
+        state_ids = c.state_ids(c.state_of(obs))  # bad observations raise here, before the session changes
+        prompt = c.prompt_of(obs)
+        s = self._open()
+        if prompt != self.prompt:
+            s.append(token_ids=c.prompt_ids(self.engine.tokenizer.encode(prompt, add_special_tokens=False)))
+            self.prompt = prompt
+        before = len(s)
+        s.append(token_ids=state_ids, kind="state")
+        self.growth.append(len(s) - before)
+        reply = s.stream(max_tokens=c.n_action_tokens, temperature=0.0, stop_token_ids=(),
+                         allowed_token_ids=c.action_ids)
+        reason = reply.wait()
+        ids = reply.token_ids
+        if reason != "length" or len(ids) != c.n_action_tokens:
+            raise RuntimeError(f"the policy reply ended with {reason!r} after {len(ids)} of {c.n_action_tokens} "
+                               "tokens")
+        if self.record:
+            self.replies.append(list(ids))
+        self.ticks += 1
+        return c.actions(ids)
+
+    def reset(self) -> None:
+        """End the episode: its session is closed (its KV pages go back to the pool)."""
+        if self.session is not None:
+            self.session.close()
+        self.session, self.prompt = None, None
+
+    close = reset
+
+    def __enter__(self) -> EnginePolicy:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.reset()
+
+
+def engine_success_rate(engine: Engine, seeds: list[int], replan_every: int | None = None,
+                        on_episode: Any = None) -> float:
+    """Closed-loop success of the engine's policy on seeded arm episodes (a fresh session per episode).
+    replan_every: ticks between queries (default: the whole chunk H runs before the next query)."""
+    from streamserve.robot import arm
+
+    codec = engine_codec(engine)
+    every = replan_every or codec.action_horizon
+    wins = 0
+    for seed in seeds:
+        with EnginePolicy(engine, codec) as policy:
+            r = arm.run_episode(seed, policy, every)
+        wins += r.success
+        if on_episode is not None:
+            on_episode(seed, r)
+    return wins / len(seeds) if seeds else 0.0
