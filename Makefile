@@ -23,7 +23,7 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve demo test models voice-models wheel-check bench install install-dev clean
+.PHONY: serve demo test models voice-models wheel-check bench install install-dev openpi-venv clean
 
 serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
@@ -42,7 +42,7 @@ demo: $(VENV)/.installed voice-models
 	@echo "streamserve demo: open http://127.0.0.1:$(PORT)/ and press Start"
 	$(VENV)/bin/streamserve serve --model $(DEMO_MODEL) --offline --port $(PORT)
 
-test: $(VENV)/.installed-dev models
+test: $(VENV)/.installed-dev models openpi-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory wheel-check
@@ -81,6 +81,16 @@ wheel-check: $(VENV)/.installed-dev
 		&& $(CHECK_DIR)/server/bin/python -I $(SMOKE) serve \
 		&& $(CHECK_DIR)/client/bin/python -I $(SMOKE) client \
 		&& cd / && rm -rf $$run
+
+# openpi's own client (openpi-client pins numpy<2) in a virtual environment of its own, for the test that drives
+# /v1/policy with it unchanged (tests/server/policy/test_policy_openpi.py; it skips without this). typing_extensions:
+# openpi-client imports it without declaring it.
+OPENPI_VENV := build/openpi-venv
+openpi-venv: $(OPENPI_VENV)/.installed
+$(OPENPI_VENV)/.installed:
+	$(PYTHON) -m venv $(OPENPI_VENV)
+	$(OPENPI_VENV)/bin/python -m pip --disable-pip-version-check -q install "openpi-client==0.1.2" typing_extensions
+	touch $@
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/decode.py

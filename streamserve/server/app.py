@@ -6,6 +6,7 @@ the transport's (server/transport.py).
                                      with a valid key also the model, sessions, connections, uptime
     GET  /metrics                    Prometheus text (the engine's metrics and the server's)
     WS   /v1/stream                  the native protocol (docs/protocol.md)
+    WS   /v1/policy                  a robot policy, openpi's protocol (server/policy/; also `/` on --policy-port)
     WS   /v1/realtime                the OpenAI Realtime API, GA events (docs/realtime.md); `?model=` is accepted
                                      (the server serves its one model, which session.created names)
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
@@ -52,6 +53,7 @@ from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
 from streamserve.server.native import NativeConnection
+from streamserve.server.policy import PolicyEndpoint
 from streamserve.server.realtime.connection import RealtimeConnection
 from streamserve.server.results import service_error
 from streamserve.server.secrets_route import mint_client_secret
@@ -116,6 +118,7 @@ class Server:
         self.background: list[asyncio.Task] = []
         self.ready = asyncio.Event()
         self.calls = webrtc_calls(self)
+        self.policy = PolicyEndpoint(self)  # WS /v1/policy, and its own site with --policy-port
 
     # ---- lifecycle ------------------------------------------------------------------------------------
     async def on_startup(self, app: web.Application) -> None:
@@ -248,7 +251,7 @@ class Server:
         # `error` event and the connection goes on; past that aiohttp closes it (1009)
         return await self.websocket(request, RealtimeConnection, 2 * self.config.max_frame_bytes)
 
-    async def websocket(self, request: web.Request, adapter: type[NativeConnection] | type[RealtimeConnection],
+    async def websocket(self, request: web.Request, adapter: Callable[..., ProtocolAdapter],
                         max_msg_size: int) -> web.StreamResponse:
         """A WebSocket route: auth (Bearer, subprotocol key, client secret), the upgrade, then `adapter` serves it."""
         grant = self.grant(request)
@@ -364,6 +367,7 @@ async def start(server: Server) -> tuple[web.AppRunner, int]:
     await runner.setup()
     site = web.TCPSite(runner, server.config.host, server.config.port)
     await site.start()
+    await server.policy.start_site(runner)  # with --policy-port (its failure stops `runner` too)
     return runner, runner.addresses[0][1]
 
 

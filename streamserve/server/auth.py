@@ -129,10 +129,11 @@ class Authenticator:
 
 
 def bearer(header: str | None) -> str | None:
+    """The credential of `Authorization: Bearer VALUE`, or of `Api-Key VALUE` (what openpi's client sends)."""
     if header is None:
         return None
     scheme, _, value = header.strip().partition(" ")
-    return value.strip() if scheme.lower() == "bearer" and value.strip() else None
+    return value.strip() if scheme.lower() in ("bearer", "api-key") and value.strip() else None
 
 
 def split_protocols(header: str | None) -> tuple[str | None, list[str]]:

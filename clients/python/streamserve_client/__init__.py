@@ -34,6 +34,7 @@ from streamserve_client.events import (
     TranscriptFinal,
     TranscriptPartial,
 )
+from streamserve_client.policy import PolicyClient, SyncPolicyClient
 from streamserve_client.protocol import Ack, Delta
 from streamserve_client.session import Response, Session
 from streamserve_client.sync import SyncClient, SyncSession
@@ -45,3 +46,4 @@ __all__ = ["Ack", "CallTimeoutError", "CapacityError", "Channel", "Client", "Con
            "Response", "ServerBusyError", "Session", "SpeechStarted", "SpeechStopped", "StepFailedError",
            "StreamserveClientError", "SyncClient", "SyncSession", "TranscriptDelta", "TranscriptFinal",
            "TranscriptPartial", "UnauthorizedError", "UnknownSessionError", "UnsupportedModalityError", "connect"]
+__all__ += ["PolicyClient", "SyncPolicyClient"]  # the robot policy endpoint (policy.py)

@@ -1,0 +1,113 @@
+"""The policy endpoint's place in `streamserve serve`: the `/v1/policy` route on the main port and, with
+--policy-port, the same endpoint at `/` on a second aiohttp site of the same host (openpi's client connects to
+`ws://host:port` with no path). Both go through the server's WebSocket route (auth, origin check, connection
+limits, transport) and the same session service.
+
+The codec is the served checkpoint's `policy.json` (robot/codec.py), read once the model has loaded: a model
+without one has no policy, and a client is told so (text frame, close 1011) instead of being sent metadata.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Awaitable, Callable
+from typing import Any, Protocol
+
+from aiohttp import web
+from prometheus_client import Counter
+
+from streamserve.config import ServerConfig
+from streamserve.engine import Engine
+from streamserve.errors import StreamserveError
+from streamserve.robot.codec import PolicyCodec
+from streamserve.server.auth import Grant
+from streamserve.server.policy.connection import PolicyConnection
+from streamserve.server.service import SessionService
+from streamserve.server.transport import Transport
+
+log = logging.getLogger("streamserve.server")
+
+PATH = "/v1/policy"
+
+
+class Host(Protocol):
+    """What the endpoint uses of `streamserve.server.app.Server` (which imports this module, so not imported here)."""
+
+    app: web.Application
+    config: ServerConfig
+    engine: Engine | None
+
+    async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse: ...
+
+    async def healthz(self, request: web.Request) -> web.Response: ...
+
+    def websocket(self, request: web.Request, adapter: Callable[..., Any],
+                  max_msg_size: int) -> Awaitable[web.StreamResponse]: ...
+
+
+class PolicyEndpoint:
+    def __init__(self, server: Host) -> None:
+        self.server = server
+        self.runner: web.AppRunner | None = None
+        self.port: int | None = None  # the policy site's bound port (with --policy-port 0: the one chosen)
+        self.codec_of: tuple[object, PolicyCodec | None, str] | None = None  # (engine, codec, refusal)
+        server.app.add_routes([web.get(PATH, self.route)])
+        server.app.on_shutdown.append(self.on_shutdown)  # after the server's goodbyes (registered first)
+
+    def resolve(self) -> tuple[PolicyCodec | None, str]:
+        """The served model's codec (read once per engine), or None and what to tell a client."""
+        engine = self.server.engine
+        assert engine is not None
+        if self.codec_of is None or self.codec_of[0] is not engine:
+            codec, refusal = None, ""
+            try:
+                codec = PolicyCodec.load(engine.path) if engine.path.is_dir() else None
+                if codec is not None:
+                    codec.validate(engine.config.vocab_size)
+            except StreamserveError as e:
+                log.error("streamserve: the policy codec of %s is unusable: %s", engine.path, e)
+                codec, refusal = None, f"{e.code}: this model's policy.json is unusable (see the server log)"
+            if codec is None and not refusal:
+                refusal = (f"no_policy: the served model ({engine.name}) is not a robot policy (its checkpoint has no "
+                           "policy.json); start the server with `--model default-policy` or another policy checkpoint")
+            elif codec is not None and codec.image_keys:
+                refusal, codec = (f"unsupported_observation: this policy reads camera images {list(codec.image_keys)}"
+                                  ", which /v1/policy does not feed to a model yet"), None
+            self.codec_of = (engine, codec, refusal)
+        return self.codec_of[1], self.codec_of[2]
+
+    def connection(self, service: SessionService, transport: Transport, grant: Grant,
+                   messages: Counter) -> PolicyConnection:
+        codec, refusal = self.resolve()
+        return PolicyConnection(service, transport, grant, messages, codec, refusal)
+
+    async def route(self, request: web.Request) -> web.StreamResponse:
+        # frames up to twice max_frame_bytes are read, so that one over max_frame_bytes is answered in openpi's
+        # way (text frame, 1011) rather than by aiohttp's 1009
+        return await self.server.websocket(request, self.connection, 2 * self.server.config.max_frame_bytes)
+
+    async def start_site(self, main: web.AppRunner) -> int | None:
+        """With --policy-port: serve the endpoint at `/` on that port (same host); -> the bound port. If it cannot
+        start (the port is taken), the main site `main` is stopped too and the error raised."""
+        port = self.server.config.policy_port
+        if port is None:
+            return None
+        app = web.Application(client_max_size=self.server.config.max_frame_bytes, middlewares=[self.server.guard])
+        app.add_routes([web.get("/", self.route), web.get("/healthz", self.server.healthz)])
+        self.runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0)
+        try:
+            await self.runner.setup()
+            await web.TCPSite(self.runner, self.server.config.host, port).start()
+        except BaseException:
+            await self.on_shutdown(app)
+            await main.cleanup()
+            raise
+        self.port = self.runner.addresses[0][1]
+        log.info("streamserve: the robot policy endpoint also listens on ws://%s:%d (openpi clients)",
+                 self.server.config.host, self.port)
+        return self.port
+
+    async def on_shutdown(self, app: web.Application) -> None:
+        if self.runner is not None:
+            runner, self.runner = self.runner, None
+            await runner.cleanup()

@@ -1,0 +1,153 @@
+"""One episode of a robot on one persistent session of the session service (the contract of docs/robot.md).
+
+The session is opened with the codec's window and sinks (rolling positions: an endless episode holds constant KV
+memory). A tick appends `[<task>, *prompt]` on the episode's first tick and whenever the instruction changes, then
+the observation's `[<obs>, s_1 .. s_Ds, <act>]` (one chunk, kind "state"), then asks for a reply of exactly H*D tokens
+constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token. The action tokens
+stay in the session, so its history reads obs, act, obs, act, ... as in training, and each tick costs its own tokens
+only. A tick whose reply is abandoned (its deadline passed) is cancelled and, unless it happened to finish whole,
+rewound away entirely (observation and partial actions), so the history never holds a half chunk.
+
+The service's results for the session (the chunk's ack, the reply's deltas and end) reach the tick through
+`on_result`, called by the connection (it is the service's ResultListener).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from dataclasses import dataclass, field
+
+from streamserve.errors import StreamserveError
+from streamserve.robot.codec import PolicyCodec
+from streamserve.server.context import ClientContext
+from streamserve.server.results import (
+    AppendRequest,
+    ChunkResult,
+    OpenRequest,
+    Pushed,
+    ReplyDelta,
+    ReplyDone,
+    ServiceError,
+)
+from streamserve.server.service import INLINE_TOKENIZE_CHARS, SessionService
+
+log = logging.getLogger("streamserve.server")
+
+
+class ServiceFailure(StreamserveError):
+    """A typed error the service pushed for the episode's session (its client-facing code and message kept)."""
+
+    def __init__(self, error: ServiceError) -> None:
+        super().__init__(error.message)
+        self.error = error
+        self.code = error.code
+
+
+class ReplyEndedError(StreamserveError):
+    code = "policy_reply_incomplete"
+
+
+@dataclass(eq=False)
+class Tick:
+    session: str
+    start: int  # the session's length before the tick's tokens: where an abandoned tick is rewound to
+    prompt_before: str | None  # the episode's prompt before the tick (restored when the tick is rewound away)
+    tokens: list[int] = field(default_factory=list)  # the reply's action ids so far
+    acked: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    done: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+
+
+class Episode:
+    def __init__(self, service: SessionService, ctx: ClientContext, codec: PolicyCodec, number: int) -> None:
+        self.service, self.ctx, self.codec, self.number = service, ctx, codec, number
+        self.session_id: str | None = None
+        self.prompt: str | None = None  # the instruction the session holds; None: none appended yet
+        self.tick: Tick | None = None
+
+    async def open(self) -> None:
+        opened = await self.service.open(self.ctx, OpenRequest(window=self.codec.window, sinks=self.codec.sinks,
+                                                               positions="rolling"))
+        self.session_id = opened.session
+
+    def length(self) -> int:
+        assert self.session_id is not None
+        return len(self.service.registry.get(self.ctx, self.session_id).session)
+
+    async def prompt_tokens(self, prompt: str) -> list[int]:
+        tok = self.service.engine.tokenizer
+        if len(prompt) <= INLINE_TOKENIZE_CHARS:
+            return tok.encode(prompt, add_special_tokens=False)
+        loop = asyncio.get_running_loop()  # a long instruction is tokenized off the event loop
+        return await loop.run_in_executor(self.service.tokenize_executor,
+                                          lambda: tok.encode(prompt, add_special_tokens=False))
+
+    async def start(self, state_ids: list[int], prompt: str, deadline_ms: float | None) -> Tick:
+        """Append the tick's tokens and ask for its chunk; the results arrive through on_result."""
+        if self.session_id is None:
+            await self.open()
+        assert self.session_id is not None
+        ids = list(state_ids)
+        if prompt != self.prompt:  # the first tick, or the instruction changed
+            ids = self.codec.prompt_ids(await self.prompt_tokens(prompt)) + ids
+        tick = Tick(self.session_id, self.length(), self.prompt)
+        self.tick = tick
+        await self.service.append(self.ctx, self.session_id,
+                                  AppendRequest(token_ids=ids, kind="state", deadline_ms=deadline_ms))
+        self.prompt = prompt
+        self.service.respond(self.ctx, self.session_id, {
+            "max_tokens": self.codec.n_action_tokens, "temperature": 0.0, "stop_token_ids": (),
+            "allowed_token_ids": self.codec.action_ids})
+        return tick
+
+    def on_result(self, result: Pushed) -> None:
+        t = self.tick
+        if t is None or getattr(result, "session", None) != t.session:
+            return  # an earlier tick's or episode's
+        if isinstance(result, ChunkResult):
+            if result.error is not None:
+                _fail(t.acked, ServiceFailure(result.error))
+                _fail(t.done, ServiceFailure(result.error))  # no reply can follow a failed chunk
+            elif not t.acked.done():
+                t.acked.set_result(result.tokens)
+        elif isinstance(result, ReplyDelta):
+            t.tokens.extend(result.token_ids)
+        elif isinstance(result, ReplyDone):
+            if not t.done.done():
+                t.done.set_result(result.reason)
+        elif isinstance(result, ServiceError):
+            _fail(t.acked, ServiceFailure(result))
+            _fail(t.done, ServiceFailure(result))
+
+    async def settle(self, tick: Tick) -> bool:
+        """Wait for the tick's chunk and reply to end; -> whether the reply is a whole chunk (H*D tokens)."""
+        await tick.acked
+        reason = await tick.done
+        return reason == "length" and len(tick.tokens) == self.codec.n_action_tokens
+
+    def cancel(self) -> None:
+        """End the tick's reply now (its results still arrive: settle, then rewind unless it was whole)."""
+        if self.session_id is not None:
+            with contextlib.suppress(StreamserveError):
+                self.service.cancel(self.ctx, self.session_id)
+
+    async def rewind(self, tick: Tick) -> None:
+        """Take the abandoned tick out of the session: the history keeps whole obs/act pairs only."""
+        assert self.session_id is not None
+        await self.service.rewind(self.ctx, self.session_id, tick.start, None)
+        self.prompt = tick.prompt_before
+
+    async def close(self) -> None:
+        """Free the session's KV pages now (not parked for a resume: an episode is not resumable)."""
+        sid, self.session_id, self.tick = self.session_id, None, None
+        if sid is None:
+            return
+        with contextlib.suppress(StreamserveError):  # the engine closed it already (a failed step): nothing held
+            await self.service.close(self.ctx, sid)
+
+
+def _fail(fut: asyncio.Future, e: BaseException) -> None:
+    if not fut.done():
+        fut.set_exception(e)
+        fut.exception()  # retrieved: a tick nobody settles any more logs nothing

@@ -1,0 +1,77 @@
+"""Test helpers of the policy endpoint: raw openpi frames over `websockets`, and what a server holds."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import msgpack
+import numpy as np
+import websockets
+from serving import RunningServer
+
+from streamserve.server.policy import wire
+
+STATE_KEY = "observation/state"
+
+
+def obs(state: Any = (0.1, -0.2, 0.5), **extra: Any) -> dict[str, Any]:
+    return {STATE_KEY: np.asarray(state, dtype=np.float32), **extra}
+
+
+def policy_url(srv: RunningServer, port: bool = False) -> str:
+    return f"ws://127.0.0.1:{srv.server.policy.port}" if port else f"{srv.url}/v1/policy"
+
+
+async def connect(srv: RunningServer, port: bool = False, headers: dict[str, str] | None = None,
+                  ) -> tuple[websockets.ClientConnection, dict[str, Any]]:
+    """-> the connection and the metadata the server sent first."""
+    ws = await websockets.connect(policy_url(srv, port), additional_headers=headers, max_size=None)
+    return ws, wire.unpackb(await asyncio.wait_for(ws.recv(), 30), 1 << 20)
+
+
+async def infer(ws: websockets.ClientConnection, observation: dict[str, Any]) -> dict[str, Any]:
+    await ws.send(wire.packb(observation))
+    return await reply(ws)
+
+
+async def reply(ws: websockets.ClientConnection) -> dict[str, Any]:
+    frame = await asyncio.wait_for(ws.recv(), 60)
+    assert isinstance(frame, bytes), frame
+    return wire.unpackb(frame, 1 << 20)
+
+
+async def expect_error(ws: websockets.ClientConnection, frame: bytes | str | None = None) -> str:
+    """Send `frame` (if any); the server must answer with one text frame, then close 1011. -> the text."""
+    if frame is not None:
+        await ws.send(frame)
+    text = await asyncio.wait_for(ws.recv(), 60)
+    assert isinstance(text, str), text
+    try:
+        extra = await asyncio.wait_for(ws.recv(), 60)
+        raise AssertionError(f"a frame after the error: {extra!r:.80}")
+    except websockets.ConnectionClosed as e:
+        assert e.rcvd is not None and e.rcvd.code == 1011, e
+    return text
+
+
+def raw_array(data: bytes, dtype: str, shape: list[int]) -> dict[bytes, Any]:
+    return {b"__ndarray__": True, b"data": data, b"dtype": dtype, b"shape": shape}
+
+
+def pack_raw(m: dict[Any, Any]) -> bytes:
+    return msgpack.packb(m, use_bin_type=True)
+
+
+def sessions(srv: RunningServer) -> list[Any]:
+    return [e.session for e in srv.server.service.registry.all() if not e.session.closed]
+
+
+async def freed(srv: RunningServer) -> None:
+    """Wait (bounded) until the server holds no session and no KV page; assert it."""
+    end = time.monotonic() + 30
+    while (sessions(srv) or srv.engine.stats()["kv_pages_used"]) and time.monotonic() < end:
+        await asyncio.sleep(0.05)
+    assert not sessions(srv), "a session outlived its connection"
+    assert srv.engine.stats()["kv_pages_used"] == 0 and srv.engine.stats()["sessions_open"] == 0

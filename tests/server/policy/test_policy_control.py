@@ -1,0 +1,140 @@
+"""/v1/policy beyond openpi: deadlines and stale replies, latest observation wins, reset, auth, freeing on disconnect.
+The engine is held between steps (serving.engine_paused) where a test needs an observation to stay in flight, so
+nothing here depends on timing."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+import websockets
+from conftest import POLICY_CONFIG, loader
+from policy_fixture import connect, freed, infer, obs, reply, sessions
+from serving import RunningServer, engine_paused, serve
+
+from streamserve.server.policy import wire
+from streamserve.server.policy.connection import PolicyConnection
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+H, D = 4, 2
+
+
+def conn_of(srv: RunningServer) -> PolicyConnection:
+    [c] = [c for c in srv.server.connections if isinstance(c, PolicyConnection)]
+    return c
+
+
+async def until(check: Callable[[], object], what: str) -> None:
+    end = time.monotonic() + 30
+    while not check():
+        assert time.monotonic() < end, f"never: {what}"
+        await asyncio.sleep(0.01)
+
+
+async def test_late_reply_is_stale_with_the_last_chunks_remaining_actions(policy_server: RunningServer) -> None:
+    ws, _ = await connect(policy_server)
+    with engine_paused(policy_server.engine):  # the first observation cannot be answered in time: nothing to give
+        out = await infer(ws, obs(step=0, deadline_ms=1.0, timestamp=5.0))
+    assert out["stale"] is True and out["actions"].shape == (0, D) and out["valid_from_step"] == 0
+    assert out["timestamp"] == 5.0
+    fresh = await infer(ws, obs(step=10))
+    assert fresh["stale"] is False and fresh["valid_from_step"] == 10
+    [s] = sessions(policy_server)
+    length = len(s)  # the abandoned tick left nothing: only whole obs/act pairs
+    sched = policy_server.engine.loop.scheduler
+
+    def cancelled() -> bool:  # the tick's chunk and reply are queued, and the reply is cancelled
+        return bool(sched.queued_chunks(s.id)) and sched.open_response(s.id) is None
+
+    with engine_paused(policy_server.engine):
+        late = await infer(ws, obs((0.5, 0.5, 0.5), step=11, deadline_ms=0.0))  # raised to --min-deadline-ms
+        await until(cancelled, "the late tick's reply cancelled")
+    assert late["stale"] is True and late["valid_from_step"] == 11
+    np.testing.assert_array_equal(late["actions"], fresh["actions"][1:])  # shifted by the one step elapsed
+    conn = conn_of(policy_server)
+    await until(lambda: conn.current is None, "the late tick settled and rewound")
+    with engine_paused(policy_server.engine):
+        later = await infer(ws, obs(step=10 + H + 3, deadline_ms=1.0))
+        await until(cancelled, "the late tick's reply cancelled")
+    assert later["stale"] is True and later["actions"].shape == (0, D)  # the chunk ran out
+    nxt = await infer(ws, obs((0.2, 0.1, 0.0), step=30, deadline_ms=60_000.0))  # in time: a fresh chunk
+    assert nxt["stale"] is False and nxt["actions"].shape == (H, D)
+    assert len(s) - length == 5 + H * D  # the two late ticks were cancelled and rewound away entirely
+    await ws.close()
+    await freed(policy_server)
+
+
+async def test_latest_observation_wins(policy_server: RunningServer) -> None:
+    ws, _ = await connect(policy_server)
+    await infer(ws, obs(step=0))  # the session is open
+    conn = conn_of(policy_server)
+    with engine_paused(policy_server.engine):
+        await ws.send(wire.packb(obs(step=1)))
+        await until(lambda: conn.current is not None and conn.current.step == 1, "step 1 in flight")
+        for step in (2, 3, 4):  # each replaces the one waiting
+            await ws.send(wire.packb(obs(step=step)))
+        await until(lambda: conn.queued is not None and conn.queued.step == 4, "step 4 waiting")
+    assert (await reply(ws))["valid_from_step"] == 1
+    assert (await reply(ws))["valid_from_step"] == 4  # 2 and 3 were replaced: no reply
+    assert (await infer(ws, obs(step=5)))["valid_from_step"] == 5  # and nothing else came in between
+    await ws.close()
+    await freed(policy_server)
+
+
+async def test_reset_starts_a_new_episode_on_a_new_session(policy_server: RunningServer) -> None:
+    ws, _ = await connect(policy_server)
+    await infer(ws, obs(timestamp=1.0))
+    assert (await infer(ws, obs(timestamp=1.2)))["valid_from_step"] == 10
+    [first] = sessions(policy_server)
+    ack = await infer(ws, {"reset": True})
+    assert ack["reset"] is True and ack["episode"] == 1 and "actions" not in ack
+    assert first.closed and not sessions(policy_server)  # freed at once
+    out = await infer(ws, obs(timestamp=7.0))
+    assert out["episode"] == 1 and out["valid_from_step"] == 0  # the step clock restarts
+    [second] = sessions(policy_server)
+    assert second.id != first.id
+    with_obs = await infer(ws, obs(reset=True, timestamp=9.0))  # reset + observation: its chunk, new episode
+    assert with_obs["episode"] == 2 and with_obs["actions"].shape == (H, D) and second.closed
+    # a reset that is replaced while waiting is not lost: the observation replacing it starts the episode
+    conn = conn_of(policy_server)
+    with engine_paused(policy_server.engine):
+        await ws.send(wire.packb(obs(step=1)))
+        await until(lambda: conn.current is not None and conn.current.step == 1, "step 1 in flight")
+        await ws.send(wire.packb({"reset": True}))
+        await ws.send(wire.packb(obs(step=0)))
+        await until(lambda: conn.queued is not None and conn.queued.state_ids is not None, "the observation waits")
+    assert (await reply(ws))["episode"] == 2
+    last = await reply(ws)
+    assert last["episode"] == 3 and last["actions"].shape == (H, D) and len(sessions(policy_server)) == 1
+    await ws.close()
+    await freed(policy_server)
+
+
+async def test_disconnect_mid_inference_frees_the_session(policy_server: RunningServer) -> None:
+    ws, _ = await connect(policy_server)
+    await infer(ws, obs())
+    conn = conn_of(policy_server)
+    with engine_paused(policy_server.engine):
+        await ws.send(wire.packb(obs(step=3)))
+        await until(lambda: conn.current is not None, "in flight")
+        ws.transport.abort()  # gone without a closing handshake, a reply running
+    await freed(policy_server)
+
+
+async def test_api_key_bearer_and_openpi_api_key_header(policy_checkpoint: Path) -> None:
+    async with serve(replace(POLICY_CONFIG, api_key="sekret"), loader(policy_checkpoint)) as srv:
+        for port in (False, True):
+            for header in ("Api-Key sekret", "Bearer sekret"):
+                ws, _ = await connect(srv, port=port, headers={"Authorization": header})
+                assert (await infer(ws, obs()))["actions"].shape == (H, D)
+                await ws.close()
+            for headers in ({"Authorization": "Api-Key wrong"}, None):
+                with pytest.raises(websockets.InvalidStatus) as info:
+                    await connect(srv, port=port, headers=headers)
+                assert info.value.response.status_code == 401
+        await freed(srv)

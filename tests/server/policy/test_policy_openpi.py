@@ -1,0 +1,50 @@
+"""The real, unchanged openpi-client (its own virtual environment: `make openpi-venv`) against /v1/policy's own port,
+with an API key (openpi's `Authorization: Api-Key KEY`), through several ticks and an error."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from dataclasses import replace
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import POLICY, POLICY_CONFIG, loader
+from policy_fixture import freed
+from serving import serve
+
+ROOT = Path(__file__).resolve().parents[3]
+OPENPI_PYTHON = Path(os.environ.get("OPENPI_PYTHON", ROOT / "build" / "openpi-venv" / "bin" / "python"))
+DRIVER = Path(__file__).with_name("openpi_driver.py")
+
+pytestmark = [pytest.mark.asyncio(loop_scope="module"),
+              pytest.mark.skipif(not OPENPI_PYTHON.exists(), reason="openpi-client's environment is missing: run "
+                                 "`make openpi-venv` (or set OPENPI_PYTHON)")]
+
+
+async def test_openpi_client_drives_the_policy_port(policy_checkpoint: Path) -> None:
+    async with serve(replace(POLICY_CONFIG, api_key="robot-key"), loader(policy_checkpoint)) as srv:
+        port = srv.server.policy.port
+        proc = await asyncio.create_subprocess_exec(str(OPENPI_PYTHON), "-I", str(DRIVER), "127.0.0.1", str(port),
+                                                    "robot-key", stdout=asyncio.subprocess.PIPE,
+                                                    stderr=asyncio.subprocess.PIPE)
+        try:
+            stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await proc.wait()
+        assert proc.returncode == 0, stderr.decode()[-3000:]
+        out = json.loads(stdout.decode().strip().splitlines()[-1])
+        await freed(srv)  # the connection closed with 1011 after the error: its episode is freed
+    h, d = POLICY["action_horizon"], POLICY["action_dims"]
+    assert out["metadata"]["action_horizon"] == h and out["metadata"]["state_key"] == "observation/state"
+    assert [t["shape"] for t in out["ticks"]] == [[h, d]] * 5 and {t["dtype"] for t in out["ticks"]} == {"float32"}
+    assert out["ticks"][0]["timing"] == ["infer_ms"]
+    assert all(t["timing"] == ["infer_ms", "prev_total_ms"] and t["stale"] is False for t in out["ticks"][1:])
+    assert np.isfinite(np.array([t["actions"] for t in out["ticks"]])).all()
+    assert out["broker"] == [[d]] * (h + 1)  # openpi's chunk broker steps through our chunks
+    assert out["error"] is not None and "invalid_observation" in out["error"] and "NaN" in out["error"]
+

@@ -1,0 +1,70 @@
+"""/v1/policy: openpi's protocol round trips on a tiny random policy checkpoint (loopback)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import POLICY
+from policy_fixture import connect, freed, infer, obs, sessions
+from serving import RunningServer
+
+from streamserve.robot.codec import PolicyCodec
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+H, D = POLICY["action_horizon"], POLICY["action_dims"]
+
+
+async def test_metadata_first_then_one_reply_per_observation(policy_server: RunningServer) -> None:
+    ws, meta = await connect(policy_server)
+    assert meta["action_horizon"] == H and meta["action_dims"] == D and meta["state_key"] == "observation/state"
+    ext = meta["streamserve"]
+    assert ext["latest_observation_wins"] is True and ext["max_queued_observations"] == 1
+    assert ext["action_shape"] == [H, D] and "deadline_ms" in ext["observation_keys"]
+    first = await infer(ws, obs(timestamp=10.0))
+    assert first["actions"].dtype == np.float32 and first["actions"].shape == (H, D)
+    assert first["stale"] is False and first["valid_from_step"] == 0 and first["timestamp"] == 10.0
+    assert set(first["server_timing"]) == {"infer_ms"}  # openpi: prev_total_ms from the second reply on
+    second = await infer(ws, obs((0.3, 0.3, -1.0), timestamp=10.1))
+    assert second["valid_from_step"] == 5  # 0.1 s at 50 Hz on the client's clock
+    assert set(second["server_timing"]) == {"infer_ms", "prev_total_ms"}
+    low, high = np.array(POLICY["action_low"]), np.array(POLICY["action_high"])
+    assert ((second["actions"] >= low) & (second["actions"] <= high)).all()
+    await ws.close()
+    await freed(policy_server)
+
+
+async def test_session_grows_by_exactly_each_tick_and_emits_only_action_tokens(policy_server: RunningServer,
+                                                                               policy_checkpoint: Path) -> None:
+    codec = PolicyCodec.load(policy_checkpoint)
+    assert codec is not None
+    tok = policy_server.engine.tokenizer
+    ws, _ = await connect(policy_server)
+    states = [(0.1 * i, -0.05 * i, 1.5 - 0.2 * i) for i in range(6)]
+    prompts = ["reach", "reach", "reach", "wave", "wave", "reach"]
+    length, prompt = 0, None
+    for state, p in zip(states, prompts, strict=True):
+        out = await infer(ws, obs(state, prompt=p))
+        [s] = sessions(policy_server)
+        expect = codec.state_ids(np.asarray(state))
+        if p != prompt:  # the first tick, and whenever the instruction changes
+            expect = codec.prompt_ids(tok.encode(p, add_special_tokens=False)) + expect
+        new = s.token_ids[length:]
+        assert len(new) == len(expect) + H * D
+        assert new[:len(expect)] == expect
+        actions = new[len(expect):]
+        assert set(actions) <= set(codec.action_ids)  # constrained decoding: never a token outside them
+        np.testing.assert_array_equal(out["actions"], codec.actions(actions))
+        length, prompt = len(s), p
+    await ws.close()
+    await freed(policy_server)
+
+
+async def test_policy_port_serves_the_endpoint_at_root(policy_server: RunningServer) -> None:
+    ws, meta = await connect(policy_server, port=True)
+    assert meta["streamserve"]["action_shape"] == [H, D]
+    out = await infer(ws, obs())
+    assert out["actions"].shape == (H, D)
+    await ws.close()
+    await freed(policy_server)
