@@ -199,9 +199,9 @@ class PolicyConnection(ProtocolAdapter):
         if not whole and not obs.answered:
             raise ReplyEndedError(f"the policy's reply ended after {len(tick.tokens)} of "
                                   f"{self.codec.n_action_tokens} action tokens")
-        if not whole:
-            await ep.rewind(tick)
+        if not whole and not await ep.undo(tick):
             return
+        ep.tick = None
         assert obs.step is not None
         self.last = Chunk(obs.episode, obs.step, self.codec.actions(tick.tokens))
         if not obs.answered:

@@ -6,7 +6,8 @@ the observation's `[<obs>, s_1 .. s_Ds, <act>]` (one chunk, kind "state"), then 
 constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token. The action tokens
 stay in the session, so its history reads obs, act, obs, act, ... as in training, and each tick costs its own tokens
 only. A tick whose reply is abandoned (its deadline passed) is cancelled and, unless it happened to finish whole,
-rewound away entirely (observation and partial actions), so the history never holds a half chunk.
+rewound away entirely (observation and partial actions), so the history never holds a half chunk; where the rolling
+window has already dropped what that rewind needs, the rest of its chunk is decoded instead (it is kept, whole).
 
 The service's results for the session (the chunk's ack, the reply's deltas and end) reach the tick through
 `on_result`, called by the connection (it is the service's ResultListener).
@@ -19,7 +20,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from streamserve.errors import StreamserveError
+from streamserve.errors import RewindError, StreamserveError
 from streamserve.robot.codec import PolicyCodec
 from streamserve.server.context import ClientContext
 from streamserve.server.results import (
@@ -132,11 +133,25 @@ class Episode:
             with contextlib.suppress(StreamserveError):
                 self.service.cancel(self.ctx, self.session_id)
 
-    async def rewind(self, tick: Tick) -> None:
-        """Take the abandoned tick out of the session: the history keeps whole obs/act pairs only."""
+    async def undo(self, tick: Tick) -> bool:
+        """After a cancelled tick settled with a partial chunk: take it out of the session (the history keeps whole
+        obs/act pairs only), or, where the rolling window already dropped what a rewind needs (an episode longer
+        than the window), decode the rest of its chunk instead. -> whether it is now a whole chunk (kept)."""
         assert self.session_id is not None
-        await self.service.rewind(self.ctx, self.session_id, tick.start, None)
-        self.prompt = tick.prompt_before
+        try:
+            await self.service.rewind(self.ctx, self.session_id, tick.start, None)
+            self.prompt = tick.prompt_before
+            return False
+        except RewindError:
+            pass
+        self.tick, tick.done = tick, asyncio.get_running_loop().create_future()
+        self.service.respond(self.ctx, self.session_id, {
+            "max_tokens": self.codec.n_action_tokens - len(tick.tokens), "temperature": 0.0, "stop_token_ids": (),
+            "allowed_token_ids": self.codec.action_ids})
+        if not await self.settle(tick):
+            raise ReplyEndedError(f"the policy's reply ended after {len(tick.tokens)} of {self.codec.n_action_tokens}"
+                                  " action tokens")
+        return True
 
     async def close(self) -> None:
         """Free the session's KV pages now (not parked for a resume: an episode is not resumable)."""

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets
-from conftest import POLICY_CONFIG, loader
+from conftest import POLICY, POLICY_CONFIG, loader
 from policy_fixture import connect, freed, infer, obs, reply, sessions
 from serving import RunningServer, engine_paused, serve
 
@@ -22,6 +22,7 @@ from streamserve.server.policy.connection import PolicyConnection
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 H, D = 4, 2
+POLICY_ACTIONS = POLICY["action_token_offset"]
 
 
 def conn_of(srv: RunningServer) -> PolicyConnection:
@@ -138,3 +139,30 @@ async def test_api_key_bearer_and_openpi_api_key_header(policy_checkpoint: Path)
                     await connect(srv, port=port, headers=headers)
                 assert info.value.response.status_code == 401
         await freed(srv)
+
+
+async def test_an_endless_episode_holds_constant_memory_and_abandons_late_ticks_whole(
+        policy_server: RunningServer) -> None:
+    ws, meta = await connect(policy_server)
+    tick = 5 + H * D  # [<obs>, 3 state ids, <act>] + the chunk
+    for step in range(3 * meta["window"] // tick):  # the rolling window has turned over several times
+        await infer(ws, obs((np.sin(step), np.cos(step), 0.1 * (step % 7)), step=step))
+    [s] = sessions(policy_server)
+    pages = s.pages_held
+    conn = conn_of(policy_server)
+    sched = policy_server.engine.loop.scheduler
+    length = len(s)
+    with engine_paused(policy_server.engine):
+        # a new instruction of 60 tokens: the window drops more than a page for it, so the late tick cannot be
+        # rewound away (the KV before it is gone): its chunk is decoded whole instead, and kept
+        late = await infer(ws, obs(step=100, deadline_ms=1.0, prompt="x" * 59))
+        await until(lambda: bool(sched.queued_chunks(s.id)) and sched.open_response(s.id) is None, "cancelled")
+    assert late["stale"] is True
+    await until(lambda: conn.current is None, "the late tick settled")
+    assert len(s) - length == 60 + tick
+    assert set(s.token_ids[-H * D:]) <= set(range(POLICY_ACTIONS, POLICY_ACTIONS + 16))
+    out = await infer(ws, obs(step=101, prompt="x" * 59))
+    assert out["stale"] is False and len(s) - length == 60 + 2 * tick
+    assert s.pages_held <= pages + 1  # constant memory
+    await ws.close()
+    await freed(policy_server)
