@@ -18,6 +18,7 @@ from serving import serve
 ROOT = Path(__file__).resolve().parents[3]
 OPENPI_PYTHON = Path(os.environ.get("OPENPI_PYTHON", ROOT / "build" / "openpi-venv" / "bin" / "python"))
 DRIVER = Path(__file__).with_name("openpi_driver.py")
+CLIENT_DRIVER = Path(__file__).with_name("client_driver.py")
 
 pytestmark = [pytest.mark.asyncio(loop_scope="module"),
               pytest.mark.skipif(not OPENPI_PYTHON.exists(), reason="openpi-client's environment is missing: run "
@@ -27,17 +28,7 @@ pytestmark = [pytest.mark.asyncio(loop_scope="module"),
 async def test_openpi_client_drives_the_policy_port(policy_checkpoint: Path) -> None:
     async with serve(replace(POLICY_CONFIG, api_key="robot-key"), loader(policy_checkpoint)) as srv:
         port = srv.server.policy.port
-        proc = await asyncio.create_subprocess_exec(str(OPENPI_PYTHON), "-I", str(DRIVER), "127.0.0.1", str(port),
-                                                    "robot-key", stdout=asyncio.subprocess.PIPE,
-                                                    stderr=asyncio.subprocess.PIPE)
-        try:
-            stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
-        finally:
-            if proc.returncode is None:
-                proc.kill()
-                await proc.wait()
-        assert proc.returncode == 0, stderr.decode()[-3000:]
-        out = json.loads(stdout.decode().strip().splitlines()[-1])
+        out = await run_driver(DRIVER, "127.0.0.1", str(port), "robot-key")
         await freed(srv)  # the connection closed with 1011 after the error: its episode is freed
     h, d = POLICY["action_horizon"], POLICY["action_dims"]
     assert out["metadata"]["action_horizon"] == h and out["metadata"]["state_key"] == "observation/state"
@@ -48,3 +39,28 @@ async def test_openpi_client_drives_the_policy_port(policy_checkpoint: Path) -> 
     assert out["broker"] == [[d]] * (h + 1)  # openpi's chunk broker steps through our chunks
     assert out["error"] is not None and "invalid_observation" in out["error"] and "NaN" in out["error"]
 
+
+async def run_driver(script: Path, *args: str, env: dict[str, str] | None = None) -> dict:
+    """Run a driver script with openpi-client's Python; -> the JSON line it prints last."""
+    proc = await asyncio.create_subprocess_exec(str(OPENPI_PYTHON), str(script), *args, env=env,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    return json.loads(stdout.decode().strip().splitlines()[-1])
+
+
+async def test_policy_client_under_numpy_1(policy_checkpoint: Path) -> None:
+    """streamserve_client.policy in the same NumPy-1.26 environment (the test environment has NumPy 2)."""
+    async with serve(POLICY_CONFIG, loader(policy_checkpoint)) as srv:
+        env = {"PATH": os.environ.get("PATH", ""), "PYTHONPATH": str(ROOT / "clients" / "python")}
+        out = await run_driver(CLIENT_DRIVER, srv.url, env=env)
+        await freed(srv)
+    h, d = POLICY["action_horizon"], POLICY["action_dims"]
+    assert out["numpy"].startswith("1.")
+    assert out["ticks"] == [{"shape": [h, d], "dtype": "float32", "step": i, "stale": False} for i in range(3)]
+    assert out["reset"] == 1
