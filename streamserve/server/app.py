@@ -377,7 +377,7 @@ def run(server: Server, announce: Callable[[str], None] = print) -> None:
     async def main() -> None:
         runner, port = await start(server)
         announce(f"streamserve: listening on http://{server.config.host}:{port} "
-                 f"(WebSocket ws://{server.config.host}:{port}/v1/stream); loading the model...")
+                 f"(WebSocket ws://{server.config.host}:{port}/v1/stream{server.policy.where()}); loading the model...")
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

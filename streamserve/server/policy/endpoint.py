@@ -107,6 +107,10 @@ class PolicyEndpoint:
                  self.server.config.host, self.port)
         return self.port
 
+    def where(self) -> str:
+        """For the server's start-up line: where openpi clients connect (with --policy-port), else nothing."""
+        return "" if self.port is None else f"; robot policy ws://{self.server.config.host}:{self.port}"
+
     async def on_shutdown(self, app: web.Application) -> None:
         if self.runner is not None:
             runner, self.runner = self.runner, None

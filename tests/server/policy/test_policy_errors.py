@@ -3,16 +3,24 @@ a server whose model is not a policy says so instead of sending metadata."""
 
 from __future__ import annotations
 
+import contextlib
+
 import msgpack
 import numpy as np
 import pytest
+from conftest import POLICY
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from policy_fixture import STATE_KEY, connect, expect_error, freed, infer, obs, pack_raw, raw_array
 from serving import RunningServer, serve
 
 from streamserve.config import ServerConfig
+from streamserve.errors import InvalidInputError
+from streamserve.robot.codec import PolicyCodec
 from streamserve.server.policy import wire
+from streamserve.server.policy.observation import parse_observation
 
-pytestmark = pytest.mark.asyncio(loop_scope="module")
+MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 
 GOOD = np.array([0.1, 0.2, 0.3], np.float32)
 
@@ -53,6 +61,7 @@ BAD_FRAMES = {  # name -> (frame, a word the error text must hold)
 }
 
 
+@MODULE_LOOP
 @pytest.mark.parametrize("name", list(BAD_FRAMES))
 async def test_bad_observation_is_a_text_frame_then_1011(policy_server: RunningServer, name: str) -> None:
     frame, word = BAD_FRAMES[name]
@@ -67,10 +76,11 @@ async def test_bad_observation_is_a_text_frame_then_1011(policy_server: RunningS
     await freed(policy_server)
 
 
-async def test_decoder_round_trips_every_accepted_dtype_and_shape() -> None:
+def test_decoder_round_trips_every_accepted_dtype_and_shape() -> None:
     arrays = [np.arange(6, dtype=dt).reshape(2, 3) for dt in ("<i1", "<i2", "<i4", "<i8", "|u1", "<u2", "<u4",
                                                              "<u8", "<f2", "<f4", "<f8", ">f4", ">i8")]
-    arrays += [np.array([True, False]), np.zeros((0, 5), np.float32), np.full((), 1.5, np.float32),
+    arrays += [np.arange(6, dtype="<f4").reshape(2, 3).T,  # not C-contiguous: sent in C order
+               np.array([True, False]), np.zeros((0, 5), np.float32), np.full((), 1.5, np.float32),
                np.ones((1, 2, 1, 3, 1), np.int16)]
     frame = wire.packb({"a": arrays, "g": [np.float64(2.5), np.int8(-3), np.bool_(True)]})
     back = wire.unpackb(frame, 1 << 20)
@@ -85,6 +95,7 @@ async def test_decoder_round_trips_every_accepted_dtype_and_shape() -> None:
         wire.packb(np.array(["x"], dtype=object))
 
 
+@MODULE_LOOP
 async def test_a_model_without_a_policy_codec_refuses_naming_default_policy() -> None:
     async with serve(ServerConfig()) as srv:  # the default (chat) model: no policy.json
         import websockets
@@ -93,3 +104,24 @@ async def test_a_model_without_a_policy_codec_refuses_naming_default_policy() ->
         text = await expect_error(ws)
         assert "no_policy" in text and "--model default-policy" in text
         assert not srv.server.service.registry.all()
+
+
+JSONISH = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.floats() | st.text(max_size=8)
+                       | st.binary(max_size=16),
+                       lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=12) | st.binary(
+                           max_size=12), inner, max_size=4), max_leaves=20)
+ARRAYISH = st.fixed_dictionaries({b"__ndarray__": st.sampled_from([True, 1, False]), b"data": st.binary(max_size=32),
+                                  b"dtype": st.sampled_from(["<f4", "|u1", "<i8", "|O", "<c8", "|b1", "<M8", "x"]),
+                                  b"shape": st.lists(st.integers(-2, 1 << 40), max_size=10)})
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.binary(max_size=64) | st.builds(lambda v: msgpack.packb(v, use_bin_type=True),
+                                          st.dictionaries(st.sampled_from([STATE_KEY, "prompt", "reset", "step",
+                                                                           "deadline_ms", "deadline", "timestamp"]),
+                                                          JSONISH | ARRAYISH, max_size=5)))
+def test_any_frame_decodes_or_is_refused_with_a_typed_error(frame: bytes) -> None:
+    codec = PolicyCodec.from_dict(POLICY)
+    # WireError, PolicyInputError: the text frame + 1011; nothing else may escape
+    with contextlib.suppress(InvalidInputError):
+        parse_observation(wire.unpackb(frame, 1 << 16), codec, 20.0)

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import asyncio
+import time
 from pathlib import Path
 
+import aiohttp
 import numpy as np
 import pytest
-from conftest import POLICY
+import websockets
+from conftest import POLICY, POLICY_CONFIG, loader
 from policy_fixture import connect, freed, infer, obs, sessions
-from serving import RunningServer
+from serving import RunningServer, engine_paused
 
 from streamserve.robot.codec import PolicyCodec
 
@@ -68,3 +72,30 @@ async def test_policy_port_serves_the_endpoint_at_root(policy_server: RunningSer
     assert out["actions"].shape == (H, D)
     await ws.close()
     await freed(policy_server)
+
+
+async def test_absolute_deadline_and_the_policy_ports_healthz(policy_server: RunningServer) -> None:
+    url = f"http://127.0.0.1:{policy_server.server.policy.port}/healthz"
+    async with aiohttp.ClientSession() as http, http.get(url) as r:
+        assert r.status == 200 and (await r.json())["status"] == "ok"
+    ws, _ = await connect(policy_server)
+    in_time = await infer(ws, obs(deadline=time.time() + 600, step=0))
+    assert in_time["stale"] is False
+    with engine_paused(policy_server.engine):  # a deadline already past: answered at once from the last chunk
+        late = await infer(ws, obs(deadline=time.time() - 5, step=1))
+    assert late["stale"] is True and late["actions"].shape == (H - 1, D)
+    await ws.close()
+    await freed(policy_server)
+
+
+async def test_shutdown_closes_policy_connections_and_frees_their_sessions(policy_checkpoint: Path) -> None:
+    srv = await RunningServer.start(POLICY_CONFIG, loader(policy_checkpoint))
+    engine = srv.engine
+    ws, _ = await connect(srv, port=True)
+    await infer(ws, obs())
+    stop = asyncio.create_task(srv.stop())
+    with pytest.raises(websockets.ConnectionClosed) as info:
+        await asyncio.wait_for(ws.recv(), 60)
+    await stop
+    assert info.value.rcvd is not None and info.value.rcvd.code == 1001
+    assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["sessions_open"] == 0
