@@ -2,7 +2,7 @@
 
 The session is opened with the codec's window and sinks (rolling positions: an endless episode holds constant KV
 memory). A tick appends `[<task>, *prompt]` on the episode's first tick and whenever the instruction changes, then
-the observation's `[<obs>, s_1 .. s_Ds, <act>]` (one chunk, kind "state"), then asks for a reply of exactly H*D tokens
+the observation's `[<obs>, s_1 .. s_Ds, <act>]` (a chunk of kind "state"), then asks for a reply of exactly H*D tokens
 constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token. The action tokens
 stay in the session, so its history reads obs, act, obs, act, ... as in training, and each tick costs its own tokens
 only. A tick whose reply is abandoned (its deadline passed) is cancelled and, unless it happened to finish whole,
@@ -56,6 +56,7 @@ class Tick:
     start: int  # the session's length before the tick's tokens: where an abandoned tick is rewound to
     prompt_before: str | None  # the episode's prompt before the tick (restored when the tick is rewound away)
     tokens: list[int] = field(default_factory=list)  # the reply's action ids so far
+    unacked: int = 0  # chunks appended and not acked yet (the prompt's, the observation's)
     acked: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
 
@@ -89,13 +90,19 @@ class Episode:
         if self.session_id is None:
             await self.open()
         assert self.session_id is not None
-        ids = list(state_ids)
-        if prompt != self.prompt:  # the first tick, or the instruction changed
-            ids = self.codec.prompt_ids(await self.prompt_tokens(prompt)) + ids
+        chunks = [(list(state_ids), "state")]
+        if prompt != self.prompt:  # the first tick, or the instruction changed: its own chunk, as in robot/rollout.py
+            chunks.insert(0, (self.codec.prompt_ids(await self.prompt_tokens(prompt)), "text"))
         tick = Tick(self.session_id, self.length(), self.prompt)
         self.tick = tick
-        await self.service.append(self.ctx, self.session_id,
-                                  AppendRequest(token_ids=ids, kind="state", deadline_ms=deadline_ms))
+        for ids, kind in chunks:
+            tick.unacked += 1
+            try:
+                await self.service.append(self.ctx, self.session_id,
+                                          AppendRequest(token_ids=ids, kind=kind, deadline_ms=deadline_ms))
+            except BaseException:
+                tick.unacked -= 1
+                raise
         self.prompt = prompt
         self.service.respond(self.ctx, self.session_id, {
             "max_tokens": self.codec.n_action_tokens, "temperature": 0.0, "stop_token_ids": (),
@@ -110,8 +117,10 @@ class Episode:
             if result.error is not None:
                 _fail(t.acked, ServiceFailure(result.error))
                 _fail(t.done, ServiceFailure(result.error))  # no reply can follow a failed chunk
-            elif not t.acked.done():
-                t.acked.set_result(result.tokens)
+            else:
+                t.unacked -= 1
+                if t.unacked == 0 and not t.acked.done():
+                    t.acked.set_result(result.tokens)
         elif isinstance(result, ReplyDelta):
             t.tokens.extend(result.token_ids)
         elif isinstance(result, ReplyDone):

@@ -15,6 +15,7 @@ from policy_fixture import connect, freed, infer, obs, sessions
 from serving import RunningServer, engine_paused
 
 from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.rollout import EnginePolicy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 H, D = POLICY["action_horizon"], POLICY["action_dims"]
@@ -99,3 +100,20 @@ async def test_shutdown_closes_policy_connections_and_frees_their_sessions(polic
     await stop
     assert info.value.rcvd is not None and info.value.rcvd.code == 1001
     assert engine.stats()["kv_pages_used"] == 0 and engine.stats()["sessions_open"] == 0
+
+
+async def test_the_endpoint_acts_as_the_engine_policy_of_robot_rollout(policy_server: RunningServer) -> None:
+    """The same observations through /v1/policy and through robot/rollout.py's EnginePolicy (the engine directly):
+    the same chunks, bit for bit (greedy, the same tokens on a session of the same window)."""
+    observations = [obs((np.sin(i), np.cos(i), 0.3 * i - 1), prompt="reach" if i < 5 else "wave") for i in range(8)]
+    ws, _ = await connect(policy_server)
+    served = [(await infer(ws, o))["actions"] for o in observations]
+    await ws.close()
+    await freed(policy_server)
+
+    def direct() -> list[np.ndarray]:
+        with EnginePolicy(policy_server.engine) as policy:
+            return [policy(o) for o in observations]
+
+    for a, b in zip(served, await asyncio.to_thread(direct), strict=True):
+        np.testing.assert_array_equal(a, b)
