@@ -58,6 +58,9 @@ BAD_FRAMES = {  # name -> (frame, a word the error text must hold)
     "negative step": (wire.packb(obs(step=-1)), "step"),
     "reset not bool": (wire.packb(obs(reset="yes")), "reset"),
     "frame over the limit": (wire.packb({**obs(), "pad": b"\0" * (1 << 16)}), "over the limit"),
+    "prompt too long": (wire.packb(obs(prompt="y" * 5000)), "prompt"),
+    # refused by the session service in the worker (a chunk over --max-chunk-tokens), not by the read loop
+    "prompt over a chunk": (wire.packb(obs(prompt="y" * 3000)), "chunk_too_large"),
 }
 
 
