@@ -222,7 +222,7 @@ class PolicyConnection(ProtocolAdapter):
         return wire.packb(out)
 
     async def answer(self, obs: Observation, body: dict[str, Any], started: float) -> None:
-        if obs.answered:
+        if obs.answered or self.failed:
             return
         obs.answered = True
         self.disarm(obs)
@@ -230,7 +230,7 @@ class PolicyConnection(ProtocolAdapter):
 
     def expire(self, obs: Observation) -> None:
         """The deadline passed with no reply: answer now from the last chunk, stop the engine's work on it."""
-        if obs.answered:
+        if obs.answered or self.failed:  # nothing follows an error frame
             return
         obs.answered, obs.timer = True, None
         if self.queued is obs:
