@@ -84,3 +84,17 @@ async def test_encoding_round_trip_and_urls() -> None:
     with pytest.raises(TypeError):
         packb({"s": np.array(["text"])})
     assert policy_url("ws://h:1") == "ws://h:1/v1/policy" and policy_url("ws://h:2/") == "ws://h:2/"
+
+
+async def test_robots_at_once_each_on_its_own_session(policy_server: RunningServer) -> None:
+    async def robot(k: int) -> list[int]:
+        async with PolicyClient(policy_server.url) as policy:
+            steps = []
+            for step in range(6):
+                out = await policy.infer(obs((0.1 * k, -0.1 * step, 0.0)), step=step)
+                assert out["actions"].shape == (H, D) and out["stale"] is False
+                steps.append(out["valid_from_step"])
+            return steps
+
+    assert await asyncio.gather(*(robot(k) for k in range(6))) == [list(range(6))] * 6
+    await freed(policy_server)
