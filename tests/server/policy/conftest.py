@@ -5,24 +5,14 @@ server per module serving it on its main port and on a policy port of its own.""
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
 from helpers import make_checkpoint
+from policy_fixture import POLICY, POLICY_CONFIG, loader
 from serving import RunningServer
-
-from streamserve.config import ServerConfig
-from streamserve.engine import Engine
-
-# ids: 0..256 the byte tokenizer's, 257 <obs>, 258 <act>, 259 <task>, 260..275 state bins, 276..291 action bins (< 300)
-POLICY = {"format": 1, "state_key": "observation/state", "state_low": [-1.0, -1.0, -2.0], "state_high": [1.0, 1.0, 2.0],
-          "state_bins": 16, "state_token_offset": 260, "action_dims": 2, "action_horizon": 4,
-          "action_low": [-1.0, -0.5], "action_high": [1.0, 0.5], "action_bins": 16, "action_token_offset": 276,
-          "obs_token": 257, "act_token": 258, "task_token": 259, "prompt_key": "prompt", "default_prompt": "reach",
-          "window": 96, "sinks": 4, "control_hz": 50.0}
-POLICY_CONFIG = ServerConfig(policy_port=0, messages_per_second=1000.0, max_frame_bytes=1 << 16)
 
 
 @pytest.fixture(scope="session")
@@ -31,10 +21,6 @@ def policy_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     make_checkpoint(folder, "llama", seed=3)
     (folder / "policy.json").write_text(json.dumps(POLICY))
     return folder
-
-
-def loader(folder: Path) -> Callable[[], Engine]:
-    return lambda: Engine.from_pretrained(folder, device="cpu", kv_memory="64MiB")
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")

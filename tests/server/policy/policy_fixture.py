@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import msgpack
@@ -11,9 +13,22 @@ import numpy as np
 import websockets
 from serving import RunningServer
 
+from streamserve.config import ServerConfig
+from streamserve.engine import Engine
 from streamserve.server.policy import wire
 
 STATE_KEY = "observation/state"
+# ids: 0..256 the byte tokenizer's, 257 <obs>, 258 <act>, 259 <task>, 260..275 state bins, 276..291 action bins (< 300)
+POLICY = {"format": 1, "state_key": "observation/state", "state_low": [-1.0, -1.0, -2.0], "state_high": [1.0, 1.0, 2.0],
+          "state_bins": 16, "state_token_offset": 260, "action_dims": 2, "action_horizon": 4,
+          "action_low": [-1.0, -0.5], "action_high": [1.0, 0.5], "action_bins": 16, "action_token_offset": 276,
+          "obs_token": 257, "act_token": 258, "task_token": 259, "prompt_key": "prompt", "default_prompt": "reach",
+          "window": 96, "sinks": 4, "control_hz": 50.0}
+POLICY_CONFIG = ServerConfig(policy_port=0, messages_per_second=1000.0, max_frame_bytes=1 << 16)
+
+
+def loader(folder: Path) -> Callable[[], Engine]:
+    return lambda: Engine.from_pretrained(folder, device="cpu", kv_memory="64MiB")
 
 
 def obs(state: Any = (0.1, -0.2, 0.5), **extra: Any) -> dict[str, Any]:

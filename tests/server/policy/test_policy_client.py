@@ -8,8 +8,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import POLICY, POLICY_CONFIG, loader
-from policy_fixture import freed, obs
+from policy_fixture import POLICY, POLICY_CONFIG, freed, loader, obs
 from serving import RunningServer, engine_paused, serve
 
 from streamserve_client import InvalidInputError, PolicyClient, SyncPolicyClient, UnauthorizedError

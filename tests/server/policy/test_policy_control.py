@@ -13,8 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import websockets
-from conftest import POLICY, POLICY_CONFIG, loader
-from policy_fixture import connect, freed, infer, obs, reply, sessions
+from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader, obs, reply, sessions
 from serving import RunningServer, engine_paused, serve
 
 from streamserve.server.policy import wire

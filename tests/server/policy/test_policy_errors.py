@@ -8,10 +8,9 @@ import contextlib
 import msgpack
 import numpy as np
 import pytest
-from conftest import POLICY
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from policy_fixture import STATE_KEY, connect, expect_error, freed, infer, obs, pack_raw, raw_array
+from policy_fixture import POLICY, STATE_KEY, connect, expect_error, freed, infer, obs, pack_raw, raw_array
 from serving import RunningServer, serve
 
 from streamserve.config import ServerConfig

@@ -11,8 +11,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import POLICY, POLICY_CONFIG, loader
-from policy_fixture import freed
+from policy_fixture import POLICY, POLICY_CONFIG, freed, loader
 from serving import serve
 
 ROOT = Path(__file__).resolve().parents[3]

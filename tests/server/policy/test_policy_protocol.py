@@ -10,8 +10,7 @@ import aiohttp
 import numpy as np
 import pytest
 import websockets
-from conftest import POLICY, POLICY_CONFIG, loader
-from policy_fixture import connect, freed, infer, obs, sessions
+from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader, obs, sessions
 from serving import RunningServer, engine_paused
 
 from streamserve.robot.codec import PolicyCodec
