@@ -32,6 +32,7 @@ STATE_KEY, PROMPT_KEY, PROMPT = "observation/state", "prompt", "reach the target
 STATE_LOW = (-np.pi, 0.0, -1.0, -1.0, -1.0, -1.0)
 STATE_HIGH = (np.pi, np.pi, 1.0, 1.0, 1.0, 1.0)
 ACTION_LOW, ACTION_HIGH = (-QD_MAX, -QD_MAX), (QD_MAX, QD_MAX)
+EVAL_SEEDS = tuple(range(100_000, 100_050))  # the fixed seeded episodes a policy is scored on (never trained on)
 
 # the expert's gains
 GAIN = 5.0  # 1/s: desired hand velocity = GAIN * offset

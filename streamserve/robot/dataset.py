@@ -73,17 +73,50 @@ def expert_stream(rng: np.random.Generator, codec: PolicyCodec, tokenize: Callab
     return Stream(np.asarray(ids, dtype=np.int64), np.asarray(query, dtype=np.int64), np.asarray(act, dtype=bool))
 
 
+def kept(end: int, sinks: int, window: int) -> np.ndarray:
+    """The stream positions a rolling session of length `end` attends to: [0, sinks) and the last `window`."""
+    a, lo = min(sinks, end), max(sinks, end - window)
+    return np.concatenate([np.arange(a), np.arange(max(lo, a), end)])
+
+
 def crop(stream: Stream, end: int, sinks: int, window: int) -> tuple[np.ndarray, np.ndarray]:
     """What the session holds when producing token end - 1: -> (input ids [T], labels [T] with -100 where no
     loss: non-action tokens, and action tokens cut off from their query's observation by the window's gap)."""
-    a, lo = min(sinks, end), max(sinks, end - window)  # kept: positions [0, a) and [lo, end)
-    keep = np.concatenate([np.arange(a), np.arange(max(lo, a), end)])
+    keep = kept(end, sinks, window)
+    a, lo = min(sinks, end), max(sinks, end - window)
     ids = stream.ids[keep]
     intact = (lo <= a) | (stream.query[keep] >= lo) | (keep < a)  # no kept token between the obs and this one
     target = stream.is_action[keep] & intact
     # the label of position i is the token at i + 1 (causal LM): shift left
     labels = np.full(len(keep), -100, dtype=np.int64)
     labels[:-1] = np.where(target[1:], ids[1:], -100)
+    return ids, labels
+
+
+def training_crop(streams: list[Stream], i: int, end: int, sinks: int, window: int, n_act: int,
+                  rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+    """A training example: stream i as a rolling session holds it at the end of a reply, with a history of random
+    length up to the window, the loss on that last reply only, and every earlier reply in the crop swapped for an
+    expert chunk of a random other state. Why: the real previous chunk predicts the next one so well (commands
+    are smooth) that a model trained on it learns to copy its own history instead of reading the state, and then
+    drifts in closed loop (the copycat problem). Swapped chunks look like real replies yet say nothing about this
+    state, so the model learns to ignore past actions and act on the latest observation, as the expert does."""
+    st = streams[i]
+    last = int(st.query[end - 1])  # the <obs> position of the reply the loss is on
+    need = end - last  # its observation and reply, kept whole
+    keep = kept(end, sinks, int(rng.integers(min(need, window), window + 1)))
+    ids = st.ids[keep].copy()
+    owner = st.query[keep]
+    past = st.is_action[keep] & (owner != last)
+    for q in np.unique(owner[past]):  # one random chunk per earlier reply, laid over its step-major positions
+        j = int(rng.integers(len(streams)))
+        e = int(rng.choice(query_ends(streams[j])))
+        fake = streams[j].ids[e - n_act:e]
+        at = np.flatnonzero(past & (owner == q))
+        ids[at] = fake[keep[at] - (q + need - n_act)]  # the reply of the query at q starts after its observation
+    labels = np.full(len(ids), -100, dtype=np.int64)
+    mine = np.flatnonzero(st.is_action[keep] & (owner == last))
+    labels[mine - 1] = ids[mine]  # causal LM: position i predicts token i + 1
     return ids, labels
 
 

@@ -35,7 +35,7 @@ class EnginePolicy:
         self.codec = codec if codec is not None else engine_codec(engine)
         self.session: Session | None = None
         self.prompt: str | None = None  # the instruction last appended to the session
-        self.growth: list[int] = []  # per tick: tokens the session grew by with the state (the reply not counted)
+        self.growth: list[int] = []  # per tick: tokens the session grew by (state + reply; the prompt not counted)
         self.replies: list[list[int]] = []  # per tick: the reply's token ids (kept only when `record` is set)
         self.record = False
         self.ticks = 0
@@ -56,7 +56,6 @@ class EnginePolicy:
             self.prompt = prompt
         before = len(s)
         s.append(token_ids=state_ids, kind="state")
-        self.growth.append(len(s) - before)
         reply = s.stream(max_tokens=c.n_action_tokens, temperature=0.0, stop_token_ids=(),
                          allowed_token_ids=c.action_ids)
         reason = reply.wait()
@@ -64,6 +63,7 @@ class EnginePolicy:
         if reason != "length" or len(ids) != c.n_action_tokens:
             raise RuntimeError(f"the policy reply ended with {reason!r} after {len(ids)} of {c.n_action_tokens} "
                                "tokens")
+        self.growth.append(len(s) - before)
         if self.record:
             self.replies.append(list(ids))
         self.ticks += 1
