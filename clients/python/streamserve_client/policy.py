@@ -185,6 +185,16 @@ class PolicyClient:
         return reply
 
     async def _closed(self, e: websockets.ConnectionClosed) -> StreamserveClientError:
+        """The connection is closed: the server's error frame, if it sent one that is still unread (it may have
+        come while this client was not reading, e.g. just before a send), else why it closed."""
+        while self.ws is not None:
+            try:
+                frame = await asyncio.wait_for(self.ws.recv(), CLOSE_TIMEOUT_S)
+            except (websockets.ConnectionClosed, asyncio.TimeoutError):
+                break
+            if isinstance(frame, str):
+                self.failed = _error(frame)
+                return self.failed.copy()
         if e.rcvd is not None and e.rcvd.code == 1013:
             self.failed = ServerBusyError(f"server busy: {e.rcvd.reason}", code="busy")
         else:

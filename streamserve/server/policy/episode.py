@@ -134,7 +134,8 @@ class Episode:
         """Wait for the tick's chunk and reply to end; -> whether the reply is a whole chunk (H*D tokens)."""
         await tick.acked
         reason = await tick.done
-        return reason == "length" and len(tick.tokens) == self.codec.n_action_tokens
+        # a reply cancelled (its deadline passed) after its last token is whole too: "cancelled", not "length"
+        return reason in ("length", "cancelled") and len(tick.tokens) == self.codec.n_action_tokens
 
     def cancel(self) -> None:
         """End the tick's reply now (its results still arrive: settle, then rewind unless it was whole)."""

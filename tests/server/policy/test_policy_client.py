@@ -97,3 +97,16 @@ async def test_robots_at_once_each_on_its_own_session(policy_server: RunningServ
 
     assert await asyncio.gather(*(robot(k) for k in range(6))) == [list(range(6))] * 6
     await freed(policy_server)
+
+
+async def test_an_error_frame_that_came_while_not_reading_is_raised_by_the_next_send(
+        policy_server: RunningServer) -> None:
+    async with PolicyClient(policy_server.url) as policy:
+        await policy.send(obs((float("nan"), 0.0, 0.0)))  # refused; this client reads nothing yet
+        ws = policy.ws
+        assert ws is not None
+        await asyncio.wait_for(ws.wait_closed(), 30)  # the server sent its error frame and closed
+        with pytest.raises(InvalidInputError) as info:  # the next send finds the frame, not just a closed socket
+            await policy.send(obs())
+        assert info.value.code == "invalid_observation"
+    await freed(policy_server)

@@ -16,8 +16,10 @@ import websockets
 from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader, obs, reply, sessions
 from serving import RunningServer, engine_paused, serve
 
+from streamserve.robot.codec import PolicyCodec
 from streamserve.server.policy import wire
 from streamserve.server.policy.connection import PolicyConnection
+from streamserve.server.policy.episode import Episode, Tick
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 H, D = 4, 2
@@ -165,3 +167,16 @@ async def test_an_endless_episode_holds_constant_memory_and_abandons_late_ticks_
     assert s.pages_held <= pages + 1  # constant memory
     await ws.close()
     await freed(policy_server)
+
+
+async def test_a_reply_cancelled_after_its_last_token_is_a_whole_chunk() -> None:
+    """The deadline can pass between a reply's last token and its end: it ends "cancelled" with all H*D tokens, and
+    the tick is kept whole (not rewound, not decoded again)."""
+    codec = PolicyCodec.from_dict(POLICY)
+    ep = Episode(None, None, codec, 0)  # type: ignore[arg-type]  # settle needs neither the service nor a context
+    for reason, n, whole in (("cancelled", H * D, True), ("length", H * D, True), ("cancelled", H * D - 1, False),
+                             ("error", H * D, False)):
+        tick = Tick("s", 0, None, tokens=[POLICY_ACTIONS] * n)
+        tick.acked.set_result(5)
+        tick.done.set_result(reason)
+        assert await ep.settle(tick) is whole
