@@ -15,13 +15,17 @@ from streamserve.models.loader import Checkpoint
 from streamserve.models.store import resolve_model
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "assets" / "default"
+DEFAULT_POLICY_DIR = DEFAULT_MODEL_DIR.parent / "default-policy"  # the shipped robot policy (streamserve.robot)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 def resolve_model_path(model: str | Path, offline: bool = False) -> Path:
-    """"default", a catalog name (its cached file, pulled first unless `offline`), a .gguf file or a folder."""
+    """"default" (or "default-policy"), a catalog name (its cached file, pulled first unless `offline`), a .gguf
+    file or a folder."""
     if str(model) == "default":
         return DEFAULT_MODEL_DIR
+    if str(model) == "default-policy":
+        return DEFAULT_POLICY_DIR
     path = Path(model).expanduser()
     if not path.exists():
         named = resolve_model(str(model), offline=offline)  # None: not a catalog name
