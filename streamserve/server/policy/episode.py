@@ -5,9 +5,8 @@ memory). A tick appends `[<task>, *prompt]` on the episode's first tick and when
 the observation's `[<obs>, s_1 .. s_Ds, <act>]` (a chunk of kind "state"), then asks for a reply of exactly H*D tokens
 constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token. The action tokens
 stay in the session, so its history reads obs, act, obs, act, ... as in training, and each tick costs its own tokens
-only. A tick whose reply is abandoned (its deadline passed) is cancelled and, unless it happened to finish whole,
-rewound away entirely (observation and partial actions), so the history never holds a half chunk; where the rolling
-window has already dropped what that rewind needs, the rest of its chunk is decoded instead (it is kept, whole).
+only. Every tick's chunk is decoded whole, a late one too (connection.py answers it stale at its deadline), so the
+history never holds a half chunk.
 
 The service's results for the session (the chunk's ack, the reply's deltas and end) reach the tick through
 `on_result`, called by the connection (it is the service's ResultListener).
@@ -20,7 +19,7 @@ import contextlib
 import logging
 from dataclasses import dataclass, field
 
-from streamserve.errors import RewindError, StreamserveError
+from streamserve.errors import StreamserveError
 from streamserve.robot.codec import PolicyCodec
 from streamserve.server.context import ClientContext
 from streamserve.server.results import (
@@ -53,8 +52,7 @@ class ReplyEndedError(StreamserveError):
 @dataclass(eq=False)
 class Tick:
     session: str
-    start: int  # the session's length before the tick's tokens: where an abandoned tick is rewound to
-    prompt_before: str | None  # the episode's prompt before the tick (restored when the tick is rewound away)
+    start: int  # the session's length before the tick's tokens
     tokens: list[int] = field(default_factory=list)  # the reply's action ids so far
     unacked: int = 0  # chunks appended and not acked yet (the prompt's, the observation's)
     acked: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -93,7 +91,7 @@ class Episode:
         chunks = [(list(state_ids), "state")]
         if prompt != self.prompt:  # the first tick, or the instruction changed: its own chunk, as in robot/rollout.py
             chunks.insert(0, (self.codec.prompt_ids(await self.prompt_tokens(prompt)), "text"))
-        tick = Tick(self.session_id, self.length(), self.prompt)
+        tick = Tick(self.session_id, self.length())
         self.tick = tick
         for ids, kind in chunks:
             tick.unacked += 1
@@ -134,34 +132,7 @@ class Episode:
         """Wait for the tick's chunk and reply to end; -> whether the reply is a whole chunk (H*D tokens)."""
         await tick.acked
         reason = await tick.done
-        # a reply cancelled (its deadline passed) after its last token is whole too: "cancelled", not "length"
-        return reason in ("length", "cancelled") and len(tick.tokens) == self.codec.n_action_tokens
-
-    def cancel(self) -> None:
-        """End the tick's reply now (its results still arrive: settle, then rewind unless it was whole)."""
-        if self.session_id is not None:
-            with contextlib.suppress(StreamserveError):
-                self.service.cancel(self.ctx, self.session_id)
-
-    async def undo(self, tick: Tick) -> bool:
-        """After a cancelled tick settled with a partial chunk: take it out of the session (the history keeps whole
-        obs/act pairs only), or, where the rolling window already dropped what a rewind needs (an episode longer
-        than the window), decode the rest of its chunk instead. -> whether it is now a whole chunk (kept)."""
-        assert self.session_id is not None
-        try:
-            await self.service.rewind(self.ctx, self.session_id, tick.start, None)
-            self.prompt = tick.prompt_before
-            return False
-        except RewindError:
-            pass
-        self.tick, tick.done = tick, asyncio.get_running_loop().create_future()
-        self.service.respond(self.ctx, self.session_id, {
-            "max_tokens": self.codec.n_action_tokens - len(tick.tokens), "temperature": 0.0, "stop_token_ids": (),
-            "allowed_token_ids": self.codec.action_ids})
-        if not await self.settle(tick):
-            raise ReplyEndedError(f"the policy's reply ended after {len(tick.tokens)} of {self.codec.n_action_tokens}"
-                                  " action tokens")
-        return True
+        return reason == "length" and len(tick.tokens) == self.codec.n_action_tokens
 
     async def close(self) -> None:
         """Free the session's KV pages now (not parked for a resume: an episode is not resumable)."""

@@ -19,7 +19,6 @@ from serving import RunningServer, engine_paused, serve
 from streamserve.robot.codec import PolicyCodec
 from streamserve.server.policy import wire
 from streamserve.server.policy.connection import PolicyConnection
-from streamserve.server.policy.episode import Episode, Tick
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 H, D = 4, 2
@@ -39,34 +38,35 @@ async def until(check: Callable[[], object], what: str) -> None:
 
 
 async def test_late_reply_is_stale_with_the_last_chunks_remaining_actions(policy_server: RunningServer) -> None:
+    codec = PolicyCodec.from_dict(POLICY)
+    tick = 5 + H * D  # [<obs>, 3 state ids, <act>] + the chunk
     ws, _ = await connect(policy_server)
+    conn = conn_of(policy_server)
     with engine_paused(policy_server.engine):  # the first observation cannot be answered in time: nothing to give
         out = await infer(ws, obs(step=0, deadline_ms=1.0, timestamp=5.0))
     assert out["stale"] is True and out["actions"].shape == (0, D) and out["valid_from_step"] == 0
     assert out["timestamp"] == 5.0
+    await until(lambda: conn.current is None, "the late tick's chunk decoded")
+    [s] = sessions(policy_server)
+    late_chunk = codec.actions(s.token_ids[-H * D:])  # decoded whole though late: the last chunk now (step 0)
+    with engine_paused(policy_server.engine):
+        again = await infer(ws, obs(step=1, deadline_ms=1.0))
+    np.testing.assert_array_equal(again["actions"], late_chunk[1:])  # shifted by the one step since
+    await until(lambda: conn.current is None, "the late tick's chunk decoded")
     fresh = await infer(ws, obs(step=10))
     assert fresh["stale"] is False and fresh["valid_from_step"] == 10
-    [s] = sessions(policy_server)
-    length = len(s)  # the abandoned tick left nothing: only whole obs/act pairs
-    sched = policy_server.engine.loop.scheduler
-
-    def cancelled() -> bool:  # the tick's chunk and reply are queued, and the reply is cancelled
-        return bool(sched.queued_chunks(s.id)) and sched.open_response(s.id) is None
-
+    length = len(s)
     with engine_paused(policy_server.engine):
-        late = await infer(ws, obs((0.5, 0.5, 0.5), step=11, deadline_ms=0.0))  # raised to --min-deadline-ms
-        await until(cancelled, "the late tick's reply cancelled")
-    assert late["stale"] is True and late["valid_from_step"] == 11
-    np.testing.assert_array_equal(late["actions"], fresh["actions"][1:])  # shifted by the one step elapsed
-    conn = conn_of(policy_server)
-    await until(lambda: conn.current is None, "the late tick settled and rewound")
+        late = await infer(ws, obs((0.5, 0.5, 0.5), step=12, deadline_ms=0.0))  # raised to --min-deadline-ms
+    assert late["stale"] is True and late["valid_from_step"] == 12
+    np.testing.assert_array_equal(late["actions"], fresh["actions"][2:])  # shifted by the two steps elapsed
+    await until(lambda: conn.current is None, "the late tick's chunk decoded")
     with engine_paused(policy_server.engine):
-        later = await infer(ws, obs(step=10 + H + 3, deadline_ms=1.0))
-        await until(cancelled, "the late tick's reply cancelled")
-    assert later["stale"] is True and later["actions"].shape == (0, D)  # the chunk ran out
+        later = await infer(ws, obs(step=12 + H, deadline_ms=1.0))
+    assert later["stale"] is True and later["actions"].shape == (0, D)  # the last chunk (step 12's) ran out
     nxt = await infer(ws, obs((0.2, 0.1, 0.0), step=30, deadline_ms=60_000.0))  # in time: a fresh chunk
     assert nxt["stale"] is False and nxt["actions"].shape == (H, D)
-    assert len(s) - length == 5 + H * D  # the two late ticks were cancelled and rewound away entirely
+    assert len(s) - length == 3 * tick  # every tick whole, the late ones too: never a half chunk
     await ws.close()
     await freed(policy_server)
 
@@ -142,8 +142,7 @@ async def test_api_key_bearer_and_openpi_api_key_header(policy_checkpoint: Path)
         await freed(srv)
 
 
-async def test_an_endless_episode_holds_constant_memory_and_abandons_late_ticks_whole(
-        policy_server: RunningServer) -> None:
+async def test_an_endless_episode_holds_constant_memory(policy_server: RunningServer) -> None:
     ws, meta = await connect(policy_server)
     tick = 5 + H * D  # [<obs>, 3 state ids, <act>] + the chunk
     for step in range(3 * meta["window"] // tick):  # the rolling window has turned over several times
@@ -151,15 +150,11 @@ async def test_an_endless_episode_holds_constant_memory_and_abandons_late_ticks_
     [s] = sessions(policy_server)
     pages = s.pages_held
     conn = conn_of(policy_server)
-    sched = policy_server.engine.loop.scheduler
     length = len(s)
-    with engine_paused(policy_server.engine):
-        # a new instruction of 60 tokens: the window drops more than a page for it, so the late tick cannot be
-        # rewound away (the KV before it is gone): its chunk is decoded whole instead, and kept
+    with engine_paused(policy_server.engine):  # late, with a new instruction: its chunk is still decoded, whole
         late = await infer(ws, obs(step=100, deadline_ms=1.0, prompt="x" * 59))
-        await until(lambda: bool(sched.queued_chunks(s.id)) and sched.open_response(s.id) is None, "cancelled")
     assert late["stale"] is True
-    await until(lambda: conn.current is None, "the late tick settled")
+    await until(lambda: conn.current is None, "the late tick's chunk decoded")
     assert len(s) - length == 60 + tick
     assert set(s.token_ids[-H * D:]) <= set(range(POLICY_ACTIONS, POLICY_ACTIONS + 16))
     out = await infer(ws, obs(step=101, prompt="x" * 59))
@@ -168,15 +163,3 @@ async def test_an_endless_episode_holds_constant_memory_and_abandons_late_ticks_
     await ws.close()
     await freed(policy_server)
 
-
-async def test_a_reply_cancelled_after_its_last_token_is_a_whole_chunk() -> None:
-    """The deadline can pass between a reply's last token and its end: it ends "cancelled" with all H*D tokens, and
-    the tick is kept whole (not rewound, not decoded again)."""
-    codec = PolicyCodec.from_dict(POLICY)
-    ep = Episode(None, None, codec, 0)  # type: ignore[arg-type]  # settle needs neither the service nor a context
-    for reason, n, whole in (("cancelled", H * D, True), ("length", H * D, True), ("cancelled", H * D - 1, False),
-                             ("error", H * D, False)):
-        tick = Tick("s", 0, None, tokens=[POLICY_ACTIONS] * n)
-        tick.acked.set_result(5)
-        tick.done.set_result(reason)
-        assert await ep.settle(tick) is whole
