@@ -40,6 +40,7 @@ from streamserve_client.errors import (
     ServerBusyError,
     StreamserveClientError,
     UnauthorizedError,
+    from_message,
 )
 
 PATH = "/v1/policy"
@@ -98,8 +99,10 @@ def _error(text: str) -> StreamserveClientError:
     code, sep, message = text.partition(": ")
     if not sep or " " in code:
         code, message = "internal_error", text
-    cls = InvalidInputError if code.startswith("invalid_") else StreamserveClientError
-    return cls(message, code=code, fatal=True)
+    err = from_message({"code": code, "message": message, "fatal": True})  # the native protocol's families
+    if type(err) is StreamserveClientError and code.startswith("invalid_"):  # e.g. invalid_observation
+        err = InvalidInputError(message, code=code, fatal=True)
+    return err
 
 
 class PolicyClient:

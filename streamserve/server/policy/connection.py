@@ -32,12 +32,13 @@ from typing import Any
 import numpy as np
 from prometheus_client import Counter
 
+from streamserve.errors import SessionClosedError
 from streamserve.robot.codec import PolicyCodec
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Grant
 from streamserve.server.policy import wire
-from streamserve.server.policy.episode import Episode, ReplyEndedError, ServiceFailure
+from streamserve.server.policy.episode import Episode, ServiceFailure
 from streamserve.server.policy.observation import EXTENSION_KEYS, Observation, parse_observation
 from streamserve.server.results import Pushed, service_error
 from streamserve.server.service import SessionService
@@ -186,8 +187,8 @@ class PolicyConnection(ProtocolAdapter):
         whole = await ep.settle(tick)  # past the deadline too: the stale reply went out, the chunk is still kept
         ep.tick = None
         if not whole:
-            raise ReplyEndedError(f"the policy's reply ended after {len(tick.tokens)} of "
-                                  f"{self.codec.n_action_tokens} action tokens")
+            raise SessionClosedError(f"the policy's reply ended after {len(tick.tokens)} of "
+                                     f"{self.codec.n_action_tokens} action tokens (its session was closed)")
         assert obs.step is not None
         self.last = Chunk(obs.episode, obs.step, self.codec.actions(tick.tokens))
         if not obs.answered:

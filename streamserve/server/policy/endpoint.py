@@ -66,7 +66,7 @@ class PolicyEndpoint:
                     codec.validate(engine.config.vocab_size)
             except StreamserveError as e:
                 log.error("streamserve: the policy codec of %s is unusable: %s", engine.path, e)
-                codec, refusal = None, f"{e.code}: this model's policy.json is unusable (see the server log)"
+                codec, refusal = None, "no_policy: this model's policy.json is unusable (the server log says why)"
             if codec is None and not refusal:
                 refusal = (f"no_policy: the served model ({engine.name}) is not a robot policy (its checkpoint has no "
                            "policy.json); start the server with `--model default-policy` or another policy checkpoint")

@@ -45,10 +45,6 @@ class ServiceFailure(StreamserveError):
         self.code = error.code
 
 
-class ReplyEndedError(StreamserveError):
-    code = "policy_reply_incomplete"
-
-
 @dataclass(eq=False)
 class Tick:
     session: str

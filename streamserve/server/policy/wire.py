@@ -33,7 +33,7 @@ ND, NG = ("__ndarray__", b"__ndarray__"), ("__npgeneric__", b"__npgeneric__")
 class WireError(InvalidInputError):
     """A frame that is not openpi's msgpack-NumPy, or holds something this server will not decode."""
 
-    code = "invalid_frame"
+    code = "bad_message"  # the native protocol's code for a malformed message (a client knows it)
 
 
 def packb(obj: Any) -> bytes:

@@ -32,8 +32,8 @@ def deep(n: int) -> object:
 
 
 BAD_FRAMES = {  # name -> (frame, a word the error text must hold)
-    "malformed msgpack": (b"\xc1\x00\x01", "invalid_frame"),
-    "truncated msgpack": (wire.packb(obs())[:-3], "invalid_frame"),
+    "malformed msgpack": (b"\xc1\x00\x01", "bad_message"),
+    "truncated msgpack": (wire.packb(obs())[:-3], "bad_message"),
     "text frame": ("{\"observation/state\": [0, 0, 0]}", "binary"),
     "not a map": (wire.packb([1, 2, 3]), "invalid_observation"),
     "object dtype": (pack_raw({STATE_KEY: raw_array(b"\0" * 24, "|O8", [3])}), "not accepted"),
