@@ -15,7 +15,9 @@ NEVER_SENT = {"model_load_error", "missing_tensor", "unsupported_architecture", 
               "snapshot_mismatch", "draft_tokenizer_mismatch", "internal_error",
               # GGUF files and the model cache: the engine is loaded (and models pulled) before the port opens
               "bad_gguf_file", "unsupported_tensor_type", "unknown_model", "model_not_installed",
-              "license_not_accepted", "model_pull_failed", "pip_missing", "checksum_mismatch"}
+              "license_not_accepted", "model_pull_failed", "pip_missing", "checksum_mismatch",
+              # a policy checkpoint's policy.json is checked when the model loads (clients are told `no_policy`)
+              "invalid_policy_config"}
 
 
 def all_codes() -> set[str]:
