@@ -157,12 +157,12 @@ def stateless_ratio(ticks_before: int, measured: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--robots", default=None, help="comma-separated robot counts (default 1,8,32; --quick 1,2)")
+    ap.add_argument("--robots", default=None, help="comma-separated robot counts (default 1,2,4,8,32; --quick 1,2)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per level (default 20; --quick 4)")
     ap.add_argument("--step", type=int, default=None, help="ticks before the stateless comparison (default 1000)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
     args = ap.parse_args()
-    levels = [int(x) for x in (args.robots or ("1,2" if args.quick else "1,8,32")).split(",")]
+    levels = [int(x) for x in (args.robots or ("1,2" if args.quick else "1,2,4,8,32")).split(",")]
     seconds = args.seconds or (4.0 if args.quick else 20.0)
     step = args.step if args.step is not None else (60 if args.quick else 1000)
     ex = load_example()

@@ -16,10 +16,10 @@ the transport's (server/transport.py).
     GET  /web/{path}                 its modules, worklets and styles (server/static.py: listed at start, in memory)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
-With an API key, /v1/stream and /v1/realtime need it or a live client secret (server/auth.py), /metrics and minting
-secrets need the key itself, /healthz needs nothing (and says more with the key); a browser page from
-an origin not allowed gets 403 before anything else. No exception text reaches a client: an
-unexpected failure is answered with `internal_error` and a request id that the server log also has.
+With an API key, /v1/stream, /v1/realtime, /v1/policy and calls need it or a live client secret (server/auth.py),
+/metrics and minting secrets need the key itself, /healthz needs nothing (and says more with the key); a browser
+page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an unexpected
+failure is answered with `internal_error` and a request id that the server log also has.
 SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed
 with 1001, replies end, pages come back.
 """
