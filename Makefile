@@ -62,7 +62,8 @@ models: $(VENV)/.installed
 # the unpacked sdist: no stale build/ folder can leak into it; tests/test_wheel.py checks their file lists),
 # each wheel installed into a fresh virtual environment (torch first, as above, then the wheels and their
 # dependencies from the index, the server's with its voice extra), and run from outside the repository with
-# `python -I`: `streamserve --help`, every module imports, one greedy generation of the packaged default model,
+# `python -I`: `streamserve --help`, every module imports, one greedy generation of the packaged default model, the
+# packaged default-policy reaching its target on the simulated arm,
 # speech synthesised and transcribed back with the pulled voice models, `streamserve serve` answers the client;
 # the client alone (its own environment) imports without torch.
 wheel-check: $(VENV)/.installed-dev

@@ -75,6 +75,15 @@ def check_server() -> None:
         assert len(replies[0]) == 8 and replies[0] == replies[1], replies
         text = engine.tokenizer.decode(replies[0])
     print(f"streamserve wheel: {n} modules import; greedy generation from the packaged default model: {text!r}")
+    # the packaged robot policy drives the simulated arm to its target through the engine (one session, rolling)
+    from streamserve.robot import arm
+    from streamserve.robot.rollout import EnginePolicy
+
+    with Engine.from_pretrained("default-policy", device="cpu", kv_memory="64MiB") as engine, \
+            EnginePolicy(engine) as policy:
+        episode = arm.run_episode(arm.EVAL_SEEDS[0], policy, replan_every=policy.codec.action_horizon)
+    assert episode.success, episode
+    print(f"the packaged default-policy reached its target in {episode.ticks} ticks")
 
 
 def check_voice() -> None:
