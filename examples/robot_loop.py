@@ -40,6 +40,7 @@ class Episode:
     missed: int = 0  # ticks that ran more than a period late (the loop itself fell behind)
     stale: int = 0  # replies that came back stale (past their deadline)
     latencies_ms: list[float] = field(default_factory=list)  # observation sent -> reply received
+    fresh_ms: list[float] = field(default_factory=list)  # the same, replies that were not stale
 
 
 async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int = 5, deadline_ms: float | None = None,
@@ -63,7 +64,10 @@ async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int
             obs["reset"], first = True, False
         sent = time.monotonic()
         reply = await request(obs)
-        ep.latencies_ms.append((time.monotonic() - sent) * 1000)  # when it came, not the tick that reads it
+        ms = (time.monotonic() - sent) * 1000  # when it came, not the tick that reads it
+        ep.latencies_ms.append(ms)
+        if not reply.get("stale"):
+            ep.fresh_ms.append(ms)
         return reply
 
     def take(reply: dict[str, Any], tick: int) -> None:
@@ -148,8 +152,10 @@ def percentile(xs: list[float], q: float) -> float:
 
 def summary(episodes: list[Episode], **extra: Any) -> dict[str, Any]:
     lat = [x for e in episodes for x in e.latencies_ms]
+    fresh = [x for e in episodes for x in e.fresh_ms]
     return {"episodes": len(episodes), "success_rate": sum(e.success for e in episodes) / max(1, len(episodes)),
             "latency_ms_p50": round(percentile(lat, 50), 1), "latency_ms_p99": round(percentile(lat, 99), 1),
+            "fresh_latency_ms_p50": round(percentile(fresh, 50), 1), "fresh_replies": len(fresh),
             "requests": len(lat), "ticks": sum(e.ticks for e in episodes), "held_ticks": sum(e.held for e in episodes),
             "missed_ticks": sum(e.missed for e in episodes), "stale": sum(e.stale for e in episodes), **extra}
 
