@@ -7,6 +7,15 @@ One control tick on an episode's session is
     a_1 .. a_(H*D)                 the reply, constrained to the action ids, step-major: step 0's D dims first
 
 and the episode's first tick (and any tick whose instruction changed) is preceded by `[<task>, *prompt tokens]`.
+Camera images (`image_keys`, served by the policy endpoint only) come between the prompt and the state, one chunk of
+kind "image" per key in `image_keys` order: what the server's vision path makes of it (server/vision.py), a text
+note of its ImageNet labels for a text-only model (only when the labels changed: an unchanged scene adds 0 tokens),
+or the model's own image encoder's embeddings when the checkpoint ships `image_projector.safetensors`.
+
+With `"state_encoding": "projector"` the state is not binned: the checkpoint's `state_projector.safetensors`
+(`weight` [hidden, Ds], `bias` [hidden]) maps the state, clipped and scaled into [-1, 1] by its ranges, to ONE
+embedding vector, and the tick appends `[<obs>]`, that vector, `[<act>]` (three chunks of kind "state", the
+vector an `embeds` chunk [1, hidden]): 3 positions per observation instead of Ds + 2 (`state_parts`).
 Values are discretised the OpenVLA way: per dimension `bins` uniform bins over [low, high], a value is clipped into
 the range and mapped to its bin, a bin decodes to its centre. All dimensions share one block of token ids
 (`offset + bin`), so the vocabulary holds `state_bins` state ids and `action_bins` action ids.
@@ -30,6 +39,8 @@ from streamserve.errors import InvalidInputError, ModelLoadError
 
 POLICY_FILE = "policy.json"
 POLICY_FORMAT = 1  # policy.json's "format": bumped when the layout changes incompatibly
+STATE_PROJECTOR_FILE = "state_projector.safetensors"
+STATE_ENCODINGS = ("bins", "projector")
 
 
 class PolicyInputError(InvalidInputError):
@@ -79,7 +90,8 @@ class PolicyCodec:
     task_token: int
     prompt_key: str = "prompt"
     default_prompt: str = ""
-    image_keys: tuple[str, ...] = ()  # camera images (uint8 [H, W, 3]) for the server's vision path; none here
+    image_keys: tuple[str, ...] = ()  # camera images (uint8 [H, W, 3] or JPEG/PNG bytes) for the server's vision path
+    state_encoding: str = "bins"  # "bins": Ds state tokens; "projector": one vector (state_projector.safetensors)
     window: int = 256  # an episode's session keeps `sinks` first tokens + the last `window` (rolling positions)
     sinks: int = 8
     control_hz: float = 50.0
@@ -97,6 +109,9 @@ class PolicyCodec:
             raise PolicyConfigError("policy.json: state_key and prompt_key must not be empty")
         if not all(isinstance(k, str) and k for k in self.image_keys):
             raise PolicyConfigError("policy.json: image_keys must be a list of non-empty strings")
+        if self.state_encoding not in STATE_ENCODINGS:
+            raise PolicyConfigError(f"policy.json: state_encoding must be one of {list(STATE_ENCODINGS)}, got "
+                                    f"{self.state_encoding!r}")
         _int("state_bins", self.state_bins, 2)
         _int("action_bins", self.action_bins, 2)
         _int("action_dims", self.action_dims, 1)
@@ -164,13 +179,17 @@ class PolicyCodec:
             raise PolicyConfigError(f"{path} is not readable JSON: {e}") from e
         codec = cls.from_dict(data)
         config = folder / "config.json"
+        hidden = None
         if config.is_file():
             try:
-                vocab = json.loads(config.read_text(encoding="utf-8")).get("vocab_size")
+                cfg = json.loads(config.read_text(encoding="utf-8"))
+                vocab, hidden = cfg.get("vocab_size"), cfg.get("hidden_size")
             except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
                 vocab = None  # the model loader reports a broken config.json in its own words
             if isinstance(vocab, int) and not isinstance(vocab, bool):
                 codec.validate(vocab)
+        if codec.state_encoding == "projector":  # the file must exist and fit: checked at load, not at a tick
+            StateProjector.load(folder, codec, hidden if isinstance(hidden, int) else None)
         return codec
 
     def to_dict(self) -> dict[str, Any]:
@@ -211,6 +230,17 @@ class PolicyCodec:
         x = self._vector(state, (self.state_dims,), "state")
         bins = _bin(x, self.state_low, self.state_high, self.state_bins)
         return [self.obs_token, *(self.state_token_offset + bins).tolist(), self.act_token]
+
+    def state_parts(self, state: Any, projector: StateProjector | None = None) -> list[list[int] | np.ndarray]:
+        """What a tick appends for a state vector [Ds], in order, each part one chunk of kind "state": token ids
+        (a list) or embedding vectors (float32 [1, hidden]). "bins": [state_ids]; "projector": [[<obs>], the
+        projected state [1, hidden], [<act>]] (`projector` is the checkpoint's, StateProjector.load)."""
+        if self.state_encoding == "bins":
+            return [self.state_ids(state)]
+        if projector is None:
+            raise PolicyConfigError("this policy encodes its state with a projector, and none was loaded")
+        x = self._vector(state, (self.state_dims,), "state")
+        return [[self.obs_token], projector.embed(x), [self.act_token]]
 
     def prompt_ids(self, prompt_tokens: Sequence[int]) -> list[int]:
         """[<task>, *prompt_tokens] (the text tokenized by the checkpoint's own tokenizer)."""
@@ -257,6 +287,7 @@ class PolicyCodec:
                 "action_low": list(self.action_low), "action_high": list(self.action_high),
                 "action_bins": self.action_bins, "prompt_key": self.prompt_key,
                 "default_prompt": self.default_prompt, "image_keys": list(self.image_keys),
+                "state_encoding": self.state_encoding,
                 "control_hz": float(self.control_hz), "window": self.window, "sinks": self.sinks}
 
     # ---- helpers ------------------------------------------------------------------------------------------
@@ -281,3 +312,70 @@ def _bin(x: np.ndarray, low: tuple[float, ...], high: tuple[float, ...], bins: i
     lo, hi = np.asarray(low), np.asarray(high)
     frac = (np.clip(x, lo, hi) - lo) / (hi - lo)
     return np.minimum((frac * bins).astype(np.int64), bins - 1)
+
+
+class StateProjector:
+    """The linear map of a "projector" policy's state: clip into [low, high], scale into [-1, 1], then
+    `weight @ x + bias` -> one embedding [hidden] the model reads in place of a token embedding."""
+
+    def __init__(self, weight: np.ndarray, bias: np.ndarray, low: tuple[float, ...], high: tuple[float, ...]) -> None:
+        self.weight = weight.astype(np.float32)  # [hidden, Ds]
+        self.bias = bias.astype(np.float32)  # [hidden]
+        self.low, self.high = np.asarray(low), np.asarray(high)  # [Ds]
+        self.hidden_size = int(weight.shape[0])
+
+    @classmethod
+    def load(cls, checkpoint_dir: str | Path, codec: PolicyCodec, hidden_size: int | None = None) -> StateProjector:
+        """The checkpoint's state_projector.safetensors (float32 or float16 `weight` [hidden, Ds] and `bias`
+        [hidden], finite); PolicyConfigError when it is missing, damaged or of other sizes than the codec's Ds
+        and the model's hidden size (config.json's when `hidden_size` is None)."""
+        folder = Path(checkpoint_dir)
+        path = folder / STATE_PROJECTOR_FILE
+        if not path.is_file():
+            raise PolicyConfigError(f"policy.json says state_encoding \"projector\" but {path} does not exist")
+        from safetensors import safe_open  # imported here: bins-only robot code needs numpy alone
+
+        try:
+            with safe_open(str(path), framework="numpy") as f:
+                names = set(f.keys())
+                if names != {"weight", "bias"}:
+                    raise PolicyConfigError(f"{path} must hold exactly 'weight' [hidden, Ds] and 'bias' [hidden], "
+                                            f"got {sorted(names)}")
+                weight, bias = f.get_tensor("weight"), f.get_tensor("bias")
+        except PolicyConfigError:
+            raise
+        except Exception as e:  # safetensors raises its own errors (and numpy TypeErrors) for damaged or bf16 files
+            raise PolicyConfigError(f"cannot read {path} ({e}); it must be safetensors holding float32 or float16 "
+                                    "'weight' and 'bias'") from None
+        if hidden_size is None and (folder / "config.json").is_file():
+            try:
+                hidden_size = json.loads((folder / "config.json").read_text(encoding="utf-8")).get("hidden_size")
+            except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+                hidden_size = None
+        for name, a in (("weight", weight), ("bias", bias)):
+            if not np.issubdtype(a.dtype, np.floating) or not np.isfinite(a).all():
+                raise PolicyConfigError(f"{path}: '{name}' must hold finite floating-point numbers")
+        if weight.ndim != 2 or weight.shape[1] != codec.state_dims:
+            raise PolicyConfigError(f"{path}: 'weight' must be [hidden, {codec.state_dims}] (the state's dims), got "
+                                    f"{list(weight.shape)}")
+        if bias.shape != (weight.shape[0],):
+            raise PolicyConfigError(f"{path}: 'bias' must be [{weight.shape[0]}], got {list(bias.shape)}")
+        if isinstance(hidden_size, int) and weight.shape[0] != hidden_size:
+            raise PolicyConfigError(f"{path} projects to {weight.shape[0]} values, but the model's hidden size is "
+                                    f"{hidden_size}: it belongs to another model")
+        return cls(weight, bias, codec.state_low, codec.state_high)
+
+    def embed(self, state: np.ndarray) -> np.ndarray:
+        """A state [Ds] (finite) -> float32 [1, hidden]."""
+        x = 2.0 * (np.clip(state, self.low, self.high) - self.low) / (self.high - self.low) - 1.0  # [Ds] in [-1, 1]
+        return (self.weight @ x.astype(np.float32) + self.bias)[None, :].astype(np.float32)
+
+
+def save_state_projector(checkpoint_dir: str | Path, weight: np.ndarray, bias: np.ndarray) -> Path:
+    """Write a checkpoint's state_projector.safetensors (`weight` [hidden, Ds], `bias` [hidden], float32)."""
+    from safetensors.numpy import save_file
+
+    path = Path(checkpoint_dir) / STATE_PROJECTOR_FILE
+    save_file({"weight": np.ascontiguousarray(weight, np.float32), "bias": np.ascontiguousarray(bias, np.float32)},
+              str(path))
+    return path

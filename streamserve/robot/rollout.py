@@ -4,6 +4,8 @@
 opened with the codec's rolling window, the instruction is appended on the first tick (and when it changes), each
 tick appends the state's ids and decodes exactly H*D tokens constrained to the action vocabulary (greedy, no stop
 ids), and the ids are de-binned into the chunk [H, D]. Tests, the training script's evaluation and benchmarks use it.
+A "projector" policy's state goes in as `[<obs>]`, one embedding vector, `[<act>]` (codec.state_parts), exactly as
+the endpoint appends it. Camera images need the server's vision path: a policy with image keys is refused here.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamserve.errors import ModelLoadError
-from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.codec import PolicyCodec, PolicyConfigError, StateProjector
 
 if TYPE_CHECKING:
     from streamserve.engine import Engine, Session
@@ -33,6 +35,12 @@ class EnginePolicy:
     def __init__(self, engine: Engine, codec: PolicyCodec | None = None) -> None:
         self.engine = engine
         self.codec = codec if codec is not None else engine_codec(engine)
+        if self.codec.image_keys:
+            raise PolicyConfigError(f"this policy reads camera images {list(self.codec.image_keys)}: serve it "
+                                    "(`streamserve serve`, /v1/policy) so that they go through the vision path")
+        self.projector = None  # the checkpoint's, for a "projector" policy
+        if self.codec.state_encoding == "projector":
+            self.projector = StateProjector.load(engine.path, self.codec, engine.config.hidden_size)
         self.session: Session | None = None
         self.prompt: str | None = None  # the instruction last appended to the session
         self.growth: list[int] = []  # per tick: tokens the session grew by (state + reply; the prompt not counted)
@@ -48,14 +56,20 @@ class EnginePolicy:
 
     def __call__(self, obs: dict[str, Any]) -> np.ndarray:
         c = self.codec
-        state_ids = c.state_ids(c.state_of(obs))  # bad observations raise here, before the session changes
+        parts = c.state_parts(c.state_of(obs), self.projector)  # bad observations raise here, before any change
         prompt = c.prompt_of(obs)
         s = self._open()
         if prompt != self.prompt:
             s.append(token_ids=c.prompt_ids(self.engine.tokenizer.encode(prompt, add_special_tokens=False)))
             self.prompt = prompt
         before = len(s)
-        s.append(token_ids=state_ids, kind="state")
+        for part in parts:  # token ids, or a projected state [1, hidden]
+            if isinstance(part, list):
+                s.append(token_ids=part, kind="state")
+            else:
+                import torch
+
+                s.append(embeds=torch.from_numpy(part), kind="state")
         reply = s.stream(max_tokens=c.n_action_tokens, temperature=0.0, stop_token_ids=(),
                          allowed_token_ids=c.action_ids)
         reason = reply.wait()

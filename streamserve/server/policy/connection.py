@@ -33,7 +33,7 @@ import numpy as np
 from prometheus_client import Counter
 
 from streamserve.errors import SessionClosedError
-from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.codec import PolicyCodec, StateProjector
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Grant
@@ -59,9 +59,10 @@ class Chunk:
 
 class PolicyConnection(ProtocolAdapter):
     def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter,
-                 codec: PolicyCodec | None, refusal: str) -> None:
+                 codec: PolicyCodec | None, refusal: str, projector: StateProjector | None = None) -> None:
         super().__init__(service, transport, grant)
         self.messages, self.codec, self.refusal = messages, codec, refusal  # refusal: why no codec, for the client
+        self.projector = projector  # a "projector" policy's state map (robot/codec.py)
         self.max_bytes = service.config.max_frame_bytes
         self.queued: Observation | None = None  # the one waiting observation (latest wins)
         self.current: Observation | None = None  # the one in flight
@@ -122,7 +123,7 @@ class PolicyConnection(ProtocolAdapter):
             return
         try:
             raw = wire.unpackb(frame, self.max_bytes)
-            obs = parse_observation(raw, self.codec, self.service.config.min_deadline_ms)
+            obs = parse_observation(raw, self.codec, self.service.config.min_deadline_ms, projector=self.projector)
         except Exception as e:  # openpi's convention: the error as text, then 1011
             await self.fail(e)
             return
@@ -139,7 +140,7 @@ class PolicyConnection(ProtocolAdapter):
             old.answered = True
             obs.reset = obs.reset or old.reset  # an episode boundary is never lost with it
         self.queued = obs
-        if obs.deadline is not None and obs.state_ids is not None:
+        if obs.deadline is not None and obs.parts is not None:
             obs.timer = asyncio.get_running_loop().call_later(max(0.0, obs.deadline - time.monotonic()),
                                                               self.expire, obs)
         self.wake.set()
@@ -176,14 +177,14 @@ class PolicyConnection(ProtocolAdapter):
             if self.episode is not None:
                 await self.episode.close()
             self.episode = Episode(self.service, self.ctx, self.codec, obs.episode)
-        if obs.state_ids is None:  # a bare reset: acknowledged
+        if obs.parts is None:  # a bare reset: acknowledged
             await self.answer(obs, {"reset": True, "episode": obs.episode}, started)
             return
         if obs.answered:  # expired while waiting: its stale reply went out, nothing to compute
             return
         ep = self.episode
         left = None if obs.deadline is None else max(0.0, (obs.deadline - time.monotonic()) * 1e3)
-        tick = await ep.start(obs.state_ids, obs.prompt, left)
+        tick = await ep.start(obs.parts, obs.prompt, left, obs.images)
         whole = await ep.settle(tick)  # past the deadline too: the stale reply went out, the chunk is still kept
         ep.tick = None
         if not whole:

@@ -4,7 +4,10 @@
 limits, transport) and the same session service.
 
 The codec is the served checkpoint's `policy.json` (robot/codec.py), read once the model has loaded: a model
-without one has no policy, and a client is told so (text frame, close 1011) instead of being sent metadata.
+without one has no policy, and a client is told so (text frame, close 1011) instead of being sent metadata. So is a
+client of a policy that reads camera images when the server takes none (no vision model loaded and no image encoder
+in the checkpoint): the text names `streamserve models pull efficientnet-lite0`. A "projector" policy's
+state_projector.safetensors is loaded with the codec (robot/codec.py StateProjector).
 """
 
 from __future__ import annotations
@@ -19,11 +22,12 @@ from prometheus_client import Counter
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
-from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.codec import PolicyCodec, StateProjector
 from streamserve.server.auth import Grant
 from streamserve.server.policy.connection import PolicyConnection
 from streamserve.server.service import SessionService
 from streamserve.server.transport import Transport
+from streamserve.server.vision import unavailable
 
 log = logging.getLogger("streamserve.server")
 
@@ -50,36 +54,40 @@ class PolicyEndpoint:
         self.server = server
         self.runner: web.AppRunner | None = None
         self.port: int | None = None  # the policy site's bound port (with --policy-port 0: the one chosen)
-        self.codec_of: tuple[object, PolicyCodec | None, str] | None = None  # (engine, codec, refusal)
+        self.codec_of: tuple[object, PolicyCodec | None, str, StateProjector | None] | None = None
+        # (engine, codec, refusal, the codec's state projector)
         server.app.add_routes([web.get(PATH, self.route)])
         server.app.on_shutdown.append(self.on_shutdown)  # after the server's goodbyes (registered first)
 
-    def resolve(self) -> tuple[PolicyCodec | None, str]:
-        """The served model's codec (read once per engine), or None and what to tell a client."""
+    def resolve(self) -> tuple[PolicyCodec | None, str, StateProjector | None]:
+        """The served model's codec and its state projector (read once per engine), or None and what to tell a
+        client."""
         engine = self.server.engine
         assert engine is not None
         if self.codec_of is None or self.codec_of[0] is not engine:
-            codec, refusal = None, ""
+            codec, refusal, projector = None, "", None
             try:
                 codec = PolicyCodec.load(engine.path) if engine.path.is_dir() else None
                 if codec is not None:
                     codec.validate(engine.config.vocab_size)
+                    if codec.state_encoding == "projector":
+                        projector = StateProjector.load(engine.path, codec, engine.config.hidden_size)
             except StreamserveError as e:
                 log.error("streamserve: the policy codec of %s is unusable: %s", engine.path, e)
                 codec, refusal = None, "no_policy: this model's policy.json is unusable (the server log says why)"
             if codec is None and not refusal:
                 refusal = (f"no_policy: the served model ({engine.name}) is not a robot policy (its checkpoint has no "
                            "policy.json); start the server with `--model default-policy` or another policy checkpoint")
-            elif codec is not None and codec.image_keys:
-                refusal, codec = (f"unsupported_observation: this policy reads camera images {list(codec.image_keys)}"
-                                  ", which /v1/policy does not feed to a model yet"), None
-            self.codec_of = (engine, codec, refusal)
-        return self.codec_of[1], self.codec_of[2]
+            self.codec_of = (engine, codec, refusal, projector)
+        return self.codec_of[1], self.codec_of[2], self.codec_of[3]
 
     def connection(self, service: SessionService, transport: Transport, grant: Grant,
                    messages: Counter) -> PolicyConnection:
-        codec, refusal = self.resolve()
-        return PolicyConnection(service, transport, grant, messages, codec, refusal)
+        codec, refusal, projector = self.resolve()
+        if codec is not None and codec.image_keys and service.images.info() is None:  # no vision path to feed
+            refusal, codec = (f"unsupported_observation: this policy reads camera images {list(codec.image_keys)}; "
+                              f"{unavailable()}"), None
+        return PolicyConnection(service, transport, grant, messages, codec, refusal, projector)
 
     async def route(self, request: web.Request) -> web.StreamResponse:
         # frames up to twice max_frame_bytes are read, so that one over max_frame_bytes is answered in openpi's

@@ -2,7 +2,11 @@
 
 The session is opened with the codec's window and sinks (rolling positions: an endless episode holds constant KV
 memory). A tick appends `[<task>, *prompt]` on the episode's first tick and whenever the instruction changes, then
-the observation's `[<obs>, s_1 .. s_Ds, <act>]` (a chunk of kind "state"), then asks for a reply of exactly H*D tokens
+each camera image of the codec's `image_keys`, in that order, through the service's image path (server/vision.py,
+as a native `append(image=...)`): a chunk of kind "image" holding a text note of its labels for a text-only model
+(none, 0 tokens, while the labels stay the same) or the model's image-encoder embeddings; then the observation's
+state, chunks of kind "state": `[<obs>, s_1 .. s_Ds, <act>]`, or for a "projector" policy `[<obs>]`, one embedding
+vector [1, hidden], `[<act>]` (codec.state_parts); then asks for a reply of exactly H*D tokens
 constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token. The action tokens
 stay in the session, so its history reads obs, act, obs, act, ... as in training, and each tick costs its own tokens
 only. Every tick's chunk is decoded whole, a late one too (connection.py answers it stale at its deadline), so the
@@ -18,9 +22,13 @@ import asyncio
 import contextlib
 import logging
 from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from streamserve.errors import StreamserveError
-from streamserve.robot.codec import PolicyCodec
+from streamserve.media.vision import ImageError
+from streamserve.robot.codec import PolicyCodec, PolicyInputError
 from streamserve.server.context import ClientContext
 from streamserve.server.results import (
     AppendRequest,
@@ -79,21 +87,32 @@ class Episode:
         return await loop.run_in_executor(self.service.tokenize_executor,
                                           lambda: tok.encode(prompt, add_special_tokens=False))
 
-    async def start(self, state_ids: list[int], prompt: str, deadline_ms: float | None) -> Tick:
-        """Append the tick's tokens and ask for its chunk; the results arrive through on_result."""
+    async def start(self, parts: list[list[int] | np.ndarray], prompt: str, deadline_ms: float | None,
+                    images: list[tuple[str, Any]] | None = None) -> Tick:
+        """Append the tick's chunks (prompt, images, state parts: ids or [1, hidden] vectors) and ask for its
+        chunk of actions; the results arrive through on_result."""
         if self.session_id is None:
             await self.open()
         assert self.session_id is not None
-        chunks = [(list(state_ids), "state")]
+        import torch  # the projected state's vectors go in as an embeds chunk
+
+        chunks = [AppendRequest(image=image, kind="image", deadline_ms=deadline_ms) for _, image in images or ()]
+        chunks += [AppendRequest(token_ids=list(p), kind="state", deadline_ms=deadline_ms) if isinstance(p, list)
+                   else AppendRequest(embeds=torch.from_numpy(p), kind="state", deadline_ms=deadline_ms)
+                   for p in parts]
         if prompt != self.prompt:  # the first tick, or the instruction changed: its own chunk, as in robot/rollout.py
-            chunks.insert(0, (self.codec.prompt_ids(await self.prompt_tokens(prompt)), "text"))
+            ids = self.codec.prompt_ids(await self.prompt_tokens(prompt))
+            chunks.insert(0, AppendRequest(token_ids=ids, kind="text", deadline_ms=deadline_ms))
         tick = Tick(self.session_id, self.length())
         self.tick = tick
-        for ids, kind in chunks:
+        keys = [key for key, _ in images or ()]
+        for req in chunks:
             tick.unacked += 1
             try:
-                await self.service.append(self.ctx, self.session_id,
-                                          AppendRequest(token_ids=ids, kind=kind, deadline_ms=deadline_ms))
+                await self.service.append(self.ctx, self.session_id, req)
+            except ImageError as e:  # decoded on the vision thread: a damaged file is the observation's fault
+                tick.unacked -= 1
+                raise PolicyInputError(f"a camera image ({', '.join(keys)}) cannot be used: {e}") from e
             except BaseException:
                 tick.unacked -= 1
                 raise

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -11,10 +12,12 @@ from typing import Any
 import msgpack
 import numpy as np
 import websockets
+from helpers import make_checkpoint
 from serving import RunningServer
 
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
+from streamserve.robot.codec import save_state_projector
 from streamserve.server.policy import wire
 
 STATE_KEY = "observation/state"
@@ -90,3 +93,20 @@ async def freed(srv: RunningServer) -> None:
         await asyncio.sleep(0.05)
     assert not sessions(srv), "a session outlived its connection"
     assert srv.engine.stats()["kv_pages_used"] == 0 and srv.engine.stats()["sessions_open"] == 0
+
+
+def policy_checkpoint_at(folder: Path, seed: int = 3, **policy: Any) -> Path:
+    """A tiny random Llama checkpoint with POLICY (updated by `policy`) as its policy.json."""
+    make_checkpoint(folder, "llama", seed=seed)
+    (folder / "policy.json").write_text(json.dumps({**POLICY, **policy}))
+    return folder
+
+
+def projector_checkpoint(folder: Path, seed: int = 3) -> Path:
+    """A tiny policy whose state goes in through a random state_projector.safetensors ([hidden, 3], [hidden]),
+    scaled like the model's token embeddings so that the state moves the reply."""
+    policy_checkpoint_at(folder, seed, state_encoding="projector")
+    hidden = json.loads((folder / "config.json").read_text())["hidden_size"]
+    rng = np.random.default_rng(seed)
+    save_state_projector(folder, rng.normal(0.0, 0.5, (hidden, 3)), rng.normal(0.0, 0.05, hidden))
+    return folder
