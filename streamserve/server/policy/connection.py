@@ -85,7 +85,16 @@ class PolicyConnection(ProtocolAdapter):
             "observation_keys": list(EXTENSION_KEYS), "reply_keys": ["stale", "valid_from_step", "episode",
                                                                     "timestamp", "reset"],
             "latest_observation_wins": True, "max_queued_observations": 1, "min_deadline_ms": cfg.min_deadline_ms,
-            "deadline_clock": "unix", "max_frame_bytes": self.max_bytes, "errors": "text frame, then close 1011"}}
+            "deadline_clock": "unix", "max_frame_bytes": self.max_bytes, "errors": "text frame, then close 1011",
+            "images": self.images_info()}}
+
+    def images_info(self) -> dict[str, Any] | None:
+        """What the policy's camera images become: "labels" (a text note of their ImageNet labels, appended when
+        they change) or "encoder" (the model's image embeddings); None for a policy that reads no images."""
+        info = self.service.images.info()
+        if self.codec is None or not self.codec.image_keys or info is None:
+            return None
+        return {"input": info.input, "model": info.model, "max_pixels": info.max_pixels}
 
     async def greet(self) -> None:
         if self.codec is None:

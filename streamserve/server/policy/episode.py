@@ -96,23 +96,24 @@ class Episode:
         assert self.session_id is not None
         import torch  # the projected state's vectors go in as an embeds chunk
 
-        chunks = [AppendRequest(image=image, kind="image", deadline_ms=deadline_ms) for _, image in images or ()]
-        chunks += [AppendRequest(token_ids=list(p), kind="state", deadline_ms=deadline_ms) if isinstance(p, list)
-                   else AppendRequest(embeds=torch.from_numpy(p), kind="state", deadline_ms=deadline_ms)
-                   for p in parts]
+        # (what it is, the request): the images' keys name them in errors
+        chunks = [(key, AppendRequest(image=image, kind="image", deadline_ms=deadline_ms)) for key, image in images
+                  or ()]
+        chunks += [("state", AppendRequest(token_ids=list(p), kind="state", deadline_ms=deadline_ms)
+                    if isinstance(p, list) else AppendRequest(embeds=torch.from_numpy(p), kind="state",
+                                                              deadline_ms=deadline_ms)) for p in parts]
         if prompt != self.prompt:  # the first tick, or the instruction changed: its own chunk, as in robot/rollout.py
             ids = self.codec.prompt_ids(await self.prompt_tokens(prompt))
-            chunks.insert(0, AppendRequest(token_ids=ids, kind="text", deadline_ms=deadline_ms))
+            chunks.insert(0, ("prompt", AppendRequest(token_ids=ids, kind="text", deadline_ms=deadline_ms)))
         tick = Tick(self.session_id, self.length())
         self.tick = tick
-        keys = [key for key, _ in images or ()]
-        for req in chunks:
+        for what, req in chunks:
             tick.unacked += 1
             try:
                 await self.service.append(self.ctx, self.session_id, req)
             except ImageError as e:  # decoded on the vision thread: a damaged file is the observation's fault
                 tick.unacked -= 1
-                raise PolicyInputError(f"a camera image ({', '.join(keys)}) cannot be used: {e}") from e
+                raise PolicyInputError(f"the image {what!r} cannot be used: {e}") from e
             except BaseException:
                 tick.unacked -= 1
                 raise
