@@ -7,6 +7,7 @@ command. The tests with the vision model skip naming the pull command when it (o
 
 from __future__ import annotations
 
+import asyncio
 import io
 from pathlib import Path
 
@@ -97,6 +98,17 @@ async def test_an_image_becomes_a_label_note_before_the_state_and_only_when_the_
         await ws.close()
         await freed(srv)
         assert not srv.server.service.images.notes  # what the episodes' notes held went with their sessions
+        # a client gone while its image is being classified: nothing is left behind
+        ws, _ = await connect(srv)
+        await ws.send(wire.packb(obs(state, **{CAMERA: png(picture)})))
+        await ws.close()
+        await freed(srv)
+        service = srv.server.service
+        for _ in range(600):  # bounded: the vision thread finishes the image it had
+            if service.vision.worker.pending == 0 and not service.images.notes:
+                break
+            await asyncio.sleep(0.05)
+        assert service.vision.worker.pending == 0 and not service.images.notes and not service.images.noted
     finally:
         await srv.stop()
 
