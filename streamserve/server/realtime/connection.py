@@ -240,6 +240,8 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         """Start a response: its events, the instructions (session's, then this response's) as system messages,
         the chat reply (its generation prompt is the only other thing appended)."""
         assert self.session is not None
+        if self.media is not None:
+            await self.media.before_reply()
         item = Item(E.new_id("item_"), "assistant", [], "in_progress")
         fmt = S.render(self.settings)["audio"]["output"]["format"]
         previous = self.conv.items[-1].id if self.conv.items else None

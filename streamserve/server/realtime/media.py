@@ -11,6 +11,9 @@ this object (`RealtimeConnection.media`, None on a WebSocket) only at the few po
                      it has played out)
     interrupted()    barge-in: the track is cleared at once and the item truncated to what was heard
     clear()          output_audio_buffer.clear
+    before_reply()   a response is about to start: the call's waiting camera note goes in first (after the
+                     person's message, before the reply's generation prompt), so the model answers on the
+                     latest scene even when the person never paused between turns
 """
 
 from __future__ import annotations
@@ -31,3 +34,4 @@ class MediaPath(Protocol):
     def reply_done(self, run: ResponseRun) -> None: ...
     async def interrupted(self) -> None: ...
     async def clear(self) -> None: ...
+    async def before_reply(self) -> None: ...

@@ -206,6 +206,9 @@ class Call:
             self.pending_note = text
         await self.flush_note()
 
+    async def before_reply(self) -> None:
+        await self.flush_note()  # the person's message has ended: the scene goes in before the reply reads it
+
     async def flush_note(self) -> None:
         """Append the waiting note as a system message in a video chunk, only while nobody speaks: not inside the
         person's open message (it streams into the session) nor during a reply."""
@@ -240,6 +243,10 @@ class Call:
                 await self.transport.finish()  # never served: detach here (the session, if opened, closes)
                 if self.conn.audio is not None:
                     await self.conn.audio.close()
+            if self.camera is not None:  # what the camera gave: the first thing to read when a note never came
+                c = self.camera
+                log.info("streamserve: call %s camera: %d frames received, %d sampled, %d notes, %d failed",
+                         self.id, c.received, c.sampled, c.notes, c.failures)
             for part in (self.mic, self.camera):
                 if part is not None:
                     await part.close()

@@ -85,4 +85,17 @@ async def test_camera_frames_become_a_note_in_the_session() -> None:
         waited = "(camera) a note that waited"
         assert seen == [("conversation.item.added", notes[0]), ("conversation.item.done", notes[0]),
                         ("conversation.item.added", waited), ("conversation.item.done", waited)], seen
+        # a note still waiting when a response starts (no quiet sample came: the person never paused) goes in
+        # before the reply's prompt, after the person's message: the model answers on the latest scene
+        await call.camera.close()  # no more samples: only the response can let the note in
+        call.pending_note = "a note before the reply"
+        await c.send({"type": "conversation.item.create", "item": {"type": "message", "role": "user", "content": [
+            {"type": "input_text", "text": "And now?"}]}})
+        await c.send({"type": "response.create", "response": {"max_output_tokens": 4}})
+        await c.until("response.done")
+        chat = chats.get(session)
+        assert chat is not None
+        tail = [(m["role"], m["content"]) for m in chat.messages][-3:]
+        assert tail[:2] == [("user", "And now?"), ("system", "(camera) a note before the reply")], tail
+        assert tail[2][0] == "assistant" and call.pending_note is None, tail
         await c.close()
