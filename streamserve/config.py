@@ -20,6 +20,11 @@ class EngineConfig:
     dtype: str | None = field(default=None, metadata={
         "help": "weight and activation dtype; default: the checkpoint's, but float32 on cpu for 16-bit "
                 "checkpoints", "choices": ("float32", "bfloat16", "float16")})
+    quantize: str = field(default="auto", metadata={
+        "help": "weight-only quantization: auto = a GGUF file keeps its quantized weights (Q4_0/Q4_1/Q4_K as "
+                "4-bit, Q8_0/Q5/Q6 as int8; faster decode), safetensors stay as stored; none = dequantize every "
+                "weight (transformers' numbers); int8 / int4 = quantize any checkpoint (docs/quantization.md)",
+        "choices": ("auto", "none", "int8", "int4")})
     kernels: str = field(default="auto", metadata={
         "help": "compute kernels: triton (GPU; on a CPU the slow interpreter, for tests), torch (reference), "
                 "auto = triton on cuda, torch on cpu", "choices": ("auto", "torch", "triton")})

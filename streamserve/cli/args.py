@@ -55,7 +55,7 @@ def load_engine(args: argparse.Namespace) -> Any:
     cfg = resolve_named_model(config_from_args(EngineConfig, args))
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(cfg.model, offline=cfg.offline, device=cfg.device, dtype=cfg.dtype,
-                                    kernels=cfg.kernels,
+                                    quantize=cfg.quantize, kernels=cfg.kernels,
                                     cuda_graphs=cfg.cuda_graphs, drafter=cfg.drafter,
                                     max_draft=cfg.max_draft,
                                     kv_memory=cfg.kv_memory,

@@ -53,6 +53,7 @@ from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.table import SessionTable
 from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, get_ops, load_model, open_pretrained
+from streamserve.models.quantize import check_mode, parameter_count, quantized_mode
 from streamserve.models.store import entry_for_path, fallback_chat_template
 from streamserve.sessions import DEFAULT_PAGE_SIZE, KVPool, PagedSessionKV, WindowPolicy, layer_groups, split_pages
 
@@ -87,7 +88,10 @@ class Engine:
         self.idle_ttl = idle_ttl
         p = next(model.parameters())
         self.device, self.dtype = p.device, p.dtype
-        self.fingerprint = model_fingerprint(path)
+        # what the weights became: "none", or the quantize mode that changed them (a snapshot's KV is only valid
+        # on the same numbers: the fingerprint says so)
+        self.quantized = quantized_mode(model)
+        self.fingerprint = model_fingerprint(path) + ("" if self.quantized == "none" else f"-{self.quantized}")
         cfg = self.config
         groups = layer_groups(cfg.sliding_windows, rewind_reach)  # InvalidInputError for a bad reach
         token_bytes = KVPool.bytes_per_page(1, cfg.num_kv_heads, cfg.head_dim, 1, self.dtype)  # one token, one layer
@@ -139,6 +143,7 @@ class Engine:
     def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model,
                         device: str | torch.device = ENGINE_DEFAULTS.device,
                         dtype: str | torch.dtype | None = ENGINE_DEFAULTS.dtype,
+                        quantize: str = ENGINE_DEFAULTS.quantize,
                         kernels: str = ENGINE_DEFAULTS.kernels,
                         cuda_graphs: str = ENGINE_DEFAULTS.cuda_graphs,
                         drafter: str = ENGINE_DEFAULTS.drafter,
@@ -153,6 +158,7 @@ class Engine:
         index into the cache on first use; `offline=True` refuses instead), a Hugging Face checkpoint folder or a
         GGUF file.
 
+        quantize: "auto" (a GGUF file keeps its quantized weights), "none", "int8" or "int4" (models/quantize.py).
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
         CUDA + Triton), "on" or "off".
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
@@ -172,7 +178,7 @@ class Engine:
             tokenizer.chat_template = fallback_chat_template(path)
         t0 = time.perf_counter()
         ops = get_ops(kernels, dev)
-        net = load_model(pretrained.checkpoint, cfg, dev, dt, ops)
+        net = load_model(pretrained.checkpoint, cfg, dev, dt, ops, check_mode(quantize))
         log.info("loaded %s (%s) on %s as %s in %.1fs", path, cfg.architecture, dev, dt, time.perf_counter() - t0)
         eos = list(cfg.eos_token_ids)  # a GGUF file's come from its tokenizer.ggml.eos_token_id
         gen_cfg = path / "generation_config.json"
@@ -375,7 +381,8 @@ class Engine:
         return {
             "model": self.name,
             "architecture": self.config.architecture,
-            "parameters": sum(p.numel() for p in self.model.parameters()),
+            "parameters": parameter_count(self.model),
+            "quantization": self.quantized,
             "device": str(self.device),
             "dtype": str(self.dtype).removeprefix("torch."),
             "sessions_open": len(sessions),

@@ -26,6 +26,7 @@ from streamserve.models.config import ModelConfig
 from streamserve.models.gguf import GGUFCheckpoint, gguf_config, gguf_tokenizer, is_gguf, open_gguf
 from streamserve.models.model import CausalLM
 from streamserve.models.ops import TORCH_OPS, Ops
+from streamserve.models.quantize import check_mode, quantize_model, sources_from
 from streamserve.models.recipes import Piece, param_recipes
 from streamserve.models.tokenizer import Tokenizer
 
@@ -131,8 +132,10 @@ def open_checkpoint(path: Path) -> CheckpointSource:
 
 
 def load_model(checkpoint: Path | CheckpointSource, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
-               ops: Ops = TORCH_OPS) -> CausalLM:
-    """`checkpoint`: a folder or GGUF file path, or a source already opened (`Pretrained.checkpoint`)."""
+               ops: Ops = TORCH_OPS, quantize: str = "none") -> CausalLM:
+    """`checkpoint`: a folder or GGUF file path, or a source already opened (`Pretrained.checkpoint`).
+    `quantize`: "none", "auto" (a GGUF file keeps its quantized weights), "int8" or "int4" (models/quantize.py)."""
+    check_mode(quantize)
     ckpt = open_checkpoint(checkpoint) if isinstance(checkpoint, Path) else checkpoint
     label = ckpt.label
     recipes = param_recipes(cfg)
@@ -185,4 +188,7 @@ def load_model(checkpoint: Path | CheckpointSource, cfg: ModelConfig, device: to
         unused += [n for n in ckpt.unused() if not n.endswith(_IGNORED_SUFFIXES)]
     if unused:
         log.warning("%d checkpoint tensors are not used by streamserve, e.g. %s", len(unused), unused[:5])
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    if quantize != "none":  # from the float weights just loaded (peak memory: the float model, once)
+        quantize_model(model, quantize, sources_from(ckpt, chosen))
+    return model

@@ -184,9 +184,12 @@ class SparseMoE(nn.Module):
         self.gate = nn.Linear(cfg.hidden_size, m.num_experts, bias=False)
         self.experts_gate_up = nn.Parameter(torch.empty(m.num_experts, 2 * m.intermediate_size, cfg.hidden_size))
         self.experts_down = nn.Parameter(torch.empty(m.num_experts, cfg.hidden_size, m.intermediate_size))
+        self.quant: nn.Module | None = None  # quantized experts (models/quantize.py): they replace the two above
 
     def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
         weights, ids = ops.moe_route(self.gate(x), self.top_k, self.normalize)  # [T, k] fp32, [T, k]
+        if self.quant is not None:
+            return self.quant(x, weights, ids)
         return ops.moe_experts(x, weights, ids, self.experts_gate_up, self.experts_down)
 
 

@@ -353,7 +353,8 @@ def openai_error(status: int, code: str, message: str) -> web.Response:
 
 def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None) -> Callable[[], Engine]:
     def load() -> Engine:
-        return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, kernels=engine.kernels,
+        return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, quantize=engine.quantize,
+                                      kernels=engine.kernels,
                                       cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
                                       drafter=engine.drafter, max_draft=engine.max_draft,
                                       page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler,

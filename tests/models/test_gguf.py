@@ -81,7 +81,7 @@ def gguf_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Pat
 
 
 def both_loads(folder: Path, name: str) -> tuple[Engine, torch.nn.Module]:
-    ours = Engine.from_pretrained(folder / name, device="cpu", kv_memory="64MiB")
+    ours = Engine.from_pretrained(folder / name, device="cpu", kv_memory="64MiB", quantize="none")
     theirs = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=torch.float32).eval()
     return ours, theirs
 

@@ -69,7 +69,7 @@ def hf_model(path: Path) -> Any:
 
 def engine_for(name: str) -> Iterator[Engine]:
     pulled(name)
-    engine = Engine.from_pretrained(name, device="cpu", kv_memory="64MiB", offline=True)
+    engine = Engine.from_pretrained(name, device="cpu", kv_memory="64MiB", offline=True, quantize="none")
     try:
         yield engine
     finally:

@@ -25,6 +25,7 @@ from gguf import GGMLQuantizationType as Q
 from gguf import dequantize
 
 from streamserve.errors import ModelLoadError
+from streamserve.models.gguf.grids import grid
 from streamserve.models.gguf.reader import GGUFFile, TensorEntry, UnsupportedTensorTypeError
 
 SUPPORTED_TYPES = frozenset({Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K})
@@ -165,6 +166,23 @@ class GGUFCheckpoint:
         if not values.flags.writeable:  # an F32 tensor comes back as a view of the read-only map
             values = values.copy()
         return torch.from_numpy(np.ascontiguousarray(values))
+
+    def stored_types(self, name: str) -> list[Q]:
+        """How the file stores the tensor's parts (F32, Q8_0, Q4_1...): what `quantize="auto"` keeps."""
+        return [self.file.tensors[p].ggml_type for p in self.sources[name].parts]
+
+    def grid(self, name: str) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """A Q4_0/Q4_1/Q4_K weight's per-group (scale, zero) fp32 [N, K / 32] under the same row transform as
+        `get` (gguf/grids.py), so the loaded values' 4-bit codes can be recovered exactly; None otherwise."""
+        src = self.sources[name]
+        if len(src.parts) != 1 or src.transform == "minus_one":
+            return None
+        g = grid(self.file.tensors[src.parts[0]])
+        if g is None or not src.transform.startswith("unpermute:"):
+            return g
+        heads = int(src.transform.split(":")[1])
+        scale, zero = (torch.from_numpy(np.ascontiguousarray(_unpermute(t.numpy(), heads))) for t in g)
+        return scale, zero
 
     def head(self, name: str, rows: int) -> torch.Tensor:
         """The first `rows` rows as stored (dequantized, no transform): enough to tell two files apart."""
