@@ -96,7 +96,7 @@ def kv_bytes(engine: Engine, lengths: tuple[int, ...]) -> dict[str, int]:
 
 def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB")
+    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", quantize="none")  # float32 both sides
     res: dict[str, Any] = {"file": path.name, "load_s": round(time.perf_counter() - t0, 2)}
     hf, res["hf_load_s"] = hf_model(path)
     res["hf_load_s"] = round(res["hf_load_s"], 2)
@@ -119,7 +119,8 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     res["kv_bytes_per_1k_tokens"] = res["kv_bytes"][str(lengths[-1])] * 1000 // lengths[-1]
     if any(w is not None for w in engine.config.sliding_windows):
         engine.shutdown()
-        engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", rewind_reach=NO_FREEING_REACH)
+        engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", rewind_reach=NO_FREEING_REACH,
+                                        quantize="none")
         res["kv_bytes_without_window_freeing"] = kv_bytes(engine, lengths)
         res["kv_without_over_with_freeing"] = round(
             res["kv_bytes_without_window_freeing"][str(lengths[-1])] / res["kv_bytes"][str(lengths[-1])], 2)
@@ -130,7 +131,7 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
 
 def session_workload(path: Path, sessions: int, turns: int) -> dict[str, Any]:
     sa = session_append_module()
-    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB")
+    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", quantize="none")
     inputs = sa.turn_inputs(sessions, turns)
     sa.persistent(engine, [ins[:2] for ins in inputs], None)  # warm-up
     lat, histories = sa.persistent(engine, inputs, None)

@@ -184,6 +184,10 @@ def weight_bytes(model: nn.Module) -> dict[str, int]:
             out["quantized"] += module.weight_bytes
         elif isinstance(module, nn.Linear):
             out["float"] += module.weight.numel() * module.weight.element_size()
+        for name in ("experts_gate_up", "experts_down"):  # float MoE experts (a token reads k of E: counted whole)
+            w = getattr(module, name, None)
+            if isinstance(w, torch.Tensor):
+                out["float"] += w.numel() * w.element_size()
     return out
 
 

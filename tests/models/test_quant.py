@@ -192,3 +192,21 @@ def test_default_model_quantized_greedy_agrees(mode: str, default_float: Engine)
 def test_unknown_mode_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="quantize must be one of"):
         Engine.from_pretrained("default", device="cpu", quantize="int3")
+
+
+@pytest.mark.parametrize("bits", [8, 4])
+def test_the_cuda_kernel_reads_the_same_canonical_form(bits: int) -> None:
+    """QuantLinear hands its canonical buffers to the Triton gemv on CUDA (run here in the interpreter): the
+    kernel and the CPU path compute the same product from them."""
+    pytest.importorskip("triton")
+    from streamserve.kernels.quant_gemv import quant_linear
+
+    g = torch.Generator().manual_seed(bits + 7)
+    lin = torch.nn.Linear(96, 40, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(40, 96, generator=g) / 10)
+    q = QuantLinear.from_linear(lin, bits)
+    x = torch.randn(3, 96, generator=g)
+    kernel = quant_linear(x, q.qweight, q.scale, q.zero, q.group)
+    expected = F.linear(x.double(), q.canonical().dequantize().double())
+    assert rel(kernel, expected) < 1e-5 and rel(q(x), expected) < 1e-2
