@@ -23,7 +23,7 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve demo test models voice-models wheel-check bench install install-dev openpi-venv clean
+.PHONY: serve demo test models voice-models wheel-check bench install install-dev openpi-venv llamacpp-venv clean
 
 serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
@@ -91,6 +91,19 @@ openpi-venv: $(OPENPI_VENV)/.installed
 $(OPENPI_VENV)/.installed:
 	$(PYTHON) -m venv $(OPENPI_VENV)
 	$(OPENPI_VENV)/bin/python -m pip --disable-pip-version-check -q install "openpi-client==0.1.2" typing_extensions
+	touch $@
+
+# llama.cpp as the peer of benchmarks/cpu_decode.py --with-llamacpp (not part of `make test` or CI): llama-cpp-python
+# built from its sdist on the package index, in a virtual environment of its own. x86 SIMD named one by one instead
+# of GGML_NATIVE: the native build turns on AMX, whose path crashes on these machines (AMX stays off).
+LLAMACPP_VENV    := build/llamacpp-venv
+LLAMACPP_VERSION := 0.3.36
+LLAMACPP_CMAKE   := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
+llamacpp-venv: $(LLAMACPP_VENV)/.installed
+$(LLAMACPP_VENV)/.installed:
+	$(PYTHON) -m venv $(LLAMACPP_VENV)
+	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip --disable-pip-version-check -q install \
+		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)"
 	touch $@
 
 bench: $(VENV)/.installed-dev

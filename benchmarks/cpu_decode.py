@@ -1,0 +1,310 @@
+"""Batch-1 CPU decode against memory bandwidth: the engine's weight formats, transformers and llama.cpp.
+
+    python benchmarks/cpu_decode.py [--new 96] [--reps 5] [--with-llamacpp] [--quick]
+
+Batch-1 decode reads every weight once per token, so its speed is bounded by bytes read per token over the
+memory's read rate. In one run, on torch's threads, for SmolLM2-135M-Instruct (its pulled GGUF file: Q4_1
+linears, a Q8_0 embedding; left out and said so when not pulled) and the embedded default model:
+- the engine with each weight format (`quantize`: "none" float32, "int8", "int4", and on the GGUF "auto", the
+  file's own quantization), activations float32;
+- transformers float32 on the same weights (the GGUF through `gguf_file=`, the default model's safetensors);
+- with --with-llamacpp, llama.cpp on the same GGUF file (benchmarks/llamacpp_peer.py in the virtual environment
+  of `make llamacpp-venv`, as a subprocess that answers one rep per line asked).
+Each contender decodes --new greedy tokens after a 32-token English prompt, reps interleaved contender by
+contender (all see the same load), after a warm-up; the median rep is kept. tok/s counts forwards: the first
+token comes from the prompt's logits and is not timed, each later one is one forward (the engine: from its first
+streamed token to its last).
+The read rate is measured in the same run (`read_bandwidth`), and each contender is given as tok/s and as the
+fraction of that rate it uses: bytes of weights read per token (`weight_bytes_per_token`, llama.cpp:
+`gguf_bytes_per_token`) x tok/s / read rate. The KV cache's reads (a few MB at these lengths) are not counted.
+`matching_prefix`: leading greedy tokens equal to the float32 engine's (what a format's rounding costs).
+Human lines go to stderr; the last line printed is one JSON object with every figure and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from streamserve import Engine
+from streamserve.engine.loading import resolve_model_path
+from streamserve.models import store
+from streamserve.models.gguf import open_gguf
+
+ROOT = Path(__file__).resolve().parent.parent
+LLAMACPP_PYTHON = ROOT / "build" / "llamacpp-venv" / "bin" / "python"
+PEER = Path(__file__).with_name("llamacpp_peer.py")
+PROMPT_TOKENS = 32
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def bench_module(name: str) -> Any:
+    """A sibling benchmark script as a module (benchmarks/ is no package), for its helpers."""
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(f"{name}.py"))
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+real_models = bench_module("real_models")  # its English prompt TEXT and hf_model (transformers on a GGUF)
+
+
+def timed(fn: Callable[[], object]) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def read_bandwidth(mib: int, reps: int) -> dict[str, float]:
+    """GB/s (1e9 bytes) of plain reads of a `mib` MiB fp32 tensor on torch's threads, median of `reps`.
+
+    "copy" (the figure the fractions use): dst.copy_(src) of two such tensors, counted as the source's bytes read
+    over the time; the destination's writes (and the reads a write-allocate cache makes of it) are not counted, so
+    it is the read rate of a stream that also writes as much, below what reads alone reach. "sum": src.sum(), a
+    read-only pass (a float add per 4 bytes, far below the compute), for reference."""
+    src = torch.ones(mib * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src), src.sum()  # first touch of dst's pages; warm-up of both
+    copy = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(reps))
+    total = statistics.median(timed(lambda: src.sum()) for _ in range(reps))
+    return {"copy_read_gb_s": round(src.nbytes / copy / 1e9, 2), "sum_read_gb_s": round(src.nbytes / total / 1e9, 2),
+            "tensor_mib": mib}
+
+
+def _read_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """The tensors a module's forward reads: its own parameters and buffers; for a quantized linear once packed
+    for the CPU kernel (`_cpu`: the kernel's weight and bfloat16 scales, made on its first call), those instead of
+    its canonical buffers, which the CPU path no longer reads."""
+    packed = getattr(module, "_cpu", None)
+    if isinstance(packed, tuple) and packed and all(isinstance(t, torch.Tensor) for t in packed):
+        bias = getattr(module, "bias", None)
+        return [(f"packed{i}", t) for i, t in enumerate(packed)] + ([("bias", bias)] if bias is not None else [])
+    return [*module.named_parameters(recurse=False, remove_duplicate=False),
+            *module.named_buffers(recurse=False, remove_duplicate=False)]
+
+
+def weight_bytes_per_token(model: nn.Module, expert_fraction: float = 1.0) -> int:
+    """Bytes of parameters and buffers one batch-1 decode token reads from a torch model (the engine's or
+    transformers'): every tensor once (tied ones once: keyed by storage), except
+    - an embedding table (`nn.Embedding`, or a module named embed_tokens): one row, unless the same tensor is also
+      an output projection's weight (a tied float lm_head: then read whole, and the row too);
+    - MoE expert weights (a name part starting with "experts", or inside a module whose class is named *Experts*:
+      the engine's quantized `QuantExperts`, transformers' fused experts): `expert_fraction` (top_k / experts) of
+      them, the share of experts one token runs through at batch 1."""
+    whole: dict[tuple[int, int], float] = {}  # (data_ptr, nbytes) -> bytes read of that tensor
+    rows = 0
+    expert_modules = [n for n, m in model.named_modules() if "Experts" in type(m).__name__]
+    for mname, module in model.named_modules(remove_duplicate=False):
+        embedding = isinstance(module, nn.Embedding) or mname.rsplit(".", 1)[-1] == "embed_tokens"
+        expert_module = any(mname == e or mname.startswith(f"{e}.") for e in expert_modules)
+        for tname, t in _read_tensors(module):
+            if t is None or t.numel() == 0:
+                continue
+            if embedding and t.dim() >= 2:
+                rows += t.nbytes // t.shape[0]  # one token's row of a [vocab, ...] table
+                continue
+            expert = expert_module or any(p.startswith("experts") for p in f"{mname}.{tname}".split("."))
+            whole[(t.data_ptr(), t.nbytes)] = t.nbytes * (expert_fraction if expert else 1.0)
+    return rows + round(sum(whole.values()))
+
+
+def gguf_bytes_per_token(path: Path, expert_fraction: float = 1.0) -> int:
+    """Bytes of a GGUF file's tensors llama.cpp reads per decode token: all of them as stored (quantized blocks
+    included), token_embd one row only unless the file has no output.weight (tied: it is the output projection
+    too, read whole), MoE expert tensors (`_exps.` in the name) by `expert_fraction`."""
+    f = open_gguf(path)
+    total = 0.0
+    for name, t in f.tensors.items():
+        if name == "token_embd.weight":
+            total += t.nbytes // t.shape[0] + (0 if "output.weight" in f.tensors else t.nbytes)
+        else:
+            total += t.nbytes * (expert_fraction if "_exps." in name else 1.0)
+    return round(total)
+
+
+class Contender:
+    """One way of decoding: `rep()` -> (tok/s, the greedy tokens); `bytes_per_token` known after the warm-up."""
+
+    def __init__(self, name: str, rep: Callable[[], tuple[float, list[int]]], bytes_per_token: Callable[[], int],
+                 close: Callable[[], None] = lambda: None) -> None:
+        self.name, self.rep, self.bytes_per_token, self.close = name, rep, bytes_per_token, close
+        self.tok_s: list[float] = []
+        self.tokens: list[int] = []
+
+
+def load_engine(path: Path, quantize: str) -> Engine:
+    """float32 activations whatever the weights' format; a small KV pool (a 32-token prompt and --new tokens)."""
+    return Engine.from_pretrained(path, device="cpu", dtype="float32", quantize=quantize, kv_memory="256MiB")
+
+
+def engine_contender(mode: str, engine: Engine, prompt: list[int], new: int, fraction: float) -> Contender:
+    def rep() -> tuple[float, list[int]]:
+        with engine.open_session() as s:
+            s.append(token_ids=prompt)
+            it = s.iter_generate(max_tokens=new + 1, stop_token_ids=())  # the reply runs ahead of the iteration
+            tokens = [next(it)]  # sampled from the prompt's logits
+            t0 = time.perf_counter()
+            tokens += list(it)  # each one forward of the token before it
+            dt = time.perf_counter() - t0
+        return new / dt, tokens
+
+    return Contender(f"engine_{mode}", rep, lambda: weight_bytes_per_token(engine.model, fraction),
+                     engine.shutdown)
+
+
+def transformers_contender(path: Path, prompt: list[int], new: int, fraction: float) -> Contender:
+    from transformers import AutoModelForCausalLM
+
+    if path.is_file():  # a GGUF: dequantized to float32 by transformers
+        hf = real_models.hf_model(path)[0]
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+    @torch.inference_mode()
+    def rep() -> tuple[float, list[int]]:
+        """Greedy with transformers' KV cache: one forward over the prompt (not timed), then one per token."""
+        out = hf(torch.tensor([prompt]), use_cache=True)
+        past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+        tokens = [int(nxt)]
+        t0 = time.perf_counter()
+        for _ in range(new):
+            out = hf(nxt.view(1, 1), past_key_values=past, use_cache=True)
+            past, nxt = out.past_key_values, out.logits[0, -1].argmax()
+            tokens.append(int(nxt))
+        return new / (time.perf_counter() - t0), tokens
+
+    return Contender("transformers_fp32", rep, lambda: weight_bytes_per_token(hf, fraction))
+
+
+def llamacpp_contender(path: Path, prompt: list[int], new: int, fraction: float) -> Contender:
+    """llama.cpp in build/llamacpp-venv (`make llamacpp-venv`), one rep per line written to it."""
+    if not LLAMACPP_PYTHON.exists():
+        raise SystemExit(f"--with-llamacpp needs {LLAMACPP_PYTHON}: run `make llamacpp-venv` first")
+    log = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - the peer's stderr, open while it runs (closed in close)
+    proc = subprocess.Popen([str(LLAMACPP_PYTHON), str(PEER), "--model", str(path), "--threads",
+                             str(torch.get_num_threads()), "--new", str(new), "--prompt-ids",
+                             ",".join(map(str, prompt))], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log,
+                            text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+
+    def answer() -> dict[str, Any]:
+        line = proc.stdout.readline()
+        if not line:
+            log.seek(0)
+            raise RuntimeError(f"llama.cpp peer exited ({proc.wait()}): {log.read()[-2000:]}")
+        return json.loads(line)
+
+    ready = answer()
+    print(f"llama.cpp: llama-cpp-python {ready['llama_cpp_python']}, {ready['threads']} threads, "
+          f"{ready['system_info']}", file=sys.stderr)
+
+    def rep() -> tuple[float, list[int]]:
+        proc.stdin.write("rep\n")
+        proc.stdin.flush()
+        r = answer()
+        return r["tok_s"], r["tokens"]
+
+    def close() -> None:
+        proc.stdin.close()
+        proc.wait(timeout=60)
+        log.close()
+
+    return Contender("llamacpp", rep, lambda: gguf_bytes_per_token(path, fraction), close)
+
+
+def matching_prefix(a: list[int], b: list[int]) -> int:
+    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
+
+
+def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespace, gb_s: float) -> dict[str, Any]:
+    engines = [load_engine(path, m) for m in modes]
+    prompt = engines[0].tokenizer.encode(real_models.TEXT)[:PROMPT_TOKENS]
+    moe = engines[0].config.moe
+    fraction = 1.0 if moe is None else moe.top_k / moe.num_experts  # the share of expert weights a token reads
+    contenders = [engine_contender(m, e, prompt, args.new, fraction) for m, e in zip(modes, engines, strict=True)]
+    contenders.append(transformers_contender(path, prompt, args.new, fraction))
+    if args.with_llamacpp and path.is_file():
+        contenders.append(llamacpp_contender(path, prompt, args.new, fraction))
+    try:
+        for c in contenders:  # warm-up: first touch of pools and caches, the CPU kernels' packing
+            c.rep()
+        for _ in range(args.reps):  # interleaved: all see the same load on the machine
+            for c in contenders:
+                tok_s, tokens = c.rep()
+                c.tok_s.append(tok_s)
+                c.tokens = c.tokens or tokens
+        res: dict[str, Any] = {"path": str(path), "prompt_tokens": len(prompt), "expert_fraction": fraction}
+        reference = contenders[0].tokens  # the float32 engine's greedy tokens ("none" comes first)
+        for c in contenders:
+            tok_s, nbytes = statistics.median(c.tok_s), c.bytes_per_token()
+            res[c.name] = {"tok_s": round(tok_s, 1), "tok_s_reps": [round(t, 1) for t in c.tok_s],
+                           "weight_bytes_per_token": nbytes, "weight_gb_s": round(nbytes * tok_s / 1e9, 2),
+                           "bandwidth_fraction": round(nbytes * tok_s / 1e9 / gb_s, 3),
+                           "matching_prefix": matching_prefix(c.tokens, reference), "tokens": len(c.tokens)}
+            print(f"{name} {c.name}: {tok_s:.1f} tok/s, {nbytes / 2**20:.2f} MiB/token, "
+                  f"{nbytes * tok_s / 1e9:.2f} GB/s = {res[c.name]['bandwidth_fraction']:.1%} of the read rate, "
+                  f"{res[c.name]['matching_prefix']}/{len(c.tokens)} greedy tokens as float32", file=sys.stderr)
+    finally:
+        for c in contenders:
+            c.close()
+    names = [c.name for c in contenders]
+    peers = [n for n in ("transformers_fp32", "llamacpp") if n in names]
+    res["ratios"] = {f"{a}_over_{b}": round(res[a]["tok_s"] / res[b]["tok_s"], 3)
+                     for a in names if a.startswith("engine_") for b in [*peers, "engine_none"] if a != b}
+    print(f"{name} ratios: " + ", ".join(f"{k} x{v}" for k, v in res["ratios"].items()), file=sys.stderr)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--new", type=int, default=96, help="greedy tokens timed per rep (default 96)")
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the tensor copied (default 512 MiB)")
+    p.add_argument("--threads", type=int, default=torch.get_num_threads(),
+                   help=f"torch's threads and llama.cpp's (default: torch's, {torch.get_num_threads()} here)")
+    p.add_argument("--with-llamacpp", action="store_true", help="llama.cpp on the GGUF too (make llamacpp-venv)")
+    p.add_argument("--quick", action="store_true", help="a small run to check the script works (no llama.cpp)")
+    args = p.parse_args()
+    if args.quick:
+        args.new, args.reps, args.bandwidth_mib, args.with_llamacpp = 4, 1, 64, False
+    torch.set_num_threads(args.threads)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    res: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "new_tokens": args.new,
+                           "reps": args.reps, "missing": []}
+    bw_reps = 3 if args.quick else 10
+    res["bandwidth"] = read_bandwidth(args.bandwidth_mib, bw_reps)
+    print(f"read rate: {res['bandwidth']}", file=sys.stderr)
+    models: list[tuple[str, Path]] = [("default", resolve_model_path("default"))]
+    if store.installed(SMOLLM2) is None:
+        print(f"{SMOLLM2} is not pulled (streamserve models pull {SMOLLM2}): left out", file=sys.stderr)
+        res["missing"].append(SMOLLM2)
+    else:
+        models.insert(0, (SMOLLM2, resolve_model_path(SMOLLM2, offline=True)))
+    for name, path in models:
+        modes = ["none", "int8", "int4", *(["auto"] if path.is_file() else [])]  # "auto" only changes a GGUF
+        res[name] = bench_model(name, path, modes, args, res["bandwidth"]["copy_read_gb_s"])
+    after = read_bandwidth(args.bandwidth_mib, bw_reps)  # the machine's load may have changed meanwhile
+    res["bandwidth_after"] = after
+    print(f"read rate after: {after}", file=sys.stderr)
+    print(json.dumps(res))
+
+
+if __name__ == "__main__":
+    main()
