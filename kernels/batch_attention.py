@@ -40,6 +40,7 @@ MAX_QUERIES = 16  # the most queries of one session per launch
 KEYS_PER_SPLIT = 256  # a program's share of a session's keys (multiple of BLOCK_N)
 BLOCK_N = 64
 MAX_SPLITS = 64
+PARTIAL_BYTES = 64 << 20  # the most memory the split partials may take: fewer splits beyond it
 _INTS = (torch.int32, torch.int64)
 
 
@@ -55,6 +56,7 @@ class BlockBatch(NamedTuple):
     q_start: torch.Tensor  # [B] int: the session's first row of q
     q_len: torch.Tensor  # [B] int: its queries, 0..max_q (0: a padding session, nothing written)
     max_q: int  # the most queries of a session (1..16): the kernel's row padding
+    page_size: int  # P, tokens per page
 
 
 @triton.jit
@@ -89,8 +91,8 @@ def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_
     w0 = tl.maximum(first // PAGE, sp)  # the first window page's logical number
     per = tl.maximum(keys_per_split, (n_keys + SPLITS - 1) // SPLITS)
     per = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
-    start = split * per
-    end = tl.minimum(start + per, n_keys)
+    start = (split * per).to(tl.int32)
+    end = tl.minimum(split * per + per, n_keys).to(tl.int32)
     m = tl.arange(0, BLOCK_M)  # rows: query t, head g of this KV head
     t = m // G
     m_ok = (m < T * G) & (t < q_len)
@@ -186,17 +188,26 @@ def _merge_kernel(o_ptr, lse_ptr, qstart_ptr, qlen_ptr, out_ptr, KVH: tl.constex
              mask=om & (t < q_len)[:, None])
 
 
-def check_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: BlockBatch) -> tuple[int, int]:
-    """ValueError unless the inputs have the shapes, dtypes and devices the kernel needs; -> (KVH, page size).
+def check_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: BlockBatch) -> int:
+    """ValueError unless the inputs have the shapes, dtypes and devices the kernel needs; -> KVH.
     Only what the host knows is checked (no device reads: the launch stays graph-capturable)."""
-    check_tensor("q", q, dims=3, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    check_tensor("q", q, dtypes=(torch.float32, torch.float16, torch.bfloat16))
+    if q.dim() != 3:
+        raise ValueError(f"q must have 3 dimensions [N, H, hd], got shape {list(q.shape)}")
     h, hd = q.shape[1:]
-    check_tensor("k_pool", k_pool, dims=4, dtypes=(q.dtype,), device=q.device, contiguous=True)
-    _, page, kvh, hd_k = k_pool.shape
-    if hd_k != hd or h % kvh or hd % 2:
-        raise ValueError(f"k_pool has shape {list(k_pool.shape)}: expected [pages, P, KVH, {hd}] with {h} % KVH == 0 "
-                         "and an even head dim")
-    check_tensor("v_pool", v_pool, shape=k_pool.shape, dtypes=(q.dtype,), device=q.device, contiguous=True)
+    check_tensor("k_pool", k_pool, dtypes=(q.dtype,), device=q.device, contiguous=True)
+    page = batch.page_size
+    if isinstance(page, bool) or not isinstance(page, int) or page < 1:
+        raise ValueError(f"page_size must be an int >= 1, got {page!r}")
+    if k_pool.dim() == 3 and k_pool.shape[0] % page == 0:  # flat slots (`PagedKeys.k_pool`)
+        k_pool = k_pool.view(-1, page, *k_pool.shape[1:])
+    if k_pool.dim() != 4 or k_pool.shape[1] != page or k_pool.shape[3] != hd or h % k_pool.shape[2] or hd % 2:
+        raise ValueError(f"k_pool has shape {list(k_pool.shape)}: expected [pages, {page}, KVH, {hd}] or [pages * "
+                         f"{page}, KVH, {hd}] with {h} % KVH == 0 and an even head dim")
+    kvh = k_pool.shape[2]
+    check_tensor("v_pool", v_pool, dtypes=(q.dtype,), device=q.device, contiguous=True)
+    if v_pool.numel() != k_pool.numel() or v_pool.shape[-2:] != k_pool.shape[-2:]:
+        raise ValueError(f"v_pool has shape {list(v_pool.shape)}, expected that of k_pool")
     check_tensor("block_table", batch.block_table, dims=2, dtypes=(torch.int32,), device=q.device, contiguous=True)
     b = batch.block_table.shape[0]
     for name in ("kv_len", "first", "sinks", "window", "q_start", "q_len"):
@@ -205,7 +216,7 @@ def check_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, bat
         check_tensor("rolling", batch.rolling, shape=(b,), dtypes=_INTS, device=q.device, contiguous=True)
     if isinstance(batch.max_q, bool) or not isinstance(batch.max_q, int) or not 1 <= batch.max_q <= MAX_QUERIES:
         raise ValueError(f"max_q must be an int in 1..{MAX_QUERIES} queries per session, got {batch.max_q!r}")
-    return kvh, page
+    return kvh
 
 
 def batch_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, batch: BlockBatch, scale: float,
@@ -215,12 +226,13 @@ def batch_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     """B sessions' queries over their paged keys in one launch (+ one merge launch).
 
     q [N, H, hd] (absolute sessions' rows rotated, rolling ones' not); k_pool, v_pool [pages, P, KVH, hd] (a
-    layer's storage, `KVPool.k[layer]`); `sliding`: the layer's own sliding window (Gemma local layers);
-    `inv_freq` [hd/2] fp32 and `rope_scaling`: the rotations of rolling sessions (needed when
-    `batch.rolling` is given); `splits`: programs per (session, KV head) (default from the block table's
-    capacity). -> [N, H * hd] in q's dtype: the sessions' rows filled, other rows zero.
+    layer's storage, `KVPool.k[layer]`) or its flat view [pages * P, KVH, hd] (`PagedKeys.k_pool`);
+    `sliding`: the layer's own sliding window (Gemma local layers); `inv_freq` [hd/2] fp32 and `rope_scaling`:
+    the rotations of rolling sessions (needed when `batch.rolling` is given); `splits`: programs per (session,
+    KV head) (default from the block table's capacity and PARTIAL_BYTES). -> [N, H * hd] in q's dtype: the
+    sessions' rows filled, other rows zero.
     """
-    kvh, page = check_batch(q, k_pool, v_pool, batch)
+    kvh, page = check_batch(q, k_pool, v_pool, batch), batch.page_size
     n, h, hd = q.shape
     rolling = batch.rolling is not None
     if rolling:
@@ -230,11 +242,12 @@ def batch_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
         raise ValueError(f"block_n ({block_n}) must be a power of two >= 16 dividing keys_per_split "
                          f"({keys_per_split})")
     b, max_pages = batch.block_table.shape
+    group, tq = h // kvh, batch.max_q
     if splits is None:
-        splits = min(MAX_SPLITS, max(1, -(-max_pages * page // keys_per_split)))
+        fit = PARTIAL_BYTES // max(1, b * kvh * tq * group * hd * 4)
+        splits = max(1, min(MAX_SPLITS, -(-max_pages * page // keys_per_split), fit))
     if isinstance(splits, bool) or not isinstance(splits, int) or not 1 <= splits <= MAX_SPLITS:
         raise ValueError(f"splits must be an int in 1..{MAX_SPLITS}, got {splits!r}")
-    group, tq = h // kvh, batch.max_q
     out = torch.zeros(n, h * hd, dtype=q.dtype, device=q.device)
     if b == 0 or n == 0:
         return out
@@ -273,7 +286,7 @@ def batch_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
     """`batch_attention` in torch: each session's keys gathered through its block table, then the trusted
     per-session references (`paged_attention`, `paged_attention_rolling` with `rolling_rope` in q's dtype).
     Reads the batch on the host (tests, CPU)."""
-    kvh, page = check_batch(q, k_pool, v_pool, batch)
+    kvh, page = check_batch(q, k_pool, v_pool, batch), batch.page_size
     n, h, hd = q.shape
     kf, vf = k_pool.view(-1, kvh, hd), v_pool.view(-1, kvh, hd)
     out = torch.zeros(n, h * hd, dtype=q.dtype, device=q.device)
@@ -300,15 +313,16 @@ def batch_attention_reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: tor
 
 def block_batch(tables: Sequence[Mapping[int, int]], kv_lens: Sequence[int], firsts: Sequence[int],
                 sinks: Sequence[int], windows: Sequence[int | None], rolling: Sequence[bool], q_lens: Sequence[int],
-                page_size: int, base: int = 0, max_pages: int | None = None,
+                page_size: int, base: int = 0, max_pages: int | None = None, q_starts: Sequence[int] | None = None,
                 device: torch.device | str = "cpu") -> BlockBatch:
     """The block-table form of B sessions' reads of one layer group, from plain per-session values.
 
     tables: each session's page table of the group (logical page -> page id, `GroupKV.table`); base: the group's
     first page id (`GroupKV.base`); kv_lens: positions < kv_len are keys (the step's end); firsts: the oldest
     non-sink position read (`GroupKV.plan`'s first); sinks: the group's sinks (`GroupKV.sinks`); windows: the
-    sessions' windows (None: none); q_lens: the step's tokens per session (1..16, 0 for a padding session),
-    its rows in session order; max_pages: the table's width (default the widest row; fix it for graphs).
+    sessions' windows (None: none); q_lens: the step's tokens per session (1..16, 0 for a padding session);
+    q_starts: each session's first row of q (default: the rows in session order, one after the other);
+    max_pages: the table's width (default the widest row; fix it for graphs).
     ValueError on inconsistent input (a read page not held, a row over max_pages, bad lengths).
     """
     b = len(tables)
@@ -342,6 +356,10 @@ def block_batch(tables: Sequence[Mapping[int, int]], kv_lens: Sequence[int], fir
     starts = [0]
     for q_len in q_lens[:-1]:
         starts.append(starts[-1] + q_len)
+    if q_starts is not None:
+        if len(q_starts) != b or any(s < 0 for s in q_starts):
+            raise ValueError(f"q_starts {list(q_starts)[:8]} must be {b} rows >= 0")
+        starts = list(q_starts)
 
     def ints(x: Sequence[int], dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.tensor(list(x), dtype=dtype, device=device)
@@ -349,4 +367,4 @@ def block_batch(tables: Sequence[Mapping[int, int]], kv_lens: Sequence[int], fir
     return BlockBatch(bt.to(device), ints(kv_lens), ints(firsts), ints(sinks),
                       ints([NO_WINDOW if w is None else w for w in windows], torch.int64),
                       ints([int(r) for r in rolling]) if any(rolling) else None, ints(starts), ints(q_lens),
-                      max(1, *q_lens) if q_lens else 1)
+                      max(1, *q_lens) if q_lens else 1, page_size)

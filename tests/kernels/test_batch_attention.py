@@ -116,9 +116,10 @@ def row_of(batch: BlockBatch, b: int) -> tuple[int, int, int]:
     return int(batch.kv_len[b]), int(batch.first[b]), int(batch.sinks[b])
 
 
-MIXED = [  # one launch: lengths 1, 2, 17, 1027; windows with sinks; rolling and absolute; 1..16 queries
+MIXED = [  # one launch: lengths 1, 2, 17, 1027, 10^6; windows with sinks; rolling and absolute; 1..16 queries
     Spec(1, 1), Spec(2, 2), Spec(17, 3, 4, 8, True), Spec(1027, 1, 4, 300), Spec(1027, 16, 2, 500, True),
     Spec(1027, 5), Spec(40, 1, 4, 9, True), Spec(3, 1, 4, 8, True), Spec(17, 16, 3, 5),
+    Spec(10**6 + 7, 2, 4, 64, True),  # an endless stream: its table stays a few pages, its rotations small
 ]
 
 
@@ -156,7 +157,7 @@ def test_splits_and_neighbours_do_not_change_a_session() -> None:
     # batch invariance: session 1 alone (same max_q) gives the same bits as in the batch
     b = case.batch
     alone = BlockBatch(b.block_table[1:2], b.kv_len[1:2], b.first[1:2], b.sinks[1:2], b.window[1:2], b.rolling[1:2],
-                       torch.zeros(1, dtype=torch.int32), b.q_len[1:2], b.max_q)
+                       torch.zeros(1, dtype=torch.int32), b.q_len[1:2], b.max_q, b.page_size)
     solo = batch_attention(case.q[4:6], case.k_pool, case.v_pool, alone, scale, inv_freq=inv_freq(32))
     together = batch_attention(case.q, case.k_pool, case.v_pool, case.batch, scale, inv_freq=inv_freq(32))
     assert torch.equal(solo, together[4:6])
@@ -170,12 +171,23 @@ def test_padding_sessions_write_nothing() -> None:
     b = case.batch
     pad = lambda t, v: torch.cat([t, torch.full((2, *t.shape[1:]), v, dtype=t.dtype)])  # noqa: E731
     padded = BlockBatch(pad(b.block_table, 0), pad(b.kv_len, 0), pad(b.first, 0), pad(b.sinks, 0),
-                        pad(b.window, NO_WINDOW), pad(b.rolling, 0), pad(b.q_start, 3), pad(b.q_len, 0), b.max_q)
+                        pad(b.window, NO_WINDOW), pad(b.rolling, 0), pad(b.q_start, 3), pad(b.q_len, 0), b.max_q,
+                        b.page_size)
     q = torch.cat([case.q, torch.randn(2, 4, 16)])
     out = batch_attention(q, case.k_pool, case.v_pool, padded, 0.25, inv_freq=inv_freq(16))
     expected = per_session(case, specs, 0.25, None, torch.float64)
     assert rel_err(out[:3], expected) < 1e-5
     assert torch.equal(out[3:], torch.zeros(2, 64))
+    # sessions whose rows sit among others' (a long prefill chunk run on its own): q_starts place them
+    shifted = b._replace(q_start=torch.tensor([3, 0], dtype=torch.int32))
+    q2 = torch.cat([case.q[2:], torch.randn(2, 4, 16), case.q[:2]])  # [5, H, hd]: session 1, two others, session 0
+    out = batch_attention(q2, case.k_pool.view(-1, 2, 16), case.v_pool.view(-1, 2, 16), shifted, 0.25,
+                          inv_freq=inv_freq(16))  # the flat pool view (`PagedKeys.k_pool`) works the same
+    assert rel_err(torch.cat([out[3:], out[:1]]), expected) < 1e-5
+    assert torch.equal(out[1:3], torch.zeros(2, 64))
+    rebuilt = block_batch([{0: 0}, {0: 1}], [1, 1], [0, 0], [0, 0], [None, None], [False, False], [1, 1], 1,
+                          q_starts=[3, 0])
+    assert rebuilt.q_start.tolist() == [3, 0]
 
 
 def test_block_tables_from_engine_sessions() -> None:
@@ -232,7 +244,8 @@ def test_block_tables_from_engine_sessions() -> None:
         for b, (slots, k_pos) in enumerate(reads):
             got_pos, got_slots = block_slots(batch.block_table[b], *row_of(batch, b), page)
             assert torch.equal(got_pos, k_pos) and torch.equal(got_slots, slots)
-        out = batch_attention(q, pool.k[layer], pool.v[layer], batch, hd**-0.5, sliding, inv_freq(hd))
+        pools = (pool.k[layer], pool.v[layer]) if layer == 0 else (paged.k_pool, paged.v_pool)  # 4-d or flat
+        out = batch_attention(q, *pools, batch, hd**-0.5, sliding, inv_freq(hd))
         assert rel_err(out, torch.cat(expected)) < 1e-5
     for kv in sessions:
         kv.abort()
@@ -244,8 +257,14 @@ def test_bad_inputs_raise_value_errors() -> None:
     case = make_case([Spec(20, 2, 2, 6, True), Spec(5, 1)], 4, 2, 16, 4, torch.float32, None, seed=1)
     q, kp, vp, b = case.q, case.k_pool, case.v_pool, case.batch
     f = inv_freq(16)
-    with pytest.raises(ValueError, match="k_pool must have 4 dimensions"):
-        batch_attention(q, kp.view(-1, 2, 16), vp, b, 0.25, inv_freq=f)
+    with pytest.raises(ValueError, match="k_pool has shape"):
+        batch_attention(q, kp.view(-1, 16), vp, b, 0.25, inv_freq=f)
+    with pytest.raises(ValueError, match=r"k_pool has shape .*expected \[pages, 2, KVH, 16\]"):
+        batch_attention(q, kp, vp, b._replace(page_size=2), 0.25, inv_freq=f)
+    with pytest.raises(ValueError, match="page_size must be"):
+        batch_attention(q, kp, vp, b._replace(page_size=0), 0.25, inv_freq=f)
+    with pytest.raises(ValueError, match="q must have 3 dimensions"):
+        batch_attention(q[0], kp, vp, b, 0.25, inv_freq=f)
     with pytest.raises(ValueError, match="k_pool has dtype"):
         batch_attention(q, kp.double(), vp, b, 0.25, inv_freq=f)
     with pytest.raises(ValueError, match="k_pool has shape"):
@@ -277,5 +296,7 @@ def test_bad_inputs_raise_value_errors() -> None:
         block_batch([table], [12], [0], [0], [None], [False], [17], 4)
     with pytest.raises(ValueError, match="own queries"):
         block_batch([table], [12], [11], [0], [20], [False], [2], 4)
+    with pytest.raises(ValueError, match="q_starts"):
+        block_batch([table], [12], [0], [0], [None], [False], [1], 4, q_starts=[0, 1])
     with pytest.raises(ValueError, match="per-session lists"):
         block_batch([table], [12, 3], [0], [0], [None], [False], [1], 4)
