@@ -36,3 +36,38 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+_RSS_LOG = os.environ.get("STREAMSERVE_TEST_RSS_LOG")  # a path: each test's resident memory after it, for leaks
+# Engines, servers and voice models a test drops sit in reference cycles (threads, callbacks) until Python's
+# full collection runs, which the allocation heuristics rarely trigger: a KV pool is 1 GiB in one object. The
+# whole suite then held ~17 GiB by its end and was killed on a 24 GiB machine. Collect when the process is big.
+GC_ABOVE_KIB = 3 << 20
+
+
+def _rss_kib() -> int:
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+
+
+@pytest.fixture(autouse=True)
+def _collect_dropped_engines() -> Any:
+    yield
+    if _rss_kib() > GC_ABOVE_KIB:
+        import gc
+
+        gc.collect()
+
+
+if _RSS_LOG:
+    @pytest.hookimpl(trylast=True)
+    def pytest_runtest_teardown(item: pytest.Item) -> None:
+        live = ""
+        if os.environ.get("STREAMSERVE_TEST_ENGINES"):  # slow: counts live engines (what holds them: the leak)
+            import gc
+
+            from streamserve.engine.engine import Engine
+            gc.collect()
+            live = f"\t{sum(isinstance(o, Engine) for o in gc.get_objects())}"
+        with open(_RSS_LOG, "a") as f:
+            f.write(f"{_rss_kib()}\t{item.nodeid}{live}\n")

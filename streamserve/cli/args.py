@@ -49,6 +49,16 @@ def resolve_named_model(cfg: EngineConfig) -> EngineConfig:
     return cfg if path is None else dataclasses.replace(cfg, model=str(path))
 
 
+def quantized_note(engine: Any) -> str:
+    """", weights int4 (quantize auto)" when the weights are held quantized (models/quantize.py)."""
+    from streamserve.models.quant import QuantLinear
+
+    bits = sorted({m.bits for m in engine.model.modules() if isinstance(m, QuantLinear)}, reverse=True)
+    if not bits:
+        return ""
+    return f", weights {'/'.join(f'int{b}' for b in bits)} (quantize {engine.quantized})"
+
+
 def load_engine(args: argparse.Namespace) -> Any:
     from streamserve.engine import Engine
 
@@ -62,5 +72,6 @@ def load_engine(args: argparse.Namespace) -> Any:
                                     page_size=cfg.page_size, idle_ttl=cfg.idle_ttl, rewind_reach=cfg.rewind_reach)
     st = engine.stats()
     print(f"streamserve: {st['model']} ({st['architecture']}, {st['parameters'] / 1e6:.1f}M parameters) "
-          f"on {st['device']} as {st['dtype']}, loaded in {time.perf_counter() - t0:.1f}s", file=sys.stderr)
+          f"on {st['device']} as {st['dtype']}{quantized_note(engine)}, loaded in {time.perf_counter() - t0:.1f}s",
+          file=sys.stderr)
     return engine
