@@ -14,9 +14,11 @@ Each contender decodes --new greedy tokens after a 32-token English prompt, reps
 contender (all see the same load), after a warm-up; the median rep is kept. tok/s counts forwards: the first
 token comes from the prompt's logits and is not timed, each later one is one forward (the engine: from its first
 streamed token to its last).
-The read rate is measured in the same run (`read_bandwidth`), and each contender is given as tok/s and as the
-fraction of that rate it uses: bytes of weights read per token (`weight_bytes_per_token`, llama.cpp:
-`gguf_bytes_per_token`) x tok/s / read rate. The KV cache's reads (a few MB at these lengths) are not counted.
+The read rate is measured in the same run, between the rep rounds (`ReadRate`), and each contender is given as
+tok/s and as the fraction of that rate (the median of the samples taken during its model's reps) it uses: bytes
+of weights read per token (`weight_bytes_per_token`, llama.cpp: `gguf_bytes_per_token`) x tok/s / read rate.
+The KV cache's reads (a few MB at these lengths) are not counted. A model whose weights fit in the CPU's caches
+(the default model: 13 MB float32) is not bound by memory: its fraction says how far from that it is.
 `matching_prefix`: leading greedy tokens equal to the float32 engine's (what a format's rounding costs).
 Human lines go to stderr; the last line printed is one JSON object with every figure and the ratios.
 """
@@ -69,20 +71,33 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t0
 
 
-def read_bandwidth(mib: int, reps: int) -> dict[str, float]:
-    """GB/s (1e9 bytes) of plain reads of a `mib` MiB fp32 tensor on torch's threads, median of `reps`.
+class ReadRate:
+    """The machine's read rate, GB/s (1e9 bytes) on torch's threads, from plain passes over a `mib` MiB fp32
+    tensor, sampled before the models and between their rep rounds: it sees the same load as the decodes do.
 
-    "copy" (the figure the fractions use): dst.copy_(src) of two such tensors, counted as the source's bytes read
-    over the time; the destination's writes (and the reads a write-allocate cache makes of it) are not counted, so
-    it is the read rate of a stream that also writes as much, below what reads alone reach. "sum": src.sum(), a
-    read-only pass (a float add per 4 bytes, far below the compute), for reference."""
-    src = torch.ones(mib * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src), src.sum()  # first touch of dst's pages; warm-up of both
-    copy = statistics.median(timed(lambda: dst.copy_(src)) for _ in range(reps))
-    total = statistics.median(timed(lambda: src.sum()) for _ in range(reps))
-    return {"copy_read_gb_s": round(src.nbytes / copy / 1e9, 2), "sum_read_gb_s": round(src.nbytes / total / 1e9, 2),
-            "tensor_mib": mib}
+    copy (the figure the fractions use): dst.copy_(src), counted as the source's bytes read over the copy's time;
+    the destination's writes (and the reads a write-allocate cache makes of it) are not counted, so it is the read
+    rate of a stream that writes as much as it reads, below what reads alone reach (a decode only reads weights).
+    sum: src.sum(), a read-only pass (one float add per 4 bytes, far below the compute), for reference."""
+
+    def __init__(self, mib: int) -> None:
+        self.src = torch.ones(mib * 2**20 // 4)
+        self.dst = torch.empty_like(self.src)
+        self.dst.copy_(self.src), self.src.sum()  # first touch of dst's pages; warm-up of both
+        self.copy_s: list[float] = []
+        self.sum_s: list[float] = []
+
+    def sample(self, reps: int) -> None:
+        for _ in range(reps):
+            self.copy_s.append(timed(lambda: self.dst.copy_(self.src)))
+            self.sum_s.append(timed(lambda: self.src.sum()))
+
+    def figures(self, since: int = 0) -> dict[str, Any]:
+        """Medians of the samples from number `since` on."""
+        gb = self.src.nbytes / 1e9
+        return {"copy_read_gb_s": round(gb / statistics.median(self.copy_s[since:]), 2),
+                "sum_read_gb_s": round(gb / statistics.median(self.sum_s[since:]), 2),
+                "samples": len(self.copy_s) - since, "tensor_mib": round(self.src.nbytes / 2**20)}
 
 
 def _read_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
@@ -230,7 +245,8 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), min(len(a), len(b)))
 
 
-def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespace, gb_s: float) -> dict[str, Any]:
+def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespace, rate: ReadRate
+                ) -> dict[str, Any]:
     engines = [load_engine(path, m) for m in modes]
     prompt = engines[0].tokenizer.encode(real_models.TEXT)[:PROMPT_TOKENS]
     moe = engines[0].config.moe
@@ -242,21 +258,29 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
     try:
         for c in contenders:  # warm-up: first touch of pools and caches, the CPU kernels' packing
             c.rep()
-        for _ in range(args.reps):  # interleaved: all see the same load on the machine
+        since = len(rate.copy_s)
+        for _ in range(args.reps):  # interleaved: all, and the read rate, see the same load on the machine
+            rate.sample(2)
             for c in contenders:
                 tok_s, tokens = c.rep()
                 c.tok_s.append(tok_s)
                 c.tokens = c.tokens or tokens
-        res: dict[str, Any] = {"path": str(path), "prompt_tokens": len(prompt), "expert_fraction": fraction}
+        rate.sample(2)
+        res: dict[str, Any] = {"path": str(path), "prompt_tokens": len(prompt), "expert_fraction": fraction,
+                               "read_rate": rate.figures(since)}  # sampled between this model's rep rounds
+        gb_s, sum_gb_s = res["read_rate"]["copy_read_gb_s"], res["read_rate"]["sum_read_gb_s"]
+        print(f"{name} read rate during its reps: {res['read_rate']}", file=sys.stderr)
         reference = contenders[0].tokens  # the float32 engine's greedy tokens ("none" comes first)
         for c in contenders:
             tok_s, nbytes = statistics.median(c.tok_s), c.bytes_per_token()
             res[c.name] = {"tok_s": round(tok_s, 1), "tok_s_reps": [round(t, 1) for t in c.tok_s],
                            "weight_bytes_per_token": nbytes, "weight_gb_s": round(nbytes * tok_s / 1e9, 2),
-                           "bandwidth_fraction": round(nbytes * tok_s / 1e9 / gb_s, 3),
+                           "bandwidth_fraction": round(nbytes * tok_s / 1e9 / gb_s, 3),  # of the copy's rate
+                           "read_only_fraction": round(nbytes * tok_s / 1e9 / sum_gb_s, 3),  # of the sum's
                            "matching_prefix": matching_prefix(c.tokens, reference), "tokens": len(c.tokens)}
             print(f"{name} {c.name}: {tok_s:.1f} tok/s, {nbytes / 2**20:.2f} MiB/token, "
-                  f"{nbytes * tok_s / 1e9:.2f} GB/s = {res[c.name]['bandwidth_fraction']:.1%} of the read rate, "
+                  f"{nbytes * tok_s / 1e9:.2f} GB/s = {res[c.name]['bandwidth_fraction']:.0%} of the copy's read rate "
+                  f"({res[c.name]['read_only_fraction']:.0%} of the sum's), "
                   f"{res[c.name]['matching_prefix']}/{len(c.tokens)} greedy tokens as float32", file=sys.stderr)
     finally:
         for c in contenders:
@@ -274,8 +298,11 @@ def main() -> None:
     p.add_argument("--new", type=int, default=96, help="greedy tokens timed per rep (default 96)")
     p.add_argument("--reps", type=int, default=5)
     p.add_argument("--bandwidth-mib", type=int, default=512, help="size of the tensor copied (default 512 MiB)")
+    # llama.cpp's threads meet at spinning barriers: with more threads than free cores (a machine shared with other
+    # work) a token waits for descheduled threads, and its tok/s drops many times over, torch's far less
     p.add_argument("--threads", type=int, default=torch.get_num_threads(),
-                   help=f"torch's threads and llama.cpp's (default: torch's, {torch.get_num_threads()} here)")
+                   help=f"torch's threads and llama.cpp's (default: torch's, {torch.get_num_threads()} here); "
+                        "1 where other work shares the cores (see load_average in the JSON)")
     p.add_argument("--with-llamacpp", action="store_true", help="llama.cpp on the GGUF too (make llamacpp-venv)")
     p.add_argument("--quick", action="store_true", help="a small run to check the script works (no llama.cpp)")
     args = p.parse_args()
@@ -287,10 +314,12 @@ def main() -> None:
     hf_logging.disable_progress_bar()
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     res: dict[str, Any] = {"torch": torch.__version__, "threads": torch.get_num_threads(), "new_tokens": args.new,
-                           "reps": args.reps, "missing": []}
-    bw_reps = 3 if args.quick else 10
-    res["bandwidth"] = read_bandwidth(args.bandwidth_mib, bw_reps)
-    print(f"read rate: {res['bandwidth']}", file=sys.stderr)
+                           "reps": args.reps, "missing": [], "cpus": os.cpu_count(),
+                           "load_average": [round(x, 2) for x in os.getloadavg()]}  # other work on the cores
+    rate = ReadRate(args.bandwidth_mib)
+    rate.sample(3 if args.quick else 10)
+    res["read_rate_before"] = rate.figures()
+    print(f"read rate before: {res['read_rate_before']}", file=sys.stderr)
     models: list[tuple[str, Path]] = [("default", resolve_model_path("default"))]
     if store.installed(SMOLLM2) is None:
         print(f"{SMOLLM2} is not pulled (streamserve models pull {SMOLLM2}): left out", file=sys.stderr)
@@ -299,10 +328,10 @@ def main() -> None:
         models.insert(0, (SMOLLM2, resolve_model_path(SMOLLM2, offline=True)))
     for name, path in models:
         modes = ["none", "int8", "int4", *(["auto"] if path.is_file() else [])]  # "auto" only changes a GGUF
-        res[name] = bench_model(name, path, modes, args, res["bandwidth"]["copy_read_gb_s"])
-    after = read_bandwidth(args.bandwidth_mib, bw_reps)  # the machine's load may have changed meanwhile
-    res["bandwidth_after"] = after
-    print(f"read rate after: {after}", file=sys.stderr)
+        res[name] = bench_model(name, path, modes, args, rate)
+    res["read_rate"] = rate.figures()  # every sample of the run
+    res["load_average_after"] = [round(x, 2) for x in os.getloadavg()]
+    print(f"read rate over the run: {res['read_rate']}", file=sys.stderr)
     print(json.dumps(res))
 
 
