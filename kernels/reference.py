@@ -226,6 +226,54 @@ def attention_rolling(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, q_pos: 
 
 MIN_TEMPERATURE = 1e-5  # temperatures below this sample greedily
 
+_M32 = 0xFFFFFFFF  # the hash works on 32-bit words held in int64: no product leaves int64, so every device agrees
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """x int64 in [0, 2^32) -> "lowbias32" (C. Wellons' hash prospector): a bijection of [0, 2^32) in which
+    each input bit flips each output bit with probability close to 1/2. Works in place on x."""
+    x.bitwise_xor_(x >> 16).mul_(0x7FEB352D).bitwise_and_(_M32)  # products < 2^63: no int64 overflow
+    x.bitwise_xor_(x >> 15)
+    # times 0x846CA68B mod 2^32: times (it - 2^31), then x * 2^31 mod 2^32, which is (x & 1) << 31, added
+    # (adding 2^31 mod 2^32 flips bit 31 only)
+    top = (x & 1) << 31
+    x.mul_(0x846CA68B - (1 << 31)).bitwise_and_(_M32).bitwise_xor_(top)
+    return x.bitwise_xor_(x >> 16)
+
+
+def race_keys(seeds: torch.Tensor, positions: torch.Tensor, stream: int) -> torch.Tensor:
+    """seeds [B] int64 in [0, 2^63), positions [B] int64 >= 0 -> [B] 32-bit keys: the counters absorbed one
+    32-bit word at a time (distinct counters share a key with probability about 2^-32)."""
+    k = torch.full_like(seeds, 0x6A09E667)
+    for word in (seeds & _M32, seeds >> 32, positions & _M32, positions >> 32):
+        k = _mix32(k.bitwise_xor_(word))
+    return _mix32(k.bitwise_xor_(stream & _M32))
+
+
+def race_uniform(seeds: torch.Tensor, positions: torch.Tensor, stream: int, n: int) -> torch.Tensor:
+    """Counter-based uniforms: [B, n] fp32 in (0, 1), a pure function of (seed, position, stream, index) on
+    the seeds' device: the same numbers whatever else is in the batch, and no generator state anywhere.
+    seeds, positions [B] int64."""
+    idx = _mix32(torch.arange(n, device=seeds.device, dtype=torch.int64).add_(0x9E3779B9))  # [n], hashed once
+    x = _mix32(idx[None, :] ^ race_keys(seeds, positions, stream)[:, None])  # [B, n] in [0, 2^32)
+    return (x >> 8).float().add_(0.5).mul_(2.0 ** -24)  # the top 24 bits, exact in fp32: never 0 or 1
+
+
+def race_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int, vocab: int,
+               device: torch.device | None = None) -> torch.Tensor:
+    """The exponential race's noise for B rows: [B, vocab] fp32, Exp(1) per token id, a pure function of
+    (seed_b, position_b, stream, token id), computed on `device` (default: the seeds') in one call.
+    seeds, positions [B] int64."""
+    if device is not None:
+        seeds, positions = seeds.to(device), positions.to(device)
+    return race_uniform(seeds, positions, stream, vocab).log_().neg_()
+
+
+def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+    """probs [B, V] (unnormalised is fine, zeros never win unless a row is all zeros), noise [B, V] Exp(1) ->
+    [B] int64: argmax probs / noise, a draw from each row's distribution."""
+    return torch.argmax(probs / noise, dim=-1)
+
 
 def keep_mask(sorted_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """sorted_p [B, V] probabilities in descending order -> bool [B, V]: the tokens top-k and top-p keep."""
@@ -236,23 +284,25 @@ def keep_mask(sorted_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) 
 
 
 def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor,
-                  generator: torch.Generator | None = None) -> torch.Tensor:
+                  generator: torch.Generator | None = None, noise: torch.Tensor | None = None) -> torch.Tensor:
     """Sample one token per row on the device, without a host sync.
 
     logits [B, V] fp32; temperature [B] (below MIN_TEMPERATURE: greedy, lowest id on ties); top_k [B] int (0: no limit);
     top_p [B] in (0, 1] (keep the smallest head of the sorted distribution whose mass reaches top_p; the
     most likely token always stays). -> [B] int64. Draws use the exponential race (argmax p / E, E ~ Exp(1)),
-    which samples exactly from p with one pass and no cumulative search.
+    which samples exactly from p with one pass and no cumulative search. `noise` [B, V] is E by token id
+    (`race_noise`: a row's draw then depends on that row alone); without it E comes from `generator`.
     """
     greedy = torch.argmax(logits, dim=-1)
     sampled = temperature >= MIN_TEMPERATURE  # below it, logits / T overflows: such rows are greedy
     temp = torch.where(sampled, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)
-    sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-    sorted_p = torch.where(keep_mask(sorted_p, top_k, top_p), sorted_p, torch.zeros_like(sorted_p))
-    race = torch.empty_like(sorted_p).exponential_(generator=generator)
-    drawn = order.gather(1, torch.argmax(sorted_p / race, dim=-1, keepdim=True))[:, 0]
-    return torch.where(sampled, drawn, greedy)
+    sorted_p, order = torch.sort(probs, dim=-1, descending=True, stable=True)  # ties: lowest id first
+    kept = torch.where(keep_mask(sorted_p, top_k, top_p), sorted_p, torch.zeros_like(sorted_p))
+    kept = torch.zeros_like(probs).scatter_(1, order, kept)  # [B, V] by token id again
+    if noise is None:
+        noise = torch.empty_like(kept).exponential_(generator=generator)
+    return torch.where(sampled, race(kept, noise), greedy)
 
 
 def moe_route(router_logits: torch.Tensor, top_k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -4,9 +4,11 @@ For each item it works out the tokens to run: an append runs its slice of the ch
 pending generated token, if any); a decode runs the pending token (the last one sampled) and samples
 the next from the resulting logits, or samples straight from the logits the last append left. All
 sessions' tokens go through the model together (`BatchForward.run`); a failure there is isolated to the
-session that causes it. Results are committed to the sessions' `SessionState`s here (token ids, vectors,
-timeline, logits); the scheduler only counts. The runner knows sessions by id through the `SessionTable`
-and never sees a user's handle.
+session that causes it. Then every plain decode of the step samples together: one `sampling.sample_rows`
+call over the stacked logits [B, V] and one read back of the B ids, the step's one host sync for sampling
+(a draft verification reads its own). Results are committed to the sessions' `SessionState`s here (token
+ids, vectors, timeline, logits); the scheduler only counts. The runner knows sessions by id through the
+`SessionTable` and never sees a user's handle.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from streamserve.engine.admission import Admission
 from streamserve.engine.batch import BatchForward, Job
 from streamserve.engine.drafters import DrafterCatalog
 from streamserve.engine.drafters.base import DraftProposal
-from streamserve.engine.sampling import sample
+from streamserve.engine.sampling import sample_rows
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.state import SessionState
 from streamserve.engine.table import SessionTable
@@ -38,6 +40,7 @@ class Runner:
         self.table, self.batch, self.drafters, self.admission = table, batch, drafters, admission
         self.new_detokenizer = new_detokenizer
         self._proposals: dict[str, DraftProposal] = {}  # this step's drafts, by session id
+        self.sample_reads = 0  # reads of sampled ids back to the host: one per step with plain decodes
 
     def execute(self, plan: Plan) -> StepOutput:
         started = time.monotonic()
@@ -58,6 +61,7 @@ class Runner:
                 results[item.session_id] = job
             else:
                 jobs.append((s, item, job))
+        decodes: list[tuple[SessionState, Response]] = []  # plain decodes: they sample together after the loop
         try:
             forward = [job for _, _, job in jobs if job.ids]
             outs = iter(self.batch.run(forward)) if forward else iter(())
@@ -66,9 +70,14 @@ class Runner:
                 self.drafters.costs.observe(len(forward[0].ids), seconds)
             for s, item, job in jobs:
                 logits = next(outs) if job.ids else None
-                results[item.session_id] = self._finish(s, item, logits)
+                result = self._finish(s, item, logits)
+                if result is None:
+                    decodes.append((s, item.work))  # type: ignore[arg-type]
+                else:
+                    results[item.session_id] = result
         finally:
             self._proposals.clear()
+        results.update(self._decode(decodes))
         return StepOutput(results, started, time.monotonic())
 
     def _prepare(self, s: SessionState, item: WorkItem) -> Job | ItemResult:
@@ -116,7 +125,9 @@ class Runner:
                 return Job(s, s.pending + proposal.tokens, all_rows=True)
         return Job(s, s.pending)
 
-    def _finish(self, s: SessionState, item: WorkItem, logits: torch.Tensor | BaseException | None) -> ItemResult:
+    def _finish(self, s: SessionState, item: WorkItem,
+                logits: torch.Tensor | BaseException | None) -> ItemResult | None:
+        """Commits the item's forward; None for a plain decode, whose token the step samples with the others."""
         if isinstance(logits, BaseException):
             if not isinstance(logits, USER_ERRORS):
                 return ItemResult(error=_fault(logits), fatal=True)
@@ -149,7 +160,7 @@ class Runner:
                                                  r.deadline)
             s.trim_vectors()
             return ItemResult()
-        return self._decode(s, work)
+        return None
 
     @staticmethod
     def _draft_len(s: SessionState, r: Response) -> int:
@@ -182,18 +193,46 @@ class Runner:
                           f"stay: undoing them needs keys already given back; {e})",)
         return error
 
-    def _decode(self, s: SessionState, r: Response) -> ItemResult:
-        assert s.logits is not None
+    def _decode(self, decodes: list[tuple[SessionState, Response]]) -> dict[str, ItemResult]:
+        """Samples every plain decode of the step in one call and reads the ids back once; a session whose
+        inputs fail is failed alone, and a fault in the batched call falls back to one row at a time."""
+        results: dict[str, ItemResult] = {}
+        rows: list[tuple[SessionState, Response, torch.Tensor]] = []
+        for s, r in decodes:
+            try:
+                assert s.logits is not None
+                rows.append((s, r, s.logits if r.allowed is None else s.logits.masked_fill(~r.allowed, float("-inf"))))
+            except Exception as e:
+                results[s.id] = ItemResult(error=_fault(e), fatal=True)
+        if not rows:
+            return results
         try:
-            logits = s.logits if r.allowed is None else s.logits.masked_fill(~r.allowed, float("-inf"))
-            tok = sample(logits, r.temperature, r.top_p, r.draws.at(len(s.token_ids)), r.top_k)
-        except Exception as e:
-            return ItemResult(error=_fault(e), fatal=True)
-        # pending from here on: it enters the KV with the next forward
-        speculate.extend_reply(s, r, [tok], self.new_detokenizer)
-        r.draft_len = self._draft_len(s, r)
-        return ItemResult(token=tok)
+            tokens: list[int | BaseException] = list(self._sample(rows))
+        except Exception:  # one row's fault fails the batch: find it, and sample the others on their own
+            tokens = []
+            for row in rows:
+                try:
+                    tokens.extend(self._sample([row]))
+                except Exception as e:
+                    tokens.append(e)
+        for (s, r, _), tok in zip(rows, tokens, strict=True):
+            if isinstance(tok, BaseException):
+                results[s.id] = ItemResult(error=_fault(tok), fatal=True)
+                continue
+            # pending from here on: it enters the KV with the next forward
+            speculate.extend_reply(s, r, [tok], self.new_detokenizer)
+            r.draft_len = self._draft_len(s, r)
+            results[s.id] = ItemResult(token=tok)
+        return results
 
+    def _sample(self, rows: list[tuple[SessionState, Response, torch.Tensor]]) -> list[int]:
+        """rows' logits [V] each -> their tokens: one `sample_rows` call, one read back (the host sync)."""
+        drawn = sample_rows(torch.stack([logits for _, _, logits in rows]), [r.temperature for _, r, _ in rows],
+                            [r.top_p for _, r, _ in rows], [r.top_k for _, r, _ in rows],
+                            [r.draws.seed for _, r, _ in rows], [len(s.token_ids) for s, _, _ in rows])
+        tokens = drawn.tolist()
+        self.sample_reads += 1
+        return tokens
 
 
 def _fault(e: BaseException) -> StepError:

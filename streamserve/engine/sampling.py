@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from streamserve.errors import InvalidInputError
-from streamserve.kernels.reference import MIN_TEMPERATURE, sample_tokens
+from streamserve.kernels.reference import MIN_TEMPERATURE, race, race_noise, race_uniform, sample_tokens
 
 MAX_TOP_K = 1 << 24  # larger than any vocabulary; a larger top_k means no limit anyway
 MAX_SEED = (1 << 63) - 1
@@ -42,30 +42,50 @@ def check_seed(seed: object) -> None:
 
 class Draws:
     """A reply's randomness, keyed by token position: the draw for position n is the same whatever else
-    happened — how many tokens were drafted, how steps were batched — so a seeded reply repeats exactly,
-    and speculation with deterministic drafts samples the very tokens plain decoding would."""
+    happened — how many tokens were drafted, how steps were batched, which other sessions shared the step —
+    so a seeded reply repeats exactly, and speculation with deterministic drafts samples the very tokens
+    plain decoding would. Every draw is `kernels.reference.race_noise` / `race_uniform` of (seed, position,
+    stream): counters hashed on the device, no generator object and no state."""
 
     STREAMS = 4  # per position: 0 the target's draw, 1 acceptance, 2 residual resampling, 3 a draft model's draw
 
     def __init__(self, seed: int, device: torch.device) -> None:
         self.seed, self.device = seed, device
 
-    def at(self, position: int, stream: int = 0) -> torch.Generator:
-        g = torch.Generator(device=self.device)
-        g.manual_seed((self.seed * 0x9E3779B97F4A7C15 + position * self.STREAMS + stream) % MAX_SEED)
-        return g
+    def _counters(self, position: int, rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """[rows] seeds and positions position .. position + rows - 1, made on the device (no copy, no sync)."""
+        seeds = torch.full((rows,), self.seed, dtype=torch.int64, device=self.device)
+        return seeds, torch.arange(position, position + rows, dtype=torch.int64, device=self.device)
+
+    def noise(self, position: int, rows: int, vocab: int, stream: int = 0) -> torch.Tensor:
+        """The race noise [rows, vocab] fp32 of positions position .. position + rows - 1 in `stream`."""
+        return race_noise(*self._counters(position, rows), stream, vocab)
+
+    def uniform(self, position: int, rows: int, stream: int) -> torch.Tensor:
+        """One uniform in (0, 1) per position position .. position + rows - 1 of `stream`: [rows] fp32."""
+        return race_uniform(*self._counters(position, rows), stream, 1)[:, 0]
+
+    def pick(self, probs: torch.Tensor, position: int, stream: int) -> torch.Tensor:
+        """probs [R, V] (rows need not sum to 1) -> [R] int64 on the device: row i drawn with the noise of
+        position + i in `stream`."""
+        return race(probs, self.noise(position, probs.shape[0], probs.shape[1], stream))
 
 
-def sample(logits: torch.Tensor, temperature: float, top_p: float, generator: torch.Generator | None,
-           top_k: int = 0) -> int:
-    """logits [V] fp32 -> a token id, drawn on the device (`kernels.reference.sample_tokens`); greedy at
-    temperature 0 (argmax, lowest id on ties). The one host sync is reading the id back."""
-    if temperature < MIN_TEMPERATURE:
-        return int(torch.argmax(logits))
+def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Sequence[float], top_k: Sequence[int],
+                seeds: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+    """The next token of B rows in one call: logits [B, V] fp32 (masks applied), each row's sampling parameters,
+    its reply's seed and the session position of the token it draws -> [B] int64 on the device, no host sync
+    (the caller reads the ids back once). Row b draws with `Draws(seeds[b]).noise(positions[b])`, so its token
+    is the same whatever rows share the call; greedy rows (temperature below MIN_TEMPERATURE) take the argmax,
+    lowest id on ties."""
+    if all(t < MIN_TEMPERATURE for t in temperature):  # nothing to draw: no noise, no sort
+        return torch.argmax(logits, dim=-1)
     dev = logits.device
-    tok = sample_tokens(logits[None], torch.tensor([float(temperature)], device=dev),
-                        torch.tensor([int(top_k)], device=dev), torch.tensor([float(top_p)], device=dev), generator)
-    return int(tok[0])
+    # host lists -> the device without waiting for it (a blocking copy would wait for the step's forward)
+    ints = torch.tensor([list(top_k), list(seeds), list(positions)], dtype=torch.int64).to(dev, non_blocking=True)
+    floats = torch.tensor([list(temperature), list(top_p)], dtype=torch.float32).to(dev, non_blocking=True)
+    noise = race_noise(ints[1], ints[2], 0, logits.shape[1])  # [B, V]: stream 0, the target's draw
+    return sample_tokens(logits, floats[0], ints[0], floats[1], noise=noise)
 
 
 def allowed_mask(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
@@ -74,7 +94,7 @@ def allowed_mask(ids: Sequence[int], vocab: int, device: torch.device) -> torch.
         raise InvalidInputError("allowed_token_ids is empty: a constrained reply needs at least one id")
     mask = torch.zeros(vocab, dtype=torch.bool)
     mask[torch.tensor(list(ids), dtype=torch.long)] = True
-    return mask.to(device)
+    return mask.to(device, non_blocking=True)  # a blocking copy would wait for the device's running step
 
 
 MAX_STOP_STRINGS = 16

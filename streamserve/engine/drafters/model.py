@@ -193,7 +193,7 @@ class DraftModelDrafter:
             if sampled:
                 assert reply is not None
                 q = target_probs(logits[None].float(), reply.temperature, reply.top_k, reply.top_p)[0]
-                tok = int(torch.multinomial(q, 1, generator=reply.draws.at(len(h) + i, 3)))
+                tok = int(reply.draws.pick(q[None], len(h) + i, 3)[0])
                 probs.append(q)
             else:
                 tok = int(torch.argmax(logits))

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from streamserve.engine.sampling import Draws, sample
+from streamserve.engine.sampling import Draws, sample_rows
 from streamserve.kernels.reference import MIN_TEMPERATURE, keep_mask
 
 
@@ -53,22 +53,23 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
         return [*out, target[k]]
     dev = logits.device
     if draft_probs is None:  # deterministic drafts: sample from the target, keep going while it matches
+        # each position's own draw, all rows in one call: the very tokens plain decoding would sample there
+        drawn = sample_rows(logits, [temperature] * (k + 1), [top_p] * (k + 1), [top_k] * (k + 1),
+                            [draws.seed] * (k + 1), range(position, position + k + 1)).tolist()
         out = []
-        for i in range(k + 1):  # each position's own draw: the very token plain decoding would sample there
-            x = int(sample(logits[i], temperature, top_p, draws.at(position + i), top_k))
+        for i, x in enumerate(drawn):
             out.append(x)
             if i == k or x != drafts[i]:
                 return out
     p = target_probs(logits, temperature, top_k, top_p)  # [k+1, V]
     q = draft_probs.to(p.dtype)
     idx = torch.tensor(drafts, device=dev)
-    ratio = (p[:k].gather(1, idx[:, None])[:, 0] / q.gather(1, idx[:, None])[:, 0].clamp_min(1e-30)).tolist()
+    ratio = p[:k].gather(1, idx[:, None])[:, 0] / q.gather(1, idx[:, None])[:, 0].clamp_min(1e-30)
+    accept = (draws.uniform(position, k, 1) < ratio.clamp_max(1.0)).tolist()  # [k] with one read back
     for i in range(k):
-        u = float(torch.rand(1, generator=draws.at(position + i, 1), device=dev))
-        if u < min(1.0, ratio[i]):
+        if accept[i]:
             continue
         residual = (p[i] - q[i]).clamp_min(0)
-        total = residual.sum()
-        dist = residual / total if total > 0 else p[i]  # q == p on every token: any draw from p is right
-        return [*drafts[:i], int(torch.multinomial(dist, 1, generator=draws.at(position + i, 2)))]
-    return [*drafts, int(torch.multinomial(p[k], 1, generator=draws.at(position + k)))]
+        dist = residual if bool(residual.sum() > 0) else p[i]  # q == p on every token: any draw from p is right
+        return [*drafts[:i], int(draws.pick(dist[None], position + i, 2)[0])]
+    return [*drafts, int(draws.pick(p[k:], position + k, 0)[0])]
