@@ -288,7 +288,7 @@ class Session:
             drawn = gen.get_state() if seed is None else None
             seeded = self.seeded or seed is not None
             if seed is None:  # one draw of the session's generator seeds the reply (a seeded session repeats too)
-                seed = int(torch.randint(0, MAX_SEED, (1,), generator=gen, device=self.engine.device))
+                seed = int(torch.randint(0, MAX_SEED, (1,), generator=gen))  # a CPU generator: no device wait
             r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
                          Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(), seeded=seeded,
                          allowed=allowed)

@@ -59,7 +59,7 @@ class SessionState:
         self.closed = False
         self.spec: SpecController | None = None  # speculative decoding: drafters and draft length
         self.seeded = seed is not None
-        self.generator = torch.Generator(device=device)
+        self.generator = torch.Generator()  # on the CPU: drawing a reply's seed never waits for the device
         if seed is None:
             self.generator.seed()
         else:
