@@ -276,3 +276,23 @@ def test_unseeded_replies_take_their_seed_from_a_cpu_generator(default_engine) -
         for s in (a, b):
             s.append(token_ids=prompts(1, default_engine.config.vocab_size)[0])
         assert a.generate(max_tokens=12, temperature=1.0) == b.generate(max_tokens=12, temperature=1.0)
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_draws_are_the_cpus_and_sampling_never_waits_for_the_device() -> None:
+    """The hash is exact integer arithmetic: CUDA's noise equals the CPU's bit for bit, so do the tokens of
+    well-separated logits; building the inputs and sampling B rows queue work without one synchronisation."""
+    cuda = torch.device("cuda")
+    seeds, positions = torch.tensor([0, 5, (1 << 63) - 1, 12345]), torch.tensor([0, 99, 7, 1 << 33])
+    assert torch.equal(ref.race_noise(seeds, positions, 3, 151936, cuda).cpu(), ref.race_noise(seeds, positions, 3,
+                                                                                                   151936))
+    logits = torch.randn(4, 151936, generator=torch.Generator().manual_seed(0)) * 4
+    args = ([0.8, 1.0, 0.0, 1.3], [0.95, 1.0, 1.0, 0.5], [0, 50, 0, 0], seeds.tolist(), positions.tolist())
+    on_cuda = logits.to(cuda)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        drawn = sample_rows(on_cuda, *args)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert drawn.tolist() == sample_rows(logits, *args).tolist()
