@@ -230,7 +230,10 @@ def test_smollm2_streamed_words_equal_the_question_added_whole() -> None:
     name = "smollm2-135m-instruct"
     if store.installed(name) is None:
         pytest.skip(f"{name} is not in the model cache; run `streamserve models pull {name}`")
-    engine = Engine.from_pretrained(name, device="cpu", kv_memory="64MiB", offline=True)
+    # float weights: the transcript's chunking is what is compared. Quantized weights (quantize auto: this file's
+    # 4-bit codes, bfloat16 activations on a CPU) turn fp32 attention's last-bit differences between chunkings
+    # into bfloat16 steps, and this question's greedy reply sits on a near-tie (docs/quantization.md)
+    engine = Engine.from_pretrained(name, device="cpu", kv_memory="64MiB", offline=True, quantize="none")
     try:
         with engine.open_session() as a, engine.open_session() as b:
             chat, ref = ChatTranscript(a), ChatTranscript(b)
