@@ -13,11 +13,12 @@ applied, keys cached rotated); rolling sessions' rows come unrotated and are rot
 a window key by its distance from the oldest window key), queries by p - oldest against window keys and by
 min(p, sinks + window - 1) against sinks.
 
-Split-KV (flash decoding): grid (B, KVH, SPLITS); a program takes one session, one KV head (its G = H / KVH
-query heads for all the session's queries: rows (t, g)) and one share of the session's S keys, reading keys
-from their pages in place, and writes a partial output and log-sum-exp; `_merge_kernel` combines the shares
-(one launch: grid (B, KVH)). A share is keys_per_split keys unless the session has more than SPLITS of them,
-so below SPLITS * keys_per_split keys a session's result does not depend on the rest of the batch. Nothing
+Split-KV (flash decoding): grid (B, KVH * row blocks, SPLITS); a program takes one session, one KV head (its
+G = H / KVH query heads for the session's queries: rows (t, g), in blocks of at most TILE / (hd / 2) rows so
+registers do not spill) and one share of the session's S keys, reading keys from their pages in place, and
+writes a partial output and log-sum-exp; `_merge_kernel` combines the shares (one launch: grid (B, KVH * row
+blocks)). A share is keys_per_split keys unless the session has more than SPLITS times that, so below
+SPLITS * keys_per_split keys a session's result does not depend on the rest of the batch. Nothing
 reads device values on the host: the launch is CUDA-graph capturable (fixed B, max_pages, SPLITS).
 Reference: `batch_attention_reference` (per session `reference.paged_attention` / `paged_attention_rolling`).
 """
@@ -38,7 +39,9 @@ from streamserve.kernels.checks import check_tensor
 NO_WINDOW = 1 << 62  # a session without a window (the model's NO_POSITION)
 MAX_QUERIES = 16  # the most queries of one session per launch
 KEYS_PER_SPLIT = 256  # a program's share of a session's keys (multiple of BLOCK_N)
-BLOCK_N = 64
+BLOCK_N = 32
+TILE = 4096  # rows x head-dim halves one program holds (half that for rolling sessions of head dim 256, whose
+# queries are kept rotated both ways): larger tiles spill registers (sm_90 bf16, ptxas -v on the compiled kernels)
 MAX_SPLITS = 64
 PARTIAL_BYTES = 64 << 20  # the most memory the split partials may take: fewer splits beyond it
 _INTS = (torch.int32, torch.int64)
@@ -72,11 +75,13 @@ def _rotate(x1, x2, pos, inv_freq, rope_scaling):
 def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_ptr, window_ptr, roll_ptr,
                        qstart_ptr, qlen_ptr, inv_freq_ptr, o_ptr, lse_ptr, max_pages, keys_per_split, scale,
                        rope_scaling, sliding, KVH: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
-                       PAGE: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_M: tl.constexpr,
+                       PAGE: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                       BLOCK_M: tl.constexpr,
                        BLOCK_HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROLLING: tl.constexpr,
                        PRECISION: tl.constexpr):
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
+    kvh = tl.program_id(1) // ROW_BLOCKS
+    rb = tl.program_id(1) % ROW_BLOCKS
     split = tl.program_id(2)
     HD: tl.constexpr = 2 * HALF
     kv_len = tl.load(kvlen_ptr + b).to(tl.int64)
@@ -93,7 +98,7 @@ def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_
     per = (per + BLOCK_N - 1) // BLOCK_N * BLOCK_N
     start = (split * per).to(tl.int32)
     end = tl.minimum(split * per + per, n_keys).to(tl.int32)
-    m = tl.arange(0, BLOCK_M)  # rows: query t, head g of this KV head
+    m = rb * BLOCK_M + tl.arange(0, BLOCK_M)  # rows: query t, head g of this KV head
     t = m // G
     m_ok = (m < T * G) & (t < q_len)
     qpos = kv_len - q_len + t  # [BLOCK_M]
@@ -158,12 +163,13 @@ def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_
 
 @triton.jit
 def _merge_kernel(o_ptr, lse_ptr, qstart_ptr, qlen_ptr, out_ptr, KVH: tl.constexpr, G: tl.constexpr,
-                  HD: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, BLOCK_R: tl.constexpr,
-                  BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
-    """Grid (B, KVH): a session's KV head's rows (t, g), its splits' partials combined by log-sum-exp."""
+                  HD: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, ROW_BLOCKS: tl.constexpr,
+                  BLOCK_R: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Grid (B, KVH * row blocks): a block of a session's KV head's rows (t, g), its splits' partials combined
+    by log-sum-exp."""
     b = tl.program_id(0)
-    kvh = tl.program_id(1)
-    r = tl.arange(0, BLOCK_R)
+    kvh = tl.program_id(1) // ROW_BLOCKS
+    r = (tl.program_id(1) % ROW_BLOCKS) * BLOCK_R + tl.arange(0, BLOCK_R)
     r_ok = r < T * G
     t = r // G
     q_len = tl.load(qlen_ptr + b).to(tl.int64)
@@ -254,16 +260,23 @@ def batch_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
     q = q.contiguous()
     o = torch.empty(b, kvh, splits, tq * group, hd, dtype=torch.float32, device=q.device)
     lse = torch.empty(b, kvh, splits, tq * group, dtype=torch.float32, device=q.device)
-    _batch_attn_kernel[(b, kvh, splits)](
+    block_half = max(16, triton.next_power_of_2(hd // 2))
+    tile = TILE // 2 if rolling and block_half >= 128 else TILE
+    block_m = max(16, min(triton.next_power_of_2(tq * group), tile // block_half))
+    row_blocks = triton.cdiv(tq * group, block_m)
+    _batch_attn_kernel[(b, kvh * row_blocks, splits)](
         q, k_pool, v_pool, batch.block_table, batch.kv_len, batch.first, batch.sinks, batch.window,
         batch.rolling if rolling else batch.q_len, batch.q_start, batch.q_len, inv_freq if rolling else q, o, lse,
         max_pages, keys_per_split, scale, rope_scaling, sliding or 0, KVH=kvh, G=group, HALF=hd // 2, PAGE=page,
-        T=tq, SPLITS=splits, BLOCK_M=max(16, triton.next_power_of_2(tq * group)),
-        BLOCK_HALF=max(16, triton.next_power_of_2(hd // 2)), BLOCK_N=block_n, ROLLING=rolling,
-        PRECISION="ieee" if q.dtype == torch.float32 else "tf32")  # fp32 stays exact; 16-bit uses tensor cores
-    _merge_kernel[(b, kvh)](o, lse, batch.q_start, batch.q_len, out, KVH=kvh, G=group, HD=hd, T=tq, SPLITS=splits,
-                            BLOCK_R=triton.next_power_of_2(tq * group), BLOCK_S=triton.next_power_of_2(splits),
-                            BLOCK_D=triton.next_power_of_2(hd))
+        T=tq, SPLITS=splits, ROW_BLOCKS=row_blocks, BLOCK_M=block_m, BLOCK_HALF=block_half, BLOCK_N=block_n,
+        ROLLING=rolling, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",  # 16-bit uses tensor cores
+        num_warps=4 if block_m * block_half <= 1024 else 8)
+    block_d = triton.next_power_of_2(hd)
+    block_r = max(1, min(triton.next_power_of_2(tq * group), TILE // block_d))
+    merge_blocks = triton.cdiv(tq * group, block_r)
+    _merge_kernel[(b, kvh * merge_blocks)](o, lse, batch.q_start, batch.q_len, out, KVH=kvh, G=group, HD=hd, T=tq,
+                                           SPLITS=splits, ROW_BLOCKS=merge_blocks, BLOCK_R=block_r,
+                                           BLOCK_S=triton.next_power_of_2(splits), BLOCK_D=block_d)
     return out
 
 

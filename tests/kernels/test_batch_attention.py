@@ -145,22 +145,31 @@ def test_one_launch_matches_the_per_session_references(page, dtype, h, kvh, hd, 
         assert rel_err(out[row], expected[row]) < 4 * TOL[dtype]
 
 
-def test_splits_and_neighbours_do_not_change_a_session() -> None:
-    specs = [Spec(600, 4, 4, 400, True), Spec(300, 2), Spec(5, 1)]
+def test_splits_row_blocks_and_neighbours_do_not_change_a_session(monkeypatch: pytest.MonkeyPatch) -> None:
+    specs = [Spec(600, 16, 4, 400, True), Spec(300, 2), Spec(5, 1)]
     case = make_case(specs, 4, 2, 32, 16, torch.float32, None, seed=3)
     scale = 32**-0.5
     expected = per_session(case, specs, scale, None, torch.float64)
     outs = [batch_attention(case.q, case.k_pool, case.v_pool, case.batch, scale, inv_freq=inv_freq(32), splits=s,
-                            keys_per_split=kps, block_n=bn) for s, kps, bn in ((1, 64, 64), (3, 64, 16), (17, 64, 32))]
+                            keys_per_split=kps, block_n=bn) for s, kps, bn in ((1, 64, 64), (3, 64, 16), (8, 128, 64))]
+    from streamserve.kernels import batch_attention as ba
+
+    monkeypatch.setattr(ba, "TILE", 256)  # hd/2 = 16: 32 rows (16 queries x 2 heads) in 2 programs, merged in 4
+    outs.append(batch_attention(case.q, case.k_pool, case.v_pool, case.batch, scale, inv_freq=inv_freq(32),
+                                block_n=64))
+    monkeypatch.setattr(ba, "TILE", 16)  # one row a merge program
+    outs.append(batch_attention(case.q, case.k_pool, case.v_pool, case.batch, scale, inv_freq=inv_freq(32),
+                                block_n=64))
+    monkeypatch.undo()
     for out in outs:
         assert rel_err(out, expected) < TOL[torch.float32]
     # batch invariance: session 1 alone (same max_q) gives the same bits as in the batch
     b = case.batch
     alone = BlockBatch(b.block_table[1:2], b.kv_len[1:2], b.first[1:2], b.sinks[1:2], b.window[1:2], b.rolling[1:2],
                        torch.zeros(1, dtype=torch.int32), b.q_len[1:2], b.max_q, b.page_size)
-    solo = batch_attention(case.q[4:6], case.k_pool, case.v_pool, alone, scale, inv_freq=inv_freq(32))
+    solo = batch_attention(case.q[16:18], case.k_pool, case.v_pool, alone, scale, inv_freq=inv_freq(32))
     together = batch_attention(case.q, case.k_pool, case.v_pool, case.batch, scale, inv_freq=inv_freq(32))
-    assert torch.equal(solo, together[4:6])
+    assert torch.equal(solo, together[16:18])
 
 
 def test_padding_sessions_write_nothing() -> None:
