@@ -76,9 +76,8 @@ def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_
                        qstart_ptr, qlen_ptr, inv_freq_ptr, o_ptr, lse_ptr, max_pages, keys_per_split, scale,
                        rope_scaling, sliding, KVH: tl.constexpr, G: tl.constexpr, HALF: tl.constexpr,
                        PAGE: tl.constexpr, T: tl.constexpr, SPLITS: tl.constexpr, ROW_BLOCKS: tl.constexpr,
-                       BLOCK_M: tl.constexpr,
-                       BLOCK_HALF: tl.constexpr, BLOCK_N: tl.constexpr, ROLLING: tl.constexpr,
-                       PRECISION: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_HALF: tl.constexpr, BLOCK_N: tl.constexpr,
+                       ROLLING: tl.constexpr, PRECISION: tl.constexpr):
     b = tl.program_id(0)
     kvh = tl.program_id(1) // ROW_BLOCKS
     rb = tl.program_id(1) % ROW_BLOCKS
@@ -135,13 +134,14 @@ def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_
         k2 = tl.load(k_ptr + kv_row[:, None] + HALF + dh[None, :], mask=km, other=0.0).to(tl.float32)
         dist = qpos[:, None] - kpos[None, :]  # [BLOCK_M, BLOCK_N]
         if ROLLING:
-            scores = _scores(q1, q2, k1, k2, PRECISION)
-            if roll:
+            if roll:  # keys rotated by their place in the cache; against a sink the query sits at cq
                 is_sink = kpos < sinks
                 k1, k2 = _rotate_keys(k1, k2, kpos, sinks, base, inv_freq, rope_scaling)
                 scores = tl.where(is_sink[None, :], _scores(qs1, qs2, k1, k2, PRECISION),
                                   _scores(q1, q2, k1, k2, PRECISION))
                 dist = tl.where(is_sink[None, :], cq[:, None] - kpos[None, :], dist)
+            else:
+                scores = _scores(q1, q2, k1, k2, PRECISION)
         else:
             scores = _scores(q1, q2, k1, k2, PRECISION)
         ok = m_ok[:, None] & n_ok[None, :] & (kpos[None, :] <= qpos[:, None])
