@@ -9,12 +9,14 @@ import torch
 
 from streamserve.kernels import reference as ref
 from streamserve.kernels.append_attention import append_attention
+from streamserve.kernels.batch_attention import batch_attention
 from streamserve.kernels.decode_attention import decode_attention
 from streamserve.kernels.elementwise import add_rms_norm, apply_rope, gelu_tanh_mul, rms_norm, silu_mul
 from streamserve.kernels.launch_config import launch_config
 from streamserve.kernels.moe_gemv import MAX_EXPERTS, MAX_TOKENS, MAX_TOP_K, moe_gemv
 
-__all__ = ["add_rms_norm", "apply_rope", "gelu_tanh_mul", "moe_experts", "paged_attention", "paged_attention_rolling",
+__all__ = ["add_rms_norm", "apply_rope", "batch_attention", "gelu_tanh_mul", "moe_experts", "paged_attention",
+           "paged_attention_rolling",
            "rms_norm", "silu_mul"]
 
 

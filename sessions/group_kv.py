@@ -28,6 +28,7 @@ class GroupKV:
         self.sink_pages = -(-self.sinks // pool.page_size)
         self.drops = policy.window is not None or self.group.keep is not None  # pages ever leave before the end
         self.k_pos = self.read_slots = self.write = torch.empty(0, dtype=torch.long)
+        self.first = self.end = 0  # the planned step's oldest non-sink read position and its end (block tables)
 
     def read_first(self, pos: int) -> int:
         """The oldest non-sink position a query at `pos` may attend to in this group's layers."""
@@ -72,6 +73,7 @@ class GroupKV:
     def plan(self, start: int, end: int) -> None:
         """The keys this step reads: [sinks | from the first query's window on], this step's own included."""
         first = min(self.read_first(start), end)
+        self.first, self.end = first, end
         n_sink = min(self.sinks, first)
         self.k_pos = torch.cat([torch.arange(n_sink), torch.arange(first, end)]).to(self.pool.device)  # [S]
         self.read_slots = torch.cat([self.slots(0, n_sink), self.slots(first, end)])  # [S], like k_pos

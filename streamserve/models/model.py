@@ -18,7 +18,7 @@ from __future__ import annotations
 import functools
 import itertools
 from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 from torch import nn
@@ -26,6 +26,9 @@ from torch import nn
 from streamserve.kernels.reference import AttentionBatch, PagedKeys, RollingRope
 from streamserve.models.config import ModelConfig
 from streamserve.models.ops import TORCH_OPS, Ops
+
+if TYPE_CHECKING:  # the block-table kernel's module imports triton: only the Triton backend loads it
+    from streamserve.kernels.batch_attention import BlockBatch
 
 
 class StreamPolicy(Protocol):
@@ -80,6 +83,9 @@ class StepLayout(NamedTuple):
     starts: list[int]  # [sessions + 1] token offsets
     batched: list[int]  # absolute-position sessions of few tokens: their attention runs in one `attention_batch` call
     batch: list[AttentionBatch] | None  # per layer group: the batched sessions' padded queries and keys
+    blocked: tuple[int, ...] = ()  # sessions of few tokens (absolute or rolling) in one `attention_blocks` launch
+    blocks: list[BlockBatch] | None = None  # per layer group: their block tables, lengths, windows and sinks
+    rope_tables: tuple[tuple[torch.Tensor, float], ...] = ()  # per RoPE kind: (inv_freq [hd/2] fp32, scaling)
 
 
 class Attention(nn.Module):
@@ -120,7 +126,22 @@ class Attention(nn.Module):
             q, k = ops.apply_rope(q, joint.cos, joint.sin), ops.apply_rope(k, joint.cos, joint.sin)
         pieces: list[torch.Tensor | None] = [None] * len(kvs)
         group = kvs[0].layer_group[self.layer]
-        if layout.batch is not None:
+        if layout.blocks is not None:  # one launch for every session of few tokens, absolute and rolling
+            assert ops.attention_blocks is not None
+            for i in layout.blocked:
+                a, b = st[i], st[i + 1]
+                if joint is None and not kvs[i].rolling:  # rolling rows are rotated inside the kernel
+                    r = ropes.sessions[i]
+                    q[a:b], k[a:b] = ops.apply_rope(q[a:b], r.cos, r.sin), ops.apply_rope(k[a:b], r.cos, r.sin)
+                paged = kvs[i].update(self.layer, k[a:b], v[a:b])
+            inv_freq, scaling = layout.rope_tables[self.rope_kind]
+            out = ops.attention_blocks(q, paged.k_pool, paged.v_pool, layout.blocks[group], self.scale, self.window,
+                                       inv_freq=inv_freq, rope_scaling=scaling)  # [N, H*hd]: blocked rows set
+            if len(layout.blocked) == len(kvs):
+                return self.o_proj(out)
+            for i in layout.blocked:
+                pieces[i] = out[st[i]:st[i + 1]]
+        elif layout.batch is not None:
             assert ops.attention_batch is not None
             for i in layout.batched:
                 a, b = st[i], st[i + 1]
@@ -302,6 +323,14 @@ class CausalLM(nn.Module):
         starts = [0, *itertools.accumulate(kv.q_pos.shape[0] for kv in kvs)]
         joint = len(kvs) > 1 and not any(kv.rolling for kv in kvs)
         ropes = [self._step_ropes(kind, kvs, dtype, joint) for kind in range(len(self.rope_scalings))]
+        if self.ops.attention_blocks is not None:
+            blocked = [i for i, kv in enumerate(kvs) if kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
+            # graph replays hand in static buffers without page tables: they keep the per-session kernels
+            if blocked and all(hasattr(g, "table") for i in blocked for g in kvs[i].groups):
+                part, at = [kvs[i] for i in blocked], [starts[i] for i in blocked]
+                tables = tuple((self.rope_inv_freq[kind], scaling) for kind, scaling in enumerate(self.rope_scalings))
+                return StepLayout(ropes, starts, [], None, tuple(blocked),
+                                  [self._block_batch(part, at, g) for g in range(len(kvs[0].groups))], tables)
         if len(kvs) == 1:
             return StepLayout(ropes, starts, [], None)
         batched = [i for i, kv in enumerate(kvs) if not kv.rolling and kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
@@ -326,6 +355,20 @@ class CausalLM(nn.Module):
             self._groups_of_kind[key] = sorted({g for layer, g in enumerate(layer_group)
                                                 if self.cfg.rope_kind(layer) == kind})
         return self._groups_of_kind[key]
+
+    @staticmethod
+    def _block_batch(kvs: list[LayerKV], starts: list[int], group: int) -> BlockBatch:
+        """The block tables, lengths, windows and sinks of a few sessions' reads of layer group `group` (built once
+        per step from the page tables `GroupKV.plan` read; kernels/batch_attention.py)."""
+        from streamserve.kernels.batch_attention import block_batch
+
+        reads = [kv.groups[group] for kv in kvs]
+        pool = reads[0].pool  # type: ignore[attr-defined]
+        return block_batch([r.table for r in reads], [r.end for r in reads],  # type: ignore[attr-defined]
+                           [r.first for r in reads], [r.sinks for r in reads],  # type: ignore[attr-defined]
+                           [kv.policy.window for kv in kvs], [kv.rolling for kv in kvs],
+                           [kv.q_pos.shape[0] for kv in kvs], pool.page_size, base=reads[0].base,  # type: ignore
+                           q_starts=starts, device=kvs[0].q_pos.device)
 
     @staticmethod
     def _attention_batch(kvs: list[LayerKV], starts: list[int], group: int) -> AttentionBatch:

@@ -53,6 +53,9 @@ class Ops:
     attention_rolling: Callable[..., torch.Tensor]
     # a few tokens of each of several sessions in one call (absolute positions); None: one call per session
     attention_batch: Callable[..., torch.Tensor] | None
+    # every session of a step with at most 16 tokens, absolute and rolling, over block tables in one launch
+    # (kernels/batch_attention.py); None: `attention_batch` / one call per session
+    attention_blocks: Callable[..., torch.Tensor] | None
     moe_route: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     moe_experts: Callable[..., torch.Tensor]
 
@@ -69,6 +72,7 @@ TORCH_OPS = Ops(
     rolling_rope=ref.rolling_rope,
     attention_rolling=ref.paged_attention_rolling,
     attention_batch=ref.paged_attention_batch,
+    attention_blocks=None,
     moe_route=ref.moe_route,
     moe_experts=moe_experts_torch,
 )
@@ -92,7 +96,8 @@ def triton_ops(device: torch.device) -> Ops:
                    silu_mul=tb.silu_mul, gelu_tanh_mul=tb.gelu_tanh_mul, apply_rope=tb.apply_rope,
                    attention=tb.paged_attention,
                    attention_rolling=tb.paged_attention_rolling,
-                   attention_batch=None,  # the Triton kernels run per session (they read pages in place)
+                   attention_batch=None,  # the block-table kernel below takes these steps
+                   attention_blocks=tb.batch_attention,
                    moe_experts=tb.moe_experts)
 
 
