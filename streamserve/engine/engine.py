@@ -192,7 +192,7 @@ class Engine:
         if cuda_graphs not in ("auto", "on", "off"):
             raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
         if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
-            engine.graphs = DecodeGraphs(net, capture=dev.type == "cuda")
+            engine.graphs = DecodeGraphs.start(net, engine.pool, engine.scheduler.limits.max_batch, dev.type == "cuda")
         engine.set_drafter(drafter, max_draft)
         return engine
 

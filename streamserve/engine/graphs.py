@@ -1,104 +1,84 @@
-"""CUDA-graph decode: small steps (1 to 8 sessions of 1 to 8 tokens each: batched decode and draft-verification
-widths) replayed from captured graphs over fixed-size buffers.
+"""CUDA-graph decode: steps of 1 to `max_batch` sessions of 1 to 8 tokens each (batched decode and
+draft-verification widths) replayed from captured graphs over fixed-size buffers.
 
-A step's shapes change with its sessions (how many keys each reads), so each step is padded to a bucket: every
-session's key list to the same next power of two (at least 64) over the longest, with padding positions past
-any query (masked as "future" keys) and slot 0; a model with several layer groups (local and global layers)
-has one key list, so one bucket, per group. Per (sessions, buckets, tokens per session, all-logits, window
-policies) one graph is captured the first time and replayed after: the step's ids, positions and slots are
-copied into the static buffers, the graph runs, the logits are copied out. Nothing in a captured step syncs to
-the host (top-k ids, the rolling base and the split-KV merge all stay on the device).
+A step's shapes change with its sessions, so each step is padded to fixed shapes made only of bucketed values:
 
-Window policies are part of a graph's key because attention takes a session's position mode, window and sinks
-as Python constants (`attention`, `attention_rolling`, `rolling_rope`, the batched layout's sink/window
-tensors), so they are baked into a capture; sinks without a window change nothing and are left out of the key
-(`policy_key`). Clients choose windows freely, so graphs serve at most `MAX_GRAPH_POLICIES` distinct
-policies at a time: a step of any other policy runs eagerly (`run` returns None), and an admitted policy
-gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graphable steps without it
-(steps refused for their policy count too, or policies of sessions long gone would hold their places for ever). A flood
-of distinct windows can therefore neither grow the cache past `MAX_GRAPHS` nor force a capture per step.
+- sessions are grouped by window policy into parts (policies in a fixed order); a part of n sessions runs in
+  `batch_bucket(n)` slots, the smallest of the ladder 1, 2, 4, ..., `max_batch` (`batch_buckets`) >= n;
+- every session runs `W` tokens, the step's widest (1..8): a narrower session's extra rows repeat its last
+  token (same id and position; their keys and values are copies of its last row's, written to its last slot,
+  so the duplicate writes are identical) and their logits are dropped;
+- each part's sessions read the same number of keys per layer group: the next power of two (at least 64) over
+  its longest read, padded with positions no query reaches (masked as "future" keys) at slot 0.
 
-On a CPU there is nothing to capture: with `cuda_graphs="on"` the same static-buffer steps run eagerly, which
-is how the tests check that padding and fixed shapes change no result.
+Padding slots: a part's real sessions take its LAST slots; each padding slot before them is a copy of the
+part's first real session (same ids, positions, reads and write slots), its logits dropped. Its keys and values
+land in that session's write slots, which the session itself writes later in the same layer (the model runs
+sessions' `update`s in slot order, every kernel on one stream), and only that session reads them, after its own
+write. So padding never changes a real session's KV and needs no reserved page (any page, slot 0 included,
+may belong to a real session: the allocator hands out the lowest ids first, and a page held by the graphs
+would be a page no session lists, which the leak checker rejects). Warm-up (`warm_up`) runs before any
+session exists: its padding writes to slot 0 of a free page and reads that key back (never an all-masked
+row, which could leave NaN in the pool).
+
+The key of a graph is (W, whether any session wants all its rows' logits, per part: its window policy, batch
+bucket and key buckets): no client input enters it unbucketed, and at most `MAX_GRAPHS` entries are kept
+(least recently used dropped first). Window policies are part of it because attention takes a session's
+position mode, window and sinks as Python constants, baked into a capture; sinks without a window change
+nothing and are left out (`policy_key`). Clients choose windows freely, so graphs serve at most
+`MAX_GRAPH_POLICIES` policies at a time: a step of any other policy runs eagerly (`run` returns None), and
+an admitted policy gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graphable steps
+without it (refused steps count too). A flood of distinct batch sizes or windows can therefore neither grow
+the cache past `MAX_GRAPHS` nor force a capture per step. Per replay the step's ids, positions, slots and
+logit rows are copied into the static buffers, the graph runs, the wanted logits are gathered; nothing in a
+captured step syncs to the host.
+
+On CUDA `warm_up` captures the decode graphs (W 1, the default policy, key buckets of a short context) of
+every batch bucket at start-up; other shapes are captured the first time they run. On a CPU there is nothing
+to capture: with `cuda_graphs="on"` the same padded static-buffer steps run eagerly, which is how the tests
+check that padding and fixed shapes change no result.
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from streamserve.kernels.reference import PagedKeys
 from streamserve.models import CausalLM
-from streamserve.sessions import PagedSessionKV, WindowPolicy
+from streamserve.sessions import KVPool, PagedSessionKV, WindowPolicy
 from streamserve.sessions.group_kv import GroupKV
 
 log = logging.getLogger("streamserve")
 
 MIN_BUCKET = 64
 MAX_GRAPH_TOKENS = 8  # the widest per-session step replayed from a graph (a draft of 7 plus the bonus token)
-MAX_GRAPH_BATCH = 8  # the most sessions in a step replayed from a graph
 PAD_POSITION = 1 << 62  # a key position no query reaches: masked as a future key
+MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first)
+MAX_GRAPH_POLICIES = 4  # distinct window policies served from graphs at a time; others run eagerly
+POLICY_IDLE_RUNS = 1000  # graphable steps without an admitted policy before a new one may take its place
+WARM_UP_SECONDS = 120.0  # start-up captures stop after this long; the rest are captured when first needed
+
+PolicyKey = tuple[str | None, int | None, int]
 
 
 def bucket_for(n_keys: int) -> int:
     return max(MIN_BUCKET, 1 << (n_keys - 1).bit_length())
 
 
-class StaticReads:
-    """The keys one layer group reads in a step, in fixed-size buffers: positions and slots [bucket], and the
-    slots [T] the step writes."""
-
-    def __init__(self, bucket: int, tokens: int, dev: torch.device) -> None:
-        self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
-        self.read_slots = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.write = torch.zeros(tokens, dtype=torch.long, device=dev)
-
-    def load(self, grp: GroupKV) -> None:
-        n = grp.k_pos.shape[0]
-        self.k_pos[:n].copy_(grp.k_pos)
-        self.k_pos[n:].fill_(PAD_POSITION)
-        self.read_slots[:n].copy_(grp.read_slots)
-        self.read_slots[n:].zero_()
-        self.write.copy_(grp.write)
+def batch_buckets(max_batch: int) -> tuple[int, ...]:
+    """The batch ladder: powers of two below `max_batch`, then `max_batch` itself."""
+    return (*[1 << i for i in range(max_batch.bit_length()) if 1 << i < max_batch], max_batch)
 
 
-class StaticStepKV:
-    """A T-token step of some session, in fixed-size buffers (the `LayerKV` the model reads)."""
-
-    def __init__(self, kv: PagedSessionKV, buckets: tuple[int, ...], tokens: int) -> None:
-        dev = kv.pool.device
-        self.pool, self.policy, self.rolling = kv.pool, kv.policy, kv.policy.rolling
-        self.layer_group = kv.layer_group
-        self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
-        self.groups = [StaticReads(b, tokens, dev) for b in buckets]
-
-    @property
-    def k_pos(self) -> torch.Tensor:
-        return self.groups[0].k_pos
-
-    def load(self, kv: PagedSessionKV) -> None:
-        """Copy a planned step (after `kv.begin(T)`) into the buffers; the rest stays padding."""
-        self.q_pos.copy_(kv.q_pos)
-        for static, grp in zip(self.groups, kv.groups, strict=True):
-            static.load(grp)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
-        grp = self.groups[self.layer_group[layer]]
-        kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        kf.index_copy_(0, grp.write, k.to(kf.dtype))
-        vf.index_copy_(0, grp.write, v.to(vf.dtype))
-        return PagedKeys(kf, vf, grp.read_slots, grp.k_pos)
-
-
-MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first)
-MAX_GRAPH_POLICIES = 4  # distinct window policies served from graphs at a time; others run eagerly
-POLICY_IDLE_RUNS = 1000  # graphable steps without an admitted policy before a new one may take its place
-
-PolicyKey = tuple[str | None, int | None, int]
+def batch_bucket(n: int, ladder: tuple[int, ...]) -> int:
+    """The smallest bucket of the ladder that holds n sessions (n <= the ladder's last)."""
+    return next(b for b in ladder if b >= n)
 
 
 def policy_key(policy: WindowPolicy) -> PolicyKey:
@@ -106,12 +86,87 @@ def policy_key(policy: WindowPolicy) -> PolicyKey:
     return (policy.mode, policy.window, policy.sinks if policy.window is not None else 0)
 
 
+def _policy_order(p: PolicyKey) -> tuple[str, int, int]:
+    return (p[0] or "", -1 if p[1] is None else p[1], p[2])
+
+
+@dataclass(frozen=True)
+class Part:
+    """The sessions of one window policy in a step: their slots (a batch bucket) and key buckets (per group)."""
+
+    policy: PolicyKey
+    batch: int
+    keys: tuple[int, ...]
+
+
+GraphKey = tuple[int, bool, tuple[Part, ...]]  # (width W, any all-rows session, the parts in policy order)
+
+
+class StaticReads:
+    """The keys one layer group reads in a step, in fixed-size buffers: positions and slots [bucket], and the
+    slots [W] the step writes."""
+
+    def __init__(self, bucket: int, tokens: int, dev: torch.device) -> None:
+        self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
+        self.k_pos[0] = 0  # warm-up (no session loaded): read the key the step writes to slot 0, not none
+        self.read_slots = torch.zeros(bucket, dtype=torch.long, device=dev)
+        self.write = torch.zeros(tokens, dtype=torch.long, device=dev)
+
+    def load(self, grp: GroupKV, w: int) -> None:
+        n = grp.k_pos.shape[0]
+        self.k_pos[:n].copy_(grp.k_pos)
+        self.k_pos[n:].fill_(PAD_POSITION)
+        self.read_slots[:n].copy_(grp.read_slots)
+        self.read_slots[n:].zero_()
+        self.write[:w].copy_(grp.write)
+        if w < self.write.shape[0]:  # padding rows write their copy of the last row to the last row's slot
+            self.write[w:].copy_(grp.write[w - 1:w].expand(self.write.shape[0] - w))
+
+
+class StaticStepKV:
+    """A W-token step of some session of one policy, in fixed-size buffers (the `LayerKV` the model reads)."""
+
+    def __init__(self, pool: KVPool, policy: WindowPolicy, buckets: tuple[int, ...], tokens: int,
+                 srcs: torch.Tensor) -> None:
+        dev = pool.device
+        self.pool, self.policy, self.rolling = pool, policy, policy.rolling
+        self.layer_group = pool.layer_group
+        self.tokens, self.srcs = tokens, srcs  # srcs [W, W]: row w-1 maps each row to its source (w real rows)
+        self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
+        self.src = srcs[tokens - 1].clone()  # [W] the row each row's key/value is written from
+        self.groups = [StaticReads(b, tokens, dev) for b in buckets]
+
+    @property
+    def k_pos(self) -> torch.Tensor:
+        return self.groups[0].k_pos
+
+    def load(self, kv: PagedSessionKV, w: int) -> None:
+        """Copy a planned step of w tokens (after `kv.begin(w)`) into the buffers; the rest stays padding."""
+        self.q_pos[:w].copy_(kv.q_pos)
+        if w < self.tokens:  # padding rows sit at the last token's position
+            self.q_pos[w:].copy_(kv.q_pos[w - 1:w].expand(self.tokens - w))
+        if self.tokens > 1:
+            self.src.copy_(self.srcs[w - 1])
+        for static, grp in zip(self.groups, kv.groups, strict=True):
+            static.load(grp, w)
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
+        grp = self.groups[self.layer_group[layer]]
+        kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
+        vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
+        if self.tokens > 1:  # padding rows take the last real row's key/value: duplicate writes are identical
+            k, v = k.index_select(0, self.src), v.index_select(0, self.src)
+        kf.index_copy_(0, grp.write, k.to(kf.dtype))
+        vf.index_copy_(0, grp.write, v.to(vf.dtype))
+        return PagedKeys(kf, vf, grp.read_slots, grp.k_pos)
+
+
 @dataclass
 class _Entry:
-    kvs: list[StaticStepKV]
-    ids: torch.Tensor  # [N] the sessions' tokens, concatenated
-    rows: torch.Tensor | None  # [R] the rows whose logits are wanted (None: all)
-    logits: torch.Tensor | None = None  # [n, V] or [N, V], written by each replay
+    kvs: list[StaticStepKV]  # [S] the slots, part after part
+    ids: torch.Tensor  # [S * W] the slots' tokens, concatenated
+    rows: torch.Tensor | None  # [S] the row whose logits each slot wants (None: every row)
+    logits: torch.Tensor | None = None  # [S, V] or [S * W, V], written by each replay
     graph: torch.cuda.CUDAGraph | None = None
     failed: bool = False  # capture failed once: this step shape runs eagerly from now on
 
@@ -130,25 +185,34 @@ def rows_of(widths: list[int], all_rows: list[bool]) -> list[int]:
 
 
 def graphable(widths: list[int]) -> bool:
-    """Whether a step of sessions taking these numbers of tokens can be replayed from a graph."""
-    return 0 < len(widths) <= MAX_GRAPH_BATCH and all(0 < w <= MAX_GRAPH_TOKENS for w in widths)
+    """Whether sessions taking these numbers of tokens may run from a graph (`DecodeGraphs.run` also needs at
+    most `max_batch` of them, and admitted policies)."""
+    return len(widths) > 0 and all(0 < w <= MAX_GRAPH_TOKENS for w in widths)
 
 
 class DecodeGraphs:
-    def __init__(self, model: CausalLM, capture: bool) -> None:
-        self.model, self.capture = model, capture
-        self._entries: dict[tuple, _Entry] = {}
+    def __init__(self, model: CausalLM, capture: bool, max_batch: int = 64) -> None:
+        self.model, self.capture, self.max_batch = model, capture, max_batch
+        self.ladder = batch_buckets(max_batch)
+        self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()  # LRU first
         self._policies: OrderedDict[PolicyKey, int] = OrderedDict()  # admitted policy -> last run, LRU first
         self.runs = 0  # graphable steps seen (served from graphs, or refused for their policies)
         self.created = 0  # entries built: graphs captured, or on a CPU what would have been captured
+
+    @classmethod
+    def start(cls, model: CausalLM, pool: KVPool, max_batch: int, capture: bool) -> DecodeGraphs:
+        """The engine's graphs; on CUDA the decode graphs of every batch bucket are captured now (`warm_up`)."""
+        graphs = cls(model, capture, max_batch)
+        if capture:
+            graphs.warm_up(pool)
+        return graphs
 
     @property
     def captured(self) -> int:
         return sum(1 for e in self._entries.values() if e.graph is not None)
 
-    def entry_keys(self) -> list[tuple]:
-        """The cached entries' keys (group 0's bucket, widths, all_rows, policy keys, the other groups' buckets),
-        least recently used first."""
+    def entry_keys(self) -> list[GraphKey]:
+        """The cached entries' keys (W, all rows, parts), least recently used first."""
         return list(self._entries)
 
     def _admit(self, policies: set[PolicyKey]) -> bool:
@@ -164,53 +228,128 @@ class DecodeGraphs:
                 return False
             for old in idle[:max(0, len(new) - free)]:
                 del self._policies[old]
-                for key in [k for k in self._entries if old in k[3]]:
+                for key in [k for k in self._entries if any(part.policy == old for part in k[2])]:
                     del self._entries[key]
         for p in policies:
             self._policies[p] = self.runs
             self._policies.move_to_end(p)
         return True
 
+    def _entry(self, key: GraphKey, pool: KVPool, policies: dict[PolicyKey, WindowPolicy]) -> _Entry:
+        """The cached entry of `key` (now the most recently used), or a new one (the LRU entry dropped if full)."""
+        entry = self._entries.pop(key, None)
+        if entry is None:
+            while len(self._entries) >= MAX_GRAPHS:
+                self._entries.popitem(last=False)
+            self.created += 1
+            width, all_logits, parts = key
+            dev = pool.device
+            srcs = torch.tensor([[min(j, w) for j in range(width)] for w in range(width)], device=dev)  # [W, W]
+            kvs = [StaticStepKV(pool, policies[p.policy], p.keys, width, srcs) for p in parts for _ in range(p.batch)]
+            entry = _Entry(kvs, torch.zeros(len(kvs) * width, dtype=torch.long, device=dev),
+                           None if all_logits else torch.arange(len(kvs), device=dev) * width + width - 1)
+        self._entries[key] = entry
+        return entry
+
+    def warm_up(self, pool: KVPool, policy: WindowPolicy | None = None) -> list[GraphKey]:
+        """Build (on CUDA: capture) the decode graphs of every batch bucket: width 1, `policy` (default: no
+        window), the smallest key bucket. Before any session exists: the padding writes land on free pages.
+        -> the keys built. Stops after WARM_UP_SECONDS; the rest are captured when first needed."""
+        policy = policy or WindowPolicy()
+        pk = policy_key(policy)
+        if not self._admit({pk}):
+            return []
+        keys: list[GraphKey] = []
+        t0 = time.perf_counter()
+        log.info("capturing decode CUDA graphs for batch buckets %s", list(self.ladder) if self.capture else [])
+        for b in self.ladder:
+            if time.perf_counter() - t0 > WARM_UP_SECONDS:
+                log.warning("CUDA graph warm-up stopped after %.0fs at batch %d", WARM_UP_SECONDS, b)
+                break
+            key: GraphKey = (1, False, (Part(pk, b, (MIN_BUCKET,) * len(pool.groups)),))
+            entry = self._entry(key, pool, {pk: policy})
+            keys.append(key)
+            if self.capture and entry.graph is None and not entry.failed:
+                try:
+                    self._capture(entry)
+                except Exception as e:
+                    log.warning("CUDA graph capture failed for batch %d, running it eagerly: %s", b, e)
+                    entry.failed, entry.graph = True, None
+        if self.capture:
+            log.info("captured %d decode CUDA graphs in %.1fs", self.captured, time.perf_counter() - t0)
+        return keys
+
     def run(self, kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool]) -> torch.Tensor | None:
         """The logits of a planned step (after `kv.begin`) of the sessions `kvs` over `ids` (`graphable`
         widths): [R, V], for each session its last token, or all its tokens where `all_rows` (draft
-        verification); None when the step's window policies are not served from graphs (run it eagerly).
-        The caller commits or aborts each session's step."""
-        widths = tuple(len(i) for i in ids)
-        assert graphable(list(widths))
-        policies = tuple(policy_key(kv.policy) for kv in kvs)
-        self.runs += 1  # every graphable step counts, served or not: admitted policies nobody uses age out
-        if not self._admit(set(policies)):
+        verification); None when the step runs eagerly (more than `max_batch` sessions, or window policies
+        graphs do not serve now). The caller commits or aborts each session's step."""
+        widths = [len(i) for i in ids]
+        assert graphable(widths)
+        if len(kvs) > self.max_batch:
             return None
-        buckets = tuple(bucket_for(max(kv.groups[g].k_pos.shape[0] for kv in kvs)) for g in range(len(kvs[0].groups)))
-        key = (buckets[0], widths, tuple(all_rows), policies, buckets[1:])
-        entry = self._entries.pop(key, None)  # re-inserted below: the dict's order is the LRU order
-        if entry is None:
-            if len(self._entries) >= MAX_GRAPHS:
-                self._entries.pop(next(iter(self._entries)))
-            self.created += 1
-            dev = kvs[0].pool.device
-            entry = _Entry([StaticStepKV(kv, buckets, w) for kv, w in zip(kvs, widths, strict=True)],
-                           torch.zeros(sum(widths), dtype=torch.long, device=dev),
-                           None if all(all_rows) else torch.tensor(rows_of(list(widths), all_rows), device=dev))
-        self._entries[key] = entry
-        for static, kv in zip(entry.kvs, kvs, strict=True):
-            static.load(kv)
-        entry.ids.copy_(torch.tensor([t for i in ids for t in i], dtype=torch.long))
+        self.runs += 1  # every graphable step counts, served or not: admitted policies nobody uses age out
+        pkeys = [policy_key(kv.policy) for kv in kvs]
+        if not self._admit(set(pkeys)):
+            return None
+        by_policy: dict[PolicyKey, list[int]] = {}
+        for i, p in enumerate(pkeys):
+            by_policy.setdefault(p, []).append(i)
+        order = sorted(by_policy, key=_policy_order)
+        width, all_logits = max(widths), any(all_rows)
+        parts = tuple(Part(p, batch_bucket(len(by_policy[p]), self.ladder),
+                           tuple(bucket_for(max(kvs[i].groups[g].k_pos.shape[0] for i in by_policy[p]))
+                                 for g in range(len(kvs[0].groups)))) for p in order)
+        key: GraphKey = (width, all_logits, parts)
+        entry = self._entry(key, kvs[0].pool, {p: kvs[by_policy[p][0]].policy for p in order})
+        wanted = self._load(entry, parts, by_policy, kvs, ids, all_rows)
+        logits = self._replay(entry, key, lambda: self._load(entry, parts, by_policy, kvs, ids, all_rows))
+        pick = torch.tensor([r for rows in wanted for r in rows], dtype=torch.long, device=logits.device)
+        return logits.index_select(0, pick)  # [R, V] in the sessions' order (a copy: the buffers are reused)
+
+    @staticmethod
+    def _load(entry: _Entry, parts: tuple[Part, ...], by_policy: dict[PolicyKey, list[int]],
+              kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool]) -> list[list[int]]:
+        """Copy the step into the entry's buffers -> per session its rows of the replay's logits."""
+        width, all_logits = entry.ids.shape[0] // len(entry.kvs), entry.rows is None
+        flat: list[int] = []
+        wanted: list[list[int]] = [[] for _ in kvs]
+        slot_rows: list[int] = []  # per slot: the row of its last token among all S * W
+        slot = 0
+        for part in parts:
+            idx = by_policy[part.policy]
+            pad = part.batch - len(idx)
+            for j in range(part.batch):  # padding slots first, each a copy of the part's first session
+                i = idx[max(0, j - pad)]
+                w = len(ids[i])
+                entry.kvs[slot].load(kvs[i], w)
+                flat += ids[i] + [ids[i][-1]] * (width - w)
+                slot_rows.append(slot * width + w - 1)
+                if j >= pad:  # logits: [S * W, V] with every row, else [S, V] with each slot's last
+                    wanted[i] = (list(range(slot * width, slot * width + w)) if all_rows[i]
+                                 else [slot * width + w - 1] if all_logits else [slot])
+                slot += 1
+        entry.ids.copy_(torch.tensor(flat, dtype=torch.long))
+        if entry.rows is not None:
+            entry.rows.copy_(torch.tensor(slot_rows, dtype=torch.long))
+        return wanted
+
+    def _replay(self, entry: _Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
+        """Run the loaded entry: eagerly (a CPU, or a shape whose capture failed), or from its graph (captured
+        now the first time) -> its logits (the graph's output buffer)."""
         if not self.capture or entry.failed:
             return entry.forward(self.model)
         if entry.graph is None:
             try:
                 self._capture(entry)
             except Exception as e:  # e.g. an op that syncs to the host: run this shape eagerly for good
-                log.warning("CUDA graph capture failed for %s, running it eagerly: %s", key[:3], e)
+                log.warning("CUDA graph capture failed for %s, running it eagerly: %s", key[:2], e)
                 entry.failed, entry.graph = True, None
-                for static, kv in zip(entry.kvs, kvs, strict=True):
-                    static.load(kv)  # the failed capture may have left the buffers half-written
+                reload()  # the failed capture may have left the buffers half-written
                 return entry.forward(self.model)
         assert entry.graph is not None and entry.logits is not None
         entry.graph.replay()
-        return entry.logits.clone()
+        return entry.logits
 
     def _capture(self, entry: _Entry) -> None:
         # warm up on a side stream (Triton compiles, allocator settles), then capture; the warm-up writes
