@@ -103,14 +103,11 @@ GraphKey = tuple[int, bool, tuple[Part, ...]]  # (width W, any all-rows session,
 
 
 class StaticReads:
-    """The keys one layer group reads in a step, in fixed-size buffers: positions and slots [bucket], and the
-    slots [W] the step writes."""
+    """The keys one layer group reads in a step, in fixed-size buffers (rows of its part's): positions and
+    slots [bucket], and the slots [W] the step writes."""
 
-    def __init__(self, bucket: int, tokens: int, dev: torch.device) -> None:
-        self.k_pos = torch.full((bucket,), PAD_POSITION, dtype=torch.long, device=dev)
-        self.k_pos[0] = 0  # warm-up (no session loaded): read the key the step writes to slot 0, not none
-        self.read_slots = torch.zeros(bucket, dtype=torch.long, device=dev)
-        self.write = torch.zeros(tokens, dtype=torch.long, device=dev)
+    def __init__(self, k_pos: torch.Tensor, read_slots: torch.Tensor, write: torch.Tensor) -> None:
+        self.k_pos, self.read_slots, self.write = k_pos, read_slots, write
 
     def load(self, grp: GroupKV, w: int) -> None:
         n = grp.k_pos.shape[0]
@@ -126,15 +123,12 @@ class StaticReads:
 class StaticStepKV:
     """A W-token step of some session of one policy, in fixed-size buffers (the `LayerKV` the model reads)."""
 
-    def __init__(self, pool: KVPool, policy: WindowPolicy, buckets: tuple[int, ...], tokens: int,
-                 srcs: torch.Tensor) -> None:
-        dev = pool.device
+    def __init__(self, pool: KVPool, policy: WindowPolicy, srcs: torch.Tensor, q_pos: torch.Tensor,
+                 src: torch.Tensor, groups: list[StaticReads]) -> None:
         self.pool, self.policy, self.rolling = pool, policy, policy.rolling
         self.layer_group = pool.layer_group
-        self.tokens, self.srcs = tokens, srcs  # srcs [W, W]: row w-1 maps each row to its source (w real rows)
-        self.q_pos = torch.zeros(tokens, dtype=torch.long, device=dev)
-        self.src = srcs[tokens - 1].clone()  # [W] the row each row's key/value is written from
-        self.groups = [StaticReads(b, tokens, dev) for b in buckets]
+        self.tokens, self.srcs = q_pos.shape[0], srcs  # srcs [W, W]: row w-1 maps each row to its source row
+        self.q_pos, self.src, self.groups = q_pos, src, groups  # [W], [W], per layer group
 
     @property
     def k_pos(self) -> torch.Tensor:
@@ -161,8 +155,33 @@ class StaticStepKV:
         return PagedKeys(kf, vf, grp.read_slots, grp.k_pos)
 
 
+class StaticPart:
+    """The buffers of one part's B slots, each field one [B, ...] tensor (a slot's are its rows), so that the
+    padding slots copy the first real one with one copy per field."""
+
+    def __init__(self, pool: KVPool, policy: WindowPolicy, part: Part, width: int, srcs: torch.Tensor) -> None:
+        dev, b = pool.device, part.batch
+        self.q_pos = torch.zeros(b, width, dtype=torch.long, device=dev)
+        self.src = srcs[width - 1].repeat(b, 1)  # [B, W] the row each row's key/value is written from
+        self.k_pos = [torch.full((b, n), PAD_POSITION, dtype=torch.long, device=dev) for n in part.keys]
+        for k_pos in self.k_pos:  # warm-up (no session loaded): read the key the step writes to slot 0, not none
+            k_pos[:, 0] = 0
+        self.read_slots = [torch.zeros(b, n, dtype=torch.long, device=dev) for n in part.keys]
+        self.write = [torch.zeros(b, width, dtype=torch.long, device=dev) for _ in part.keys]
+        self.slots = [StaticStepKV(pool, policy, srcs, self.q_pos[j], self.src[j],
+                                   [StaticReads(k[j], r[j], w[j])
+                                    for k, r, w in zip(self.k_pos, self.read_slots, self.write, strict=True)])
+                      for j in range(b)]
+
+    def pad(self, n: int) -> None:
+        """Slots [0, n) become copies of slot n (a loaded real session)."""
+        for t in (self.q_pos, self.src, *self.k_pos, *self.read_slots, *self.write):
+            t[:n].copy_(t[n:n + 1].expand(n, -1))
+
+
 @dataclass
 class _Entry:
+    parts: list[StaticPart]
     kvs: list[StaticStepKV]  # [S] the slots, part after part
     ids: torch.Tensor  # [S * W] the slots' tokens, concatenated
     rows: torch.Tensor | None  # [S] the row whose logits each slot wants (None: every row)
@@ -245,8 +264,9 @@ class DecodeGraphs:
             width, all_logits, parts = key
             dev = pool.device
             srcs = torch.tensor([[min(j, w) for j in range(width)] for w in range(width)], device=dev)  # [W, W]
-            kvs = [StaticStepKV(pool, policies[p.policy], p.keys, width, srcs) for p in parts for _ in range(p.batch)]
-            entry = _Entry(kvs, torch.zeros(len(kvs) * width, dtype=torch.long, device=dev),
+            statics = [StaticPart(pool, policies[p.policy], p, width, srcs) for p in parts]
+            kvs = [slot for part in statics for slot in part.slots]
+            entry = _Entry(statics, kvs, torch.zeros(len(kvs) * width, dtype=torch.long, device=dev),
                            None if all_logits else torch.arange(len(kvs), device=dev) * width + width - 1)
         self._entries[key] = entry
         return entry
@@ -316,19 +336,22 @@ class DecodeGraphs:
         wanted: list[list[int]] = [[] for _ in kvs]
         slot_rows: list[int] = []  # per slot: the row of its last token among all S * W
         slot = 0
-        for part in parts:
+        for part, static in zip(parts, entry.parts, strict=True):
             idx = by_policy[part.policy]
             pad = part.batch - len(idx)
             for j in range(part.batch):  # padding slots first, each a copy of the part's first session
                 i = idx[max(0, j - pad)]
                 w = len(ids[i])
-                entry.kvs[slot].load(kvs[i], w)
+                if j >= pad:
+                    static.slots[j].load(kvs[i], w)
                 flat += ids[i] + [ids[i][-1]] * (width - w)
                 slot_rows.append(slot * width + w - 1)
                 if j >= pad:  # logits: [S * W, V] with every row, else [S, V] with each slot's last
                     wanted[i] = (list(range(slot * width, slot * width + w)) if all_rows[i]
                                  else [slot * width + w - 1] if all_logits else [slot])
                 slot += 1
+            if pad:
+                static.pad(pad)
         entry.ids.copy_(torch.tensor(flat, dtype=torch.long))
         if entry.rows is not None:
             entry.rows.copy_(torch.tensor(slot_rows, dtype=torch.long))
