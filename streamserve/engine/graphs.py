@@ -23,9 +23,11 @@ row, which could leave NaN in the pool).
 
 The key of a graph is (W, whether any session wants all its rows' logits, per part: its window policy, batch
 bucket and key buckets): no client input enters it unbucketed, and at most `MAX_GRAPHS` entries are kept
-(least recently used dropped first). Window policies are part of it because attention takes a session's
-position mode, window and sinks as Python constants, baked into a capture; sinks without a window change
-nothing and are left out (`policy_key`). Clients choose windows freely, so graphs serve at most
+(least recently used dropped first; the start-up warm-up's `len(batch_buckets(max_batch))` entries included).
+A steady workload uses few keys: W is 1 for plain decode, each part's batch bucket is one of at most
+log2(max_batch) + 2 values and its key buckets grow by doublings with the context. Window policies are part
+of the key because attention takes a session's position mode, window and sinks as Python constants, baked into
+a capture; sinks without a window change nothing and are left out (`policy_key`). Clients choose windows freely, so graphs serve at most
 `MAX_GRAPH_POLICIES` policies at a time: a step of any other policy runs eagerly (`run` returns None), and
 an admitted policy gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graphable steps
 without it (refused steps count too). A flood of distinct batch sizes or windows can therefore neither grow
