@@ -27,13 +27,13 @@ bucket and key buckets): no client input enters it unbucketed, and at most `MAX_
 A steady workload uses few keys: W is 1 for plain decode, each part's batch bucket is one of at most
 log2(max_batch) + 2 values and its key buckets grow by doublings with the context. Window policies are part
 of the key because attention takes a session's position mode, window and sinks as Python constants, baked into
-a capture; sinks without a window change nothing and are left out (`policy_key`). Clients choose windows freely, so graphs serve at most
-`MAX_GRAPH_POLICIES` policies at a time: a step of any other policy runs eagerly (`run` returns None), and
-an admitted policy gives its place (and its graphs) to a new one only after `POLICY_IDLE_RUNS` graphable steps
-without it (refused steps count too). A flood of distinct batch sizes or windows can therefore neither grow
-the cache past `MAX_GRAPHS` nor force a capture per step. Per replay the step's ids, positions, slots and
-logit rows are copied into the static buffers, the graph runs, the wanted logits are gathered; nothing in a
-captured step syncs to the host.
+a capture; sinks without a window change nothing and are left out (`policy_key`). Clients choose windows
+freely, so graphs serve at most `MAX_GRAPH_POLICIES` policies at a time: a step of any other policy runs
+eagerly (`run` returns None), and an admitted policy gives its place (and its graphs) to a new one only
+after `POLICY_IDLE_RUNS` graphable steps without it (refused steps count too). A flood of distinct batch sizes
+or windows can therefore neither grow the cache past `MAX_GRAPHS` nor force a capture per step. Per replay
+the step's ids, positions, slots and logit rows are copied into the static buffers, the graph runs, the wanted
+logits are gathered; nothing in a captured step syncs to the host.
 
 On CUDA `warm_up` captures the decode graphs (W 1, the default policy, key buckets of a short context) of
 every batch bucket at start-up; other shapes are captured the first time they run. On a CPU there is nothing
