@@ -1,21 +1,39 @@
 """The prepared GPU check: every Triton kernel against its reference on the device, then timings.
 
-    python benchmarks/gpu_check.py                  # on a CUDA machine; about 3 minutes on one H200
-    python benchmarks/gpu_check.py --write-configs  # also tune moe_gemv blocks and the gemv/grouped crossover
+    python benchmarks/gpu_check.py                  # on a CUDA machine; about 6 minutes on one H200
+    python benchmarks/gpu_check.py --write-configs  # also tune launch configs (about 1.5 minutes more)
     python benchmarks/gpu_check.py --smoke          # tiny shapes on a CPU (Triton interpreter): checks the script
+    python benchmarks/gpu_check.py --sections correctness,quant_gemv   # a rerun of some sections only
+    python benchmarks/gpu_check.py --json-out $OUT/gpu_check.json     # results kept after every section
 
-1. Correctness on the device (relative error to a float64 reference): moe_gemv (bf16, int8), decode
-   attention (absolute, window + sinks, rolling), append attention.
-2. MoE at T = 1, 2, 4, 8 for Qwen3-30B-A3B shapes (E 128, top-8, D 2048, I 768) and Mixtral shapes
+Sections (estimated H200 seconds, Triton compiles included; each section's measured time is in the JSON's
+"section_seconds", and a section that raises is recorded in "errors" and "failed_checks" while the rest run):
+1. correctness (~20 s): relative error to a float64 / fp32 reference on the device: moe_gemv (bf16, int8),
+   decode attention (absolute, window + sinks, rolling), append attention. correctness_quant_gemv (~10 s):
+   quant_linear (int8 per channel, int4 group 32; M = 1, 4, 16, bf16 rows) against quant_linear_reference in
+   float64. correctness_batch_attention (~10 s): one batch_attention launch over a mixed batch (absolute +
+   rolling, windows + sinks, 1..10^6 positions, 1..8 queries; pages of 1 and 16; bf16, fp32) against
+   batch_attention_reference. sampler (~5 s): the race noise on CUDA equals the CPU's bit for bit, sample_rows
+   draws the CPU's tokens, and queues its rows with no host sync (sync debug mode "error").
+2. moe (~30 s): MoE at T = 1, 2, 4, 8 for Qwen3-30B-A3B shapes (E 128, top-8, D 2048, I 768) and Mixtral shapes
    (E 8, top-2, D 4096, I 14336), bf16: moe_gemv vs the torch grouped path vs the torch gather path, as
    GB/s of expert weights read and as a fraction of the measured device-to-device copy bandwidth
-   (target >= 0.70 at T = 1).
-3. Decode attention GB/s (keys + values read) at 1k / 8k / 32k windows, bf16, 32 query / 4 KV heads, hd 128.
-4. End to end: decode tokens/s of a random Qwen3-30B-A3B-shaped model cut to 8 layers (the full 48
+   (target >= 0.70 at T = 1); moe_int8: moe_gemv on int8 experts + scales at T = 1, 8, likewise.
+3. quant_gemv (~25 s): M = 1 dense projections of SmolLM2-1.7B ([2048, 2048], [8192, 2048], [2048, 8192]) and
+   a 7B Llama ([4096, 4096], [11008, 4096], [4096, 11008]): int8 and int4 quant_linear vs a bf16 matmul, GB/s
+   of weight bytes (codes + scales) and fraction of the copy bandwidth (weights cycled so L2 holds none).
+4. decode_attention (~10 s): GB/s (keys + values read) at 1k / 8k / 32k windows, bf16, 32 q / 4 KV heads, hd 128.
+   batch_attention (~25 s): one launch for B = 1, 8, 32, 64 decoding sessions (1k..8k keys, bf16, 32 q / 8 KV
+   heads, hd 128, pages of 16) vs B launches of the per-session decode kernel (the engine today), per layer.
+5. end_to_end (~240 s): decode tokens/s of a random Qwen3-30B-A3B-shaped model cut to 8 layers (the full 48
    layers do not change per-layer figures and would take most of the time budget to build):
    kernels="triton" with and without CUDA graphs, and kernels="torch", at batch 1 (one session) and
-   batch 2, 4, 8 (sessions decoding in the same engine steps; aggregate tokens/s).
-Prints a table and one JSON line last.
+   batch 2, 4, 8, 32, 64 (sessions decoding in the same engine steps; aggregate tokens/s); the same with
+   quantize="int8" (Triton, graphs) at batch 1 and 8. Steps served by graphs vs run eagerly are counted
+   (graphs take at most MAX_GRAPH_BATCH = 8 sessions: larger steps run eagerly).
+--write-configs (~90 s): moe_gemv blocks, the gemv/grouped crossover, and quant_gemv's block_n / block_k /
+   split_k per dense shape (int8, int4; M = 1, bf16) into kernels/configs/launch.json.
+Prints a table and one JSON line last; exits non-zero when a check failed.
 """
 
 from __future__ import annotations
@@ -23,10 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
+import traceback
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -36,6 +55,9 @@ SMOKE = "--smoke" in sys.argv
 if SMOKE:  # the interpreter must be chosen before triton compiles anything
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import gpu_check_parts as parts  # noqa: E402  (after the interpreter is chosen: it imports kernels)
+from gpu_check_parts import rel, timeit  # noqa: E402
+
 from streamserve.kernels import reference as ref  # noqa: E402
 from streamserve.kernels.append_attention import append_attention  # noqa: E402
 from streamserve.kernels.decode_attention import decode_attention  # noqa: E402
@@ -44,30 +66,7 @@ from streamserve.kernels.moe_gemv import moe_gemv, quantize_int8  # noqa: E402
 MOE_SHAPES = {"qwen3-30b-a3b": (128, 8, 2048, 768), "mixtral-8x7b": (8, 2, 4096, 14336)}  # E, k, D, I
 SMOKE_MOE = {"tiny": (8, 2, 64, 48)}
 # relative error allowed, by the last word of a check's name (bf16 / int8 ones vs fp32 ones)
-TOLERANCE = {"bf16": 3e-2, "int8": 3e-2, "attention": 1e-4, "window": 1e-4, "rolling": 1e-4}
-
-
-def timeit(fn, reps: int, device: torch.device) -> float:
-    """Median seconds per call."""
-    fn()
-    times = []
-    for _ in range(reps):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def rel(out: torch.Tensor, expected: torch.Tensor) -> float:
-    return float((out.double() - expected.double()).norm() / expected.double().norm())
+TOLERANCE = {"bf16": 3e-2, "int8": 3e-2, "fp32": 1e-4, "attention": 1e-4, "window": 1e-4, "rolling": 1e-4}
 
 
 def copy_bandwidth(device: torch.device, reps: int) -> float:
@@ -166,6 +165,11 @@ def bench_attention(device: torch.device, reps: int, windows: tuple[int, ...]) -
     return res
 
 
+BATCHES = (1, 2) if SMOKE else (1, 2, 4, 8, 32, 64)  # the interpreter is slow: the smoke run checks two sizes
+INT8_BATCHES = (1, 2) if SMOKE else (1, 8)
+PROMPT = 8 if SMOKE else 128  # tokens per session's prompt (a 128-token prefill takes ~20 s in the interpreter)
+
+
 def bench_end_to_end(device: torch.device, layers: int, new: int) -> dict:
     from streamserve import Engine
     from streamserve.tools.random_checkpoint import make_random_checkpoint
@@ -177,42 +181,53 @@ def bench_end_to_end(device: torch.device, layers: int, new: int) -> dict:
     if SMOKE:
         shape.update(vocab_size=512, hidden_size=64, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                      num_experts=8, moe_intermediate_size=32, intermediate_size=64)
-    res: dict = {"layers": layers}
+    res: dict = {"layers": layers, "prompt_tokens": PROMPT, "new_tokens": new, "steps": {}}
     tokens: dict[str, list] = {}
+    runs = (("triton_graphs", "triton", "on", "none", BATCHES), ("triton", "triton", "off", "none", BATCHES),
+            ("torch", "torch", "off", "none", BATCHES), ("int8_triton_graphs", "triton", "on", "int8", INT8_BATCHES))
     with tempfile.TemporaryDirectory() as tmp:
         make_random_checkpoint(Path(tmp), "qwen3_moe", **shape)
-        for label, kernels, graphs in (("triton_graphs", "triton", "on"), ("triton", "triton", "off"),
-                                       ("torch", "torch", "off")):
+        for label, kernels, graphs, quantize, batches in runs:
             engine = Engine.from_pretrained(tmp, device=device, dtype="bfloat16", kernels=kernels, cuda_graphs=graphs,
-                                            kv_memory="64MiB" if SMOKE else "2GiB")
-            for batch in BATCHES:
-                tok_s, tokens[f"{label}_b{batch}"] = batched_decode(engine, batch, new)
+                                            quantize=quantize, kv_memory="64MiB" if SMOKE else "2GiB")
+            for batch in batches:
+                tok_s, tokens[f"{label}_b{batch}"], res["steps"][f"{label}_b{batch}"] = batched_decode(
+                    engine, batch, new)
                 key = f"{label}_decode_tok_s" if batch == 1 else f"{label}_b{batch}_decode_tok_s"
                 res[key] = round(tok_s, 1)
+                print(f"end to end {label} batch {batch}: {res[key]} tok/s, steps "
+                      f"{res['steps'][f'{label}_b{batch}']}", file=sys.stderr)
+            if engine.graphs is not None:
+                res[f"{label}_graphs_captured"] = engine.graphs.captured
             engine.shutdown()
             del engine
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
     res["triton_over_torch"] = round(res["triton_decode_tok_s"] / res["torch_decode_tok_s"], 2)
     res["graphs_over_eager"] = round(res["triton_graphs_decode_tok_s"] / res["triton_decode_tok_s"], 2)
     for b in BATCHES[1:]:
         res[f"graphs_over_eager_b{b}"] = round(res[f"triton_graphs_b{b}_decode_tok_s"] /
                                                 res[f"triton_b{b}_decode_tok_s"], 2)
+        res[f"triton_over_torch_b{b}"] = round(res[f"triton_b{b}_decode_tok_s"] / res[f"torch_b{b}_decode_tok_s"], 2)
+    for b in INT8_BATCHES:
+        suffix = "" if b == 1 else f"_b{b}"
+        res[f"int8_over_bf16{suffix}"] = round(res[f"int8_triton_graphs{suffix}_decode_tok_s"] /
+                                               res[f"triton_graphs{suffix}_decode_tok_s"], 2)
     # must hold: same kernels, with and without graphs, at every batch size
     res["graphs_tokens_equal_eager"] = all(tokens[f"triton_graphs_b{b}"] == tokens[f"triton_b{b}"]
                                            for b in BATCHES)
     res["triton_tokens_equal_torch"] = tokens["triton_b1"] == tokens["torch_b1"]  # bf16 rounding may differ
-    print(f"end to end: {res}", file=sys.stderr)
     return res
 
 
-BATCHES = (1, 2) if SMOKE else (1, 2, 4, 8)  # the interpreter is slow: the smoke run checks two sizes
-
-
-def batched_decode(engine, batch: int, new: int) -> tuple[float, list[list[int]]]:
-    """`batch` sessions (128-token prompts) decode `new` tokens each in the same engine steps;
-    -> aggregate tokens/s and each session's tokens."""
+def batched_decode(engine, batch: int, new: int) -> tuple[float, list[list[int]], dict[str, int]]:
+    """`batch` sessions (PROMPT-token prompts) decode `new` tokens each in the same engine steps;
+    -> aggregate tokens/s, each session's tokens, and the timed steps: "graph" (served by the engine's CUDA
+    graphs: replayed on CUDA, on a CPU the same static-buffer step run eagerly; a shape whose capture failed
+    also counts here but runs eagerly: see "<label>_graphs_captured") and "eager" (the model's own forward)."""
     sessions = [engine.open_session() for _ in range(batch)]
     for i, s in enumerate(sessions):
-        s.append(token_ids=[(7 * i + j) % 1000 + 1 for j in range(128)])
+        s.append(token_ids=[(7 * i + j) % 1000 + 1 for j in range(PROMPT)])
 
     def together(n: int) -> list:
         with engine.guard:  # every reply queued before the first step: they decode batched throughout
@@ -221,53 +236,109 @@ def batched_decode(engine, batch: int, new: int) -> tuple[float, list[list[int]]
             st.wait()
         return streams
 
-    together(4)  # warm-up: compiles, and captures this batch size's graphs
+    together(2 if SMOKE else 4)  # warm-up: compiles, and captures this batch size's graphs
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
+    calls, graph_runs = engine.stats()["forward_calls"], engine.graphs.runs if engine.graphs is not None else 0
     t0 = time.perf_counter()
     streams = together(new)
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
+    # every session shares the default window policy, so graphs refuse no graphable step: runs = served
+    graph = (engine.graphs.runs if engine.graphs is not None else 0) - graph_runs
+    steps = {"graph": graph, "eager": engine.stats()["forward_calls"] - calls - graph}
     for s in sessions:
         s.close()
-    return batch * new / seconds, [st.token_ids for st in streams]
+    return batch * new / seconds, [st.token_ids for st in streams], steps
+
+
+def run_sections(sections: list[tuple[str, Callable[[], object]]], res: dict, json_out: Path | None) -> None:
+    """Each section into res[name], timed into res["section_seconds"]; one that raises is recorded in
+    res["errors"] (the device time of the others is not lost). With json_out, the results so far are written
+    there after every section (what a run killed by a time limit had measured)."""
+    for name, fn in sections:
+        t0 = time.perf_counter()
+        try:
+            res[name] = fn()
+        except Exception as e:  # reported in the JSON and as a failed check
+            traceback.print_exc()
+            res.setdefault("errors", {})[name] = f"{type(e).__name__}: {e}"[:500]
+        res.setdefault("section_seconds", {})[name] = round(time.perf_counter() - t0, 1)
+        print(f"{name}: {res.get(name)} ({res['section_seconds'][name]} s)", file=sys.stderr)
+        if json_out is not None:
+            json_out.with_suffix(".partial").write_text(json.dumps(res) + "\n")
+            json_out.with_suffix(".partial").replace(json_out)
+
+
+CHECKS = ("correctness", "correctness_quant_gemv", "correctness_batch_attention")  # {name: relative error}
+SECTIONS = (*CHECKS, "sampler", "copy_gbs", "moe", "moe_int8", "quant_gemv", "decode_attention",
+            "batch_attention", "end_to_end")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--smoke", action="store_true", help="tiny shapes on a CPU under the Triton interpreter")
-    p.add_argument("--write-configs", action="store_true", help="sweep moe_gemv blocks and write launch.json")
+    p.add_argument("--write-configs", action="store_true",
+                   help="sweep moe_gemv and quant_gemv launch configs and write launch.json")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--sections", default=",".join(SECTIONS),
+                   help=f"comma-separated sections to run (default all: {','.join(SECTIONS)}; copy_gbs is measured "
+                        "whenever a bandwidth section needs it)")
+    p.add_argument("--json-out", type=Path, help="also write the results to this file, after every section")
     args = p.parse_args()
     if not args.smoke and not torch.cuda.is_available():
         sys.exit("gpu_check needs a CUDA device; run with --smoke to check the script on a CPU")
+    wanted = args.sections.split(",")
+    if unknown := [w for w in wanted if w not in SECTIONS]:
+        sys.exit(f"unknown sections {unknown}; choose from {','.join(SECTIONS)}")
     device = torch.device("cpu" if args.smoke else "cuda")
     reps = 2 if args.smoke else args.reps
     t0 = time.perf_counter()
     res: dict = {"device": "cpu (smoke)" if args.smoke else torch.cuda.get_device_name(device),
                  "torch": torch.__version__}
-    res["correctness_rel_err"] = check_correctness(device)
-    print(f"correctness: {res['correctness_rel_err']}", file=sys.stderr)
-    res["copy_gbs"] = round(copy_bandwidth(device, reps), 1)
-    res["moe"] = bench_moe(device, res["copy_gbs"], reps, SMOKE_MOE if args.smoke else MOE_SHAPES)
-    res["decode_attention"] = bench_attention(device, reps, (64,) if args.smoke else (1024, 8192, 32768))
-    res["end_to_end"] = bench_end_to_end(device, 2 if args.smoke else 8, 4 if args.smoke else 64)
+
+    def copy_gbs() -> float:
+        return round(copy_bandwidth(device, reps), 1)
+
+    moe_shapes = SMOKE_MOE if args.smoke else MOE_SHAPES
+    sections = {
+        "correctness": partial(check_correctness, device),
+        "correctness_quant_gemv": partial(parts.check_quant_gemv, device),
+        "correctness_batch_attention": partial(parts.check_batch_attention, device),
+        "sampler": partial(parts.check_sampler, device),
+        "copy_gbs": copy_gbs,
+        "moe": lambda: bench_moe(device, res["copy_gbs"], reps, moe_shapes),
+        "moe_int8": lambda: parts.bench_moe_int8(device, res["copy_gbs"], reps, moe_shapes),
+        "quant_gemv": lambda: parts.bench_quant_gemv(device, res["copy_gbs"], reps),
+        "decode_attention": partial(bench_attention, device, reps, (64,) if args.smoke else (1024, 8192, 32768)),
+        "batch_attention": partial(parts.bench_batch_attention, device, reps),
+        "end_to_end": partial(bench_end_to_end, device, 2 if args.smoke else 8, 4 if args.smoke else 64),
+    }
+    if {"moe", "moe_int8", "quant_gemv"} & set(wanted) and "copy_gbs" not in wanted:
+        wanted.append("copy_gbs")
+    order = [(name, fn) for name, fn in sections.items() if name in wanted]
     if args.write_configs:
-        res["tuned"] = write_configs(device, reps)
+        order.append(("tuned", partial(write_configs, device, reps)))
+    run_sections(order, res, args.json_out)
     res["seconds"] = round(time.perf_counter() - t0, 1)
-    failed = [k for k, v in res["correctness_rel_err"].items() if not v < TOLERANCE[k.split("_")[-1]]]
-    if not res["end_to_end"]["graphs_tokens_equal_eager"]:
+    failed = [k for c in CHECKS for k, v in res.get(c, {}).items() if not v < TOLERANCE[k.split("_")[-1]]]
+    failed += [f"sampler_{k}" for k in ("noise_equal", "tokens_equal", "sync_free")
+               if res.get("sampler", {}).get(k) is False]
+    if res.get("end_to_end", {}).get("graphs_tokens_equal_eager") is False:
         failed.append("graphs_tokens_equal_eager")
+    failed += [f"error_in_{name}" for name in res.get("errors", {})]
     res["failed_checks"] = failed
+    if args.json_out is not None:
+        args.json_out.write_text(json.dumps(res) + "\n")
     print(json.dumps(res))
     if failed:
         sys.exit(f"gpu_check: failed checks: {failed}")
 
 
 def write_configs(device: torch.device, reps: int) -> dict:
-    """Measure the moe_gemv / grouped crossover and sweep moe_gemv block sizes at T = 1 for each MoE shape;
-    write both into launch.json."""
+    """Measure the moe_gemv / grouped crossover and sweep moe_gemv block sizes at T = 1 for each MoE shape, and
+    quant_gemv's launch configs per dense shape; write them all into launch.json."""
     from streamserve.kernels import launch_config as lc
 
     table = json.loads(lc.CONFIG_FILE.read_text())
@@ -297,6 +368,7 @@ def write_configs(device: torch.device, reps: int) -> dict:
                    for bi in (16, 32, 64) for bd in (64, 128, 256))
         per_device[f"D{D}_I{inter}"] = {"block_i": best[1], "block_d": best[2]}
         chosen[name] = per_device[f"D{D}_I{inter}"]
+    chosen["quant_gemv"] = parts.tune_quant_gemv(device, reps, table, lc.device_name(device))
     # a smoke run checks the writing without touching the shipped table
     target = Path(tempfile.gettempdir()) / "launch.smoke.json" if SMOKE else lc.CONFIG_FILE
     target.write_text(json.dumps(table, indent=2) + "\n")
