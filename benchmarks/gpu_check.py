@@ -30,7 +30,7 @@ Sections (estimated H200 seconds, Triton compiles included; each section's measu
    kernels="triton" with and without CUDA graphs, and kernels="torch", at batch 1 (one session) and
    batch 2, 4, 8, 32, 64 (sessions decoding in the same engine steps; aggregate tokens/s); the same with
    quantize="int8" (Triton, graphs) at batch 1 and 8. Steps served by graphs vs run eagerly are counted
-   (graphs take at most MAX_GRAPH_BATCH = 8 sessions: larger steps run eagerly).
+   (graphs serve up to the scheduler's max_batch sessions, padded to batch buckets).
 --write-configs (~90 s): moe_gemv blocks, the gemv/grouped crossover, and quant_gemv's block_n / block_k /
    split_k per dense shape (int8, int4; M = 1, bf16) into kernels/configs/launch.json.
 Prints a table and one JSON line last; exits non-zero when a check failed.
