@@ -19,7 +19,6 @@ window + `rewind_reach` tokens, so a session grows only with its global layers; 
 
 from __future__ import annotations
 
-import json
 import logging
 import time
 from collections.abc import Callable, Collection
@@ -40,6 +39,7 @@ from streamserve.engine.loading import (
     model_fingerprint,
     resolve_device,
     resolve_dtype,
+    resolve_eos_ids,
     resolve_kv_bytes,
     resolve_model_path,
 )
@@ -180,13 +180,7 @@ class Engine:
         ops = get_ops(kernels, dev)
         net = load_model(pretrained.checkpoint, cfg, dev, dt, ops, check_mode(quantize))
         log.info("loaded %s (%s) on %s as %s in %.1fs", path, cfg.architecture, dev, dt, time.perf_counter() - t0)
-        eos = list(cfg.eos_token_ids)  # a GGUF file's come from its tokenizer.ggml.eos_token_id
-        gen_cfg = path / "generation_config.json"
-        if path.is_dir() and gen_cfg.exists():
-            g = json.loads(gen_cfg.read_text()).get("eos_token_id")
-            eos += g if isinstance(g, list) else [g] if g is not None else []
-        eos += tokenizer.eos_token_ids
-        eos_ids = tuple(dict.fromkeys(i for i in eos if 0 <= i < cfg.vocab_size))
+        eos_ids = resolve_eos_ids(path, cfg.eos_token_ids, tokenizer.eos_token_ids, cfg.vocab_size)
         engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, scheduler,
                      rewind_reach)
         if cuda_graphs not in ("auto", "on", "off"):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import json
 import os
 import re
 from pathlib import Path
@@ -62,6 +63,19 @@ def resolve_dtype(dtype: str | torch.dtype | None, checkpoint_dtype: str, device
     chosen = _DTYPES.get(checkpoint_dtype, torch.float32)
     # 16-bit matmuls on a CPU are slow and round differently from the GPU kernels: compute in fp32 there
     return torch.float32 if device.type == "cpu" else chosen
+
+
+def resolve_eos_ids(path: Path, config_ids: tuple[int, ...] | list[int], tokenizer_ids: list[int] | tuple[int, ...],
+                    vocab_size: int) -> tuple[int, ...]:
+    """The ids that end a reply: the config's (a GGUF file's come from tokenizer.ggml.eos_token_id), a folder's
+    generation_config.json's, the tokenizer's; in order, once each, inside the vocabulary."""
+    eos = list(config_ids)
+    gen_cfg = path / "generation_config.json"
+    if path.is_dir() and gen_cfg.exists():
+        g = json.loads(gen_cfg.read_text()).get("eos_token_id")
+        eos += g if isinstance(g, list) else [g] if g is not None else []
+    eos += list(tokenizer_ids)
+    return tuple(dict.fromkeys(i for i in eos if 0 <= i < vocab_size))
 
 
 DEFAULT_KV_MEMORY_CPU = 1 << 30  # 1 GiB when no budget is given on a CPU

@@ -17,46 +17,19 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Sequence
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
-from streamserve.kernels.reference import AttentionBatch, PagedKeys, RollingRope
+from streamserve.kernels.reference import AttentionBatch, RollingRope
+from streamserve.models.batched_reads import block_reads, padded_reads
 from streamserve.models.config import ModelConfig
+from streamserve.models.layer_kv import LayerKV
 from streamserve.models.ops import TORCH_OPS, Ops
 
 if TYPE_CHECKING:  # the block-table kernel's module imports triton: only the Triton backend loads it
     from streamserve.kernels.batch_attention import BlockBatch
-
-
-class StreamPolicy(Protocol):
-    window: int | None
-    sinks: int
-
-
-class KeyReads(Protocol):
-    """The keys one layer group's layers read in a step."""
-
-    k_pos: torch.Tensor  # [S] absolute positions of the keys `update` returns for the group's layers
-    read_slots: torch.Tensor  # [S] their flat slots in the group's storage
-
-
-class LayerKV(Protocol):
-    """What a forward needs from a session's KV: this step's positions, and per layer a place to store
-    the new keys/values and read back the ones its queries may see. Layers with the same native window
-    form a layer group (one unless the model mixes windows, as Gemma 3 does) and read the same keys."""
-
-    rolling: bool  # keys cached before RoPE, positions counted inside the cache (StreamingLLM)
-    policy: StreamPolicy
-    q_pos: torch.Tensor  # [T] absolute positions of this step's tokens
-    groups: Sequence[KeyReads]  # per layer group: the keys its layers read
-    layer_group: tuple[int, ...]  # layer -> its group (the same for every session of a pool)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
-        """Store k, v [T, KVH, hd]; -> the pages and slots of the keys at `k_pos`, these T tokens included."""
-        ...
 
 
 NO_POSITION = 1 << 62  # a key position past every query (padding), and "no window"
@@ -330,7 +303,7 @@ class CausalLM(nn.Module):
                 part, at = [kvs[i] for i in blocked], [starts[i] for i in blocked]
                 tables = tuple((self.rope_inv_freq[kind], scaling) for kind, scaling in enumerate(self.rope_scalings))
                 return StepLayout(ropes, starts, [], None, tuple(blocked),
-                                  [self._block_batch(part, at, g) for g in range(len(kvs[0].groups))], tables)
+                                  [block_reads(part, at, g) for g in range(len(kvs[0].groups))], tables)
         if len(kvs) == 1:
             return StepLayout(ropes, starts, [], None)
         batched = [i for i, kv in enumerate(kvs) if not kv.rolling and kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
@@ -338,7 +311,7 @@ class CausalLM(nn.Module):
             return StepLayout(ropes, starts, [], None)
         part, at = [kvs[i] for i in batched], [starts[i] for i in batched]
         return StepLayout(ropes, starts, batched,
-                          [self._attention_batch(part, at, g) for g in range(len(kvs[0].groups))])
+                          [padded_reads(part, at, g, NO_POSITION) for g in range(len(kvs[0].groups))])
 
     def _step_ropes(self, kind: int, kvs: list[LayerKV], dtype: torch.dtype, joint: bool) -> StepRopes:
         """RoPE kind `kind`'s rotations of every session of the step (and their concatenation if `joint`)."""
@@ -355,42 +328,6 @@ class CausalLM(nn.Module):
             self._groups_of_kind[key] = sorted({g for layer, g in enumerate(layer_group)
                                                 if self.cfg.rope_kind(layer) == kind})
         return self._groups_of_kind[key]
-
-    @staticmethod
-    def _block_batch(kvs: list[LayerKV], starts: list[int], group: int) -> BlockBatch:
-        """The block tables, lengths, windows and sinks of a few sessions' reads of layer group `group` (built once
-        per step from the page tables `GroupKV.plan` read; kernels/batch_attention.py)."""
-        from streamserve.kernels.batch_attention import block_batch
-
-        reads = [kv.groups[group] for kv in kvs]
-        pool = reads[0].pool  # type: ignore[attr-defined]
-        return block_batch([r.table for r in reads], [r.end for r in reads],  # type: ignore[attr-defined]
-                           [r.first for r in reads], [r.sinks for r in reads],  # type: ignore[attr-defined]
-                           [kv.policy.window for kv in kvs], [kv.rolling for kv in kvs],
-                           [kv.q_pos.shape[0] for kv in kvs], pool.page_size, base=reads[0].base,  # type: ignore
-                           q_starts=starts, device=kvs[0].q_pos.device)
-
-    @staticmethod
-    def _attention_batch(kvs: list[LayerKV], starts: list[int], group: int) -> AttentionBatch:
-        """The padded query and key lists of a few sessions' steps, shared by every layer of `group`."""
-        reads = [kv.groups[group] for kv in kvs]
-        dev = reads[0].k_pos.device
-        widths = [kv.q_pos.shape[0] for kv in kvs]
-        tq, longest = max(widths), max(r.k_pos.shape[0] for r in reads)
-        q_rows = torch.tensor([[a + min(j, w - 1) for j in range(tq)] for a, w in zip(starts, widths, strict=True)],
-                              dtype=torch.long, device=dev)
-        out_rows = torch.tensor([i * tq + j for i, w in enumerate(widths) for j in range(w)], device=dev)
-        q_pos = torch.stack([kv.q_pos[torch.arange(tq, device=dev).clamp(max=w - 1)]
-                             for kv, w in zip(kvs, widths, strict=True)])
-        slots = torch.zeros(len(kvs), longest, dtype=torch.long, device=dev)
-        k_pos = torch.full((len(kvs), longest), NO_POSITION, dtype=torch.long, device=dev)
-        for i, r in enumerate(reads):
-            n = r.k_pos.shape[0]
-            slots[i, :n], k_pos[i, :n] = r.read_slots, r.k_pos
-        pols = [kv.policy for kv in kvs]
-        return AttentionBatch(q_rows, q_pos, slots, k_pos, torch.tensor([p.sinks for p in pols], device=dev),
-                              torch.tensor([NO_POSITION if p.window is None else p.window for p in pols], device=dev),
-                              out_rows)
 
     def _rope(self, kind: int, kv: LayerKV, dtype: torch.dtype, groups: list[int]) -> Rope:
         """The rotations of one session's step with RoPE kind `kind`, shared by every layer of that kind
