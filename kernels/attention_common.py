@@ -35,3 +35,13 @@ def _softmax_step(scores, m_i, l_i, acc1, acc2, v1, v2, PRECISION: tl.constexpr)
     acc1 = acc1 * alpha[:, None] + tl.dot(p, v1, input_precision=PRECISION)
     acc2 = acc2 * alpha[:, None] + tl.dot(p, v2, input_precision=PRECISION)
     return m_new, l_i * alpha + tl.sum(p, axis=1), acc1, acc2
+
+
+@triton.jit
+def _split_result(m_i, l_i):
+    """A split's finish: 1 / denominator [M] (0 for a row that saw no key) and its log-sum-exp [M] (-inf then),
+    what the merge kernels weigh the splits' partial outputs by."""
+    has = l_i > 0
+    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
+    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    return inv_l, lse

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from streamserve.kernels import reference as ref
-from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step
+from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step, _split_result
 from streamserve.kernels.checks import check_tensor
 
 NO_WINDOW = 1 << 62  # a session without a window (the model's NO_POSITION)
@@ -151,9 +151,7 @@ def _batch_attn_kernel(q_ptr, k_ptr, v_ptr, bt_ptr, kvlen_ptr, first_ptr, sinks_
         v1 = tl.load(v_ptr + kv_row[:, None] + dh[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_ptr + kv_row[:, None] + HALF + dh[None, :], mask=km, other=0.0).to(tl.float32)
         m_i, l_i, acc1, acc2 = _softmax_step(scores, m_i, l_i, acc1, acc2, v1, v2, PRECISION)
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse = _split_result(m_i, l_i)
     part = ((b * KVH + kvh) * SPLITS + split) * (T * G) + m  # partials [B, KVH, SPLITS, T * G, hd]
     pm = (m < T * G)[:, None] & d_ok[None, :]
     tl.store(o_ptr + part[:, None] * HD + dh[None, :], acc1 * inv_l[:, None], mask=pm)

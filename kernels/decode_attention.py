@@ -20,7 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
-from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step
+from streamserve.kernels.attention_common import _rotate_keys, _scores, _softmax_step, _split_result
 from streamserve.kernels.checks import check_paged, check_tensor
 from streamserve.kernels.launch_config import launch_config
 
@@ -81,9 +81,7 @@ def _decode_attn_kernel(q_ptr, qs_ptr, k_ptr, v_ptr, slots_ptr, kpos_ptr, qpos_p
         v1 = tl.load(v_ptr + row[:, None] + dh[None, :], mask=km, other=0.0).to(tl.float32)
         v2 = tl.load(v_ptr + row[:, None] + HALF + dh[None, :], mask=km, other=0.0).to(tl.float32)
         m_i, l_i, acc1, acc2 = _softmax_step(scores, m_i, l_i, acc1, acc2, v1, v2, PRECISION)
-    has = l_i > 0
-    inv_l = tl.where(has, 1.0 / tl.where(has, l_i, 1.0), 0.0)
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
+    inv_l, lse = _split_result(m_i, l_i)
     out_row = (kvh * SPLITS + split) * BLOCK_G + g  # partials: [KVH, SPLITS, BLOCK_G, HD]
     tl.store(o_ptr + out_row[:, None] * HD + dh[None, :], acc1 * inv_l[:, None], mask=qm)
     tl.store(o_ptr + out_row[:, None] * HD + HALF + dh[None, :], acc2 * inv_l[:, None], mask=qm)
