@@ -89,10 +89,11 @@ def sessions(srv: RunningServer) -> list[Any]:
 async def freed(srv: RunningServer) -> None:
     """Wait (bounded) until the server holds no session and no KV page; assert it."""
     end = time.monotonic() + 30
-    while (sessions(srv) or srv.engine.stats()["kv_pages_used"]) and time.monotonic() < end:
+    while (sessions(srv) or srv.engine.stats()["kv_pages_used"] or srv.engine.stats()["sessions_open"]) \
+            and time.monotonic() < end:
         await asyncio.sleep(0.05)
     assert not sessions(srv), "a session outlived its connection"
-    assert srv.engine.stats()["kv_pages_used"] == 0 and srv.engine.stats()["sessions_open"] == 0
+    assert srv.engine.stats()["kv_pages_used"] == 0 and srv.engine.stats()["sessions_open"] == 0, srv.engine.stats()
 
 
 def policy_checkpoint_at(folder: Path, seed: int = 3, **policy: Any) -> Path:
