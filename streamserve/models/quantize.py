@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from streamserve.errors import InvalidInputError
-from streamserve.models.quant import GROUP, QuantLinear, QuantWeight, can_int4, quantize_int4, quantize_int8
+from streamserve.models.quant import GROUP, QuantLinear, QuantWeight, quantize_int4, quantize_int8, quantize_linear
 
 log = logging.getLogger("streamserve")
 
@@ -142,11 +142,9 @@ def quantize_model(model: nn.Module, mode: str, source: Callable[[str], tuple[Se
 
 def _linear(lin: nn.Linear, choice: tuple[int, Grid | None], done: Counter[str]) -> QuantLinear:
     bits, grid = choice
-    if bits == 4 and not can_int4(lin):
-        bits, grid = 8, None
-    q = quantize_int4(lin.weight.detach(), GROUP, grid) if bits == 4 else quantize_int8(lin.weight.detach())
-    done[f"int{bits}{' (file codes)' if grid is not None else ''}"] += 1
-    return QuantLinear(q, lin.bias)
+    q = quantize_linear(lin, bits, grid)  # int8 where the input width does not split into int4 groups
+    done[f"int{q.bits}{' (file codes)' if grid is not None and q.bits == 4 else ''}"] += 1
+    return q
 
 
 def _experts(moe: Any, bits: int, done: Counter[str]) -> None:
