@@ -14,10 +14,12 @@ import torch.nn.functional as F
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [..., n], weight [n] -> [..., n]. Normalises in fp32, scales in the input dtype (as HF does)."""
-    xf = x.float()
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(x.dtype)
+    """x [..., n], weight [n] -> [..., n]. Normalises in fp32, scales in the input dtype (as HF does):
+    weight * (x * rsqrt(mean(x^2) + eps)). `F.rms_norm` computes exactly that in one call (equal bit for bit,
+    tests/kernels/test_reference.py); a decode step runs two per layer, and each call saved is ~3 us on a CPU."""
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return F.rms_norm(x, (x.shape[-1],), weight, eps)
+    return weight * F.rms_norm(x.float(), (x.shape[-1],), None, eps).to(x.dtype)
 
 
 def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor,

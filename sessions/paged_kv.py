@@ -140,10 +140,10 @@ class PagedSessionKV:
         """Store this step's k, v [T, KVH, hd] in their slots of the layer's group; -> the layer's pages and the
         slots of the keys at the group's `k_pos` (this step's included) for attention to read."""
         grp = self.groups[self.layer_group[layer]]
-        kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        kf.index_copy_(0, grp.write, k.to(kf.dtype))
-        vf.index_copy_(0, grp.write, v.to(vf.dtype))
+        kf, vf = self.pool.k_slots[layer], self.pool.v_slots[layer]  # [pages * P, KVH, hd]
+        # (`.to` only where the pool's dtype differs: a call costs microseconds, and a decode makes two per layer)
+        kf.index_copy_(0, grp.write, k if k.dtype == kf.dtype else k.to(kf.dtype))
+        vf.index_copy_(0, grp.write, v if v.dtype == vf.dtype else v.to(vf.dtype))
         return PagedKeys(kf, vf, grp.read_slots, grp.k_pos)
 
     def commit(self, drop: bool = True) -> None:

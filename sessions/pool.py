@@ -124,6 +124,9 @@ class KVPool:
         shapes = [(n, page_size, num_kv_heads, head_dim) for n in self.allocator.group_pages]
         self.k = [torch.zeros(shapes[g], dtype=dtype, device=self.device) for g in self.layer_group]
         self.v = [torch.zeros(shapes[g], dtype=dtype, device=self.device) for g in self.layer_group]
+        # the same storage as [pages * page_size, KVH, hd] per layer: flat slots, made once (not per step and layer)
+        self.k_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.k]
+        self.v_slots = [t.view(-1, num_kv_heads, head_dim) for t in self.v]
 
     @staticmethod
     def bytes_per_page(num_layers: int, num_kv_heads: int, head_dim: int, page_size: int, dtype: torch.dtype) -> int:

@@ -22,12 +22,16 @@ from streamserve.engine.graphs import DecodeGraphs, graphable, rows_of
 from streamserve.engine.guard import BetweenSteps
 from streamserve.engine.state import SessionState
 from streamserve.models import CausalLM
+from streamserve.models.quantize import weight_bytes
 from streamserve.sessions import PagedSessionKV
 
 # On a CPU, steps of fewer tokens than this run on one intra-op thread: waking a thread pool costs more than
 # these small matmuls gain from it (default model, 2 vCPUs: a 3-token step is 2.7x-4.4x slower on 2 threads;
 # larger steps keep the process's setting; benchmarks/step_costs.py, docs/benchmarks.md)
 CPU_SMALL_STEP_TOKENS = 64
+# ...unless the model reads at least this many bytes of weights per token: such a decode is bound by memory
+# reads, and more cores read faster (SmolLM2-135M on 2 vCPUs, every weight format: benchmarks/cpu_decode.py)
+CPU_WIDE_STEP_BYTES = 32 << 20
 
 
 @dataclass
@@ -46,6 +50,7 @@ class BatchForward:
     def __init__(self, model: CausalLM, admission: Admission, counters: Counters, guard: BetweenSteps) -> None:
         self.model, self.admission, self.counters, self.guard = model, admission, counters, guard
         self.device = next(model.parameters()).device
+        self.wide = sum(weight_bytes(model).values()) >= CPU_WIDE_STEP_BYTES  # every step on all threads
         self.graphs: DecodeGraphs | None = None  # CUDA-graph decode, when on
         self.seconds: float | None = None  # the last step's forward time (None: no forward, or a graph captured)
 
@@ -106,7 +111,7 @@ class BatchForward:
         t0 = time.perf_counter()
         graphs = self.graphs
         captured = graphs.captured if graphs is not None else 0
-        with threads_for(self.device, sum(widths)):
+        with threads_for(self.device, sum(widths), self.wide):
             logits = None  # embedding steps (appends) are not graph widths' work: they always run eagerly
             if graphs is not None and override is None and graphable(widths):
                 logits = graphs.run(kvs, ids, flags)  # None: a window policy graphs do not serve now
@@ -145,10 +150,10 @@ def flat_vectors(widths: list[int], vectors: list[list[tuple[int, torch.Tensor]]
 
 
 @contextlib.contextmanager
-def threads_for(device: torch.device, tokens: int) -> Iterator[None]:
-    """A small CPU step runs on one intra-op thread; the process's setting is restored after it."""
+def threads_for(device: torch.device, tokens: int, wide: bool = False) -> Iterator[None]:
+    """A small CPU step of a small model runs on one intra-op thread; the process's setting is restored after."""
     prev = torch.get_num_threads()
-    if device.type != "cpu" or tokens >= CPU_SMALL_STEP_TOKENS or prev == 1:
+    if device.type != "cpu" or wide or tokens >= CPU_SMALL_STEP_TOKENS or prev == 1:
         yield
         return
     torch.set_num_threads(1)

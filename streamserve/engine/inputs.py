@@ -35,9 +35,10 @@ def check_ids(token_ids: Sequence[int] | None, vocab: int) -> list[int]:
 
 def check_embeds(embeds: object, hidden: int, device: torch.device, dtype: torch.dtype,
                  max_rows: int | None = None) -> torch.Tensor:
-    """An embedding chunk [T, hidden] of finite floats -> a copy on the engine's device in its dtype (never the
-    caller's tensor: the caller may change or free it while the chunk waits). Checked after the cast too, so
-    values that overflow the engine's dtype (e.g. 1e6 in fp16) are refused as well."""
+    """An embedding chunk [T, hidden] of finite floats -> a copy in the engine's dtype, on the host for a host tensor
+    and on the engine's device otherwise (never the caller's tensor: the caller may change or free it while the
+    chunk waits). Checked after the cast too, so values that overflow the engine's dtype (e.g. 1e6 in fp16) are
+    refused as well."""
     if not isinstance(embeds, torch.Tensor):
         raise InvalidInputError(f"embeds must be a torch.Tensor [T, {hidden}], got {type(embeds).__name__}")
     if embeds.dim() != 2 or embeds.shape[1] != hidden:
@@ -52,7 +53,9 @@ def check_embeds(embeds: object, hidden: int, device: torch.device, dtype: torch
                                  "split it into smaller chunks")
     if not bool(torch.isfinite(embeds).all()):
         raise NonFiniteInputError("embeds hold NaN or infinite values")
-    out = embeds.detach().to(device=device, dtype=dtype, copy=True)
+    # a host tensor stays on the host (cast and copied there): the engine thread moves it to the device at the step
+    # (`batch.flat_vectors`), so the caller's thread, the server's event loop, never waits for the device
+    out = embeds.detach().to(device=embeds.device if embeds.device.type == "cpu" else device, dtype=dtype, copy=True)
     if not bool(torch.isfinite(out).all()):
         raise NonFiniteInputError(f"embeds overflow the engine's dtype {dtype}")
     return out

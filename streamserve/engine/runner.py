@@ -22,7 +22,7 @@ from streamserve.engine.admission import Admission
 from streamserve.engine.batch import BatchForward, Job
 from streamserve.engine.drafters import DrafterCatalog
 from streamserve.engine.drafters.base import DraftProposal
-from streamserve.engine.sampling import sample_rows
+from streamserve.engine.sampling import allowed_mask, sample_rows
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.state import SessionState
 from streamserve.engine.table import SessionTable
@@ -201,6 +201,8 @@ class Runner:
         for s, r in decodes:
             try:
                 assert s.logits is not None
+                if isinstance(r.allowed, tuple):  # ids as submitted: the mask is made here, on the engine thread
+                    r.allowed = allowed_mask(r.allowed, s.logits.shape[-1], s.logits.device)
                 rows.append((s, r, s.logits if r.allowed is None else s.logits.masked_fill(~r.allowed, float("-inf"))))
             except Exception as e:
                 results[s.id] = ItemResult(error=_fault(e), fatal=True)

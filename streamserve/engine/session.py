@@ -29,7 +29,7 @@ from streamserve.engine.admission import Admission
 from streamserve.engine.guard import BetweenSteps
 from streamserve.engine.inputs import check_embeds, check_ids, check_time
 from streamserve.engine.loop import EngineLoop
-from streamserve.engine.sampling import MAX_SEED, Draws, allowed_mask, check_sampling, check_seed, check_stop
+from streamserve.engine.sampling import MAX_SEED, Draws, check_allowed, check_sampling, check_seed, check_stop
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.streams import Outbox, ResponseStream, TokenIterator
@@ -278,17 +278,16 @@ class Session:
         stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
                              else check_ids(list(stop_token_ids), self.engine.config.vocab_size))
         check_seed(seed)
-        allowed = None if allowed_token_ids is None else allowed_mask(
-            check_ids(list(allowed_token_ids), self.engine.config.vocab_size), self.engine.config.vocab_size,
-            self.engine.device)
+        allowed = None if allowed_token_ids is None else check_allowed(
+            check_ids(list(allowed_token_ids), self.engine.config.vocab_size))
         loop, gen = self.engine.loop, self.core.generator
         with loop.cv:  # the draw and the submission under one hold: a refused reply takes no draw
             if not self.core.token_ids and not loop.scheduler.queued_chunks(self.id):
                 raise InvalidInputError("a reply needs at least one appended token first")
-            drawn = gen.get_state() if seed is None else None
+            drawn = gen.getstate() if seed is None else None
             seeded = self.seeded or seed is not None
             if seed is None:  # one draw of the session's generator seeds the reply (a seeded session repeats too)
-                seed = int(torch.randint(0, MAX_SEED, (1,), generator=gen))  # a CPU generator: no device wait
+                seed = gen.randrange(MAX_SEED)
             r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
                          Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(), seeded=seeded,
                          allowed=allowed)
@@ -296,7 +295,7 @@ class Session:
                 loop.submit(r)
             except BaseException:
                 if drawn is not None:
-                    gen.set_state(drawn)
+                    gen.setstate(drawn)
                 raise
         self.last_active = r.arrival
         return ResponseStream(self, r)

@@ -19,6 +19,7 @@ Drafters treat `placeholder_id` as a break in the history (they never propose it
 from __future__ import annotations
 
 import enum
+import random
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
@@ -59,11 +60,8 @@ class SessionState:
         self.closed = False
         self.spec: SpecController | None = None  # speculative decoding: drafters and draft length
         self.seeded = seed is not None
-        self.generator = torch.Generator()  # on the CPU: drawing a reply's seed never waits for the device
-        if seed is None:
-            self.generator.seed()
-        else:
-            self.generator.manual_seed(seed)
+        # draws each reply's seed: plain Python, so the caller's thread (the server's event loop) never calls torch
+        self.generator = random.Random(seed)  # None: seeded from the OS
 
     @property
     def pending(self) -> list[int]:

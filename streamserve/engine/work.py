@@ -83,8 +83,9 @@ class Response:
     outbox: Any = None  # where the loop delivers deltas and the end (an Outbox)
     draft_len: int = 0  # tokens to draft for the next step (set by the runner from the session's controller)
     seeded: bool = False  # a seed fixes its draws: draft lengths then follow acceptance only, not timings
-    # constrained decoding: a bool mask [V] on the engine's device, True for the ids the reply may emit (robot action
-    # tokens); the sampler sets every other logit to -inf before drawing. None: the whole vocabulary
+    # constrained decoding: the ids the reply may emit (robot action tokens), a tuple as submitted, replaced on the
+    # engine thread by a bool mask [V] on the device (`sampling.allowed_mask`); the sampler sets every other logit
+    # to -inf before drawing. None: the whole vocabulary
     allowed: Any = None
 
     def add_token(self, token: int) -> tuple[str, bool]:

@@ -72,6 +72,8 @@ class Attention(nn.Module):
         self.scale = cfg.attn_scale
         self.window = cfg.sliding_windows[layer]
         self.rope_kind = cfg.rope_kind(layer)
+        # q and k leave qkv_proj side by side and untouched: one RoPE call rotates both (fewer ops per layer)
+        self.joint_qk = cfg.qk_norm == "none" and cfg.clip_qkv is None
         if cfg.qk_norm == "per_head":  # Qwen3, Gemma 3: RMSNorm over each head's hd
             self.q_norm = nn.Parameter(torch.ones(hd))
             self.k_norm = nn.Parameter(torch.ones(hd))
@@ -82,7 +84,13 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, kvs: list[LayerKV], layout: StepLayout, ops: Ops) -> torch.Tensor:
         """x [N, D] (the sessions' tokens, in the order of `kvs`) -> [N, D]."""
         cfg, n = self.cfg, x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.sizes, dim=-1)  # [N, H*hd], [N, KVH*hd], [N, KVH*hd]
+        qkv = self.qkv_proj(x)  # [N, (H + 2 KVH) hd]
+        if self.joint_qk:  # q and k as views of one [N, H + KVH, hd] block
+            h, kvh, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+            qk = qkv[:, :(h + kvh) * hd].view(n, h + kvh, hd)
+            return self._forward_qk(qk, qk[:, :h], qk[:, h:], qkv[:, (h + kvh) * hd:].view(n, kvh, hd), kvs, layout,
+                                    ops)
+        q, k, v = qkv.split(self.sizes, dim=-1)  # [N, H*hd], [N, KVH*hd], [N, KVH*hd]
         if cfg.qk_norm == "full":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
         if cfg.clip_qkv is not None:
@@ -93,19 +101,35 @@ class Attention(nn.Module):
         v = v.reshape(n, cfg.num_kv_heads, cfg.head_dim)
         if cfg.qk_norm == "per_head":
             q, k = ops.rms_norm(q, self.q_norm, cfg.rms_norm_eps), ops.rms_norm(k, self.k_norm, cfg.rms_norm_eps)
+        return self._forward_qk(None, q, k, v, kvs, layout, ops)
+
+    def _rotate(self, qk: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, rope: Rope, ops: Ops
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, hd], k [T, KVH, hd] rotated by `rope` (one call over `qk` [T, H + KVH, hd] when given)."""
+        if qk is None:
+            return ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
+        both = ops.apply_rope(qk, rope.cos, rope.sin)
+        return both[:, :self.cfg.num_heads], both[:, self.cfg.num_heads:]
+
+    def _forward_qk(self, qk: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                    kvs: list[LayerKV], layout: StepLayout, ops: Ops) -> torch.Tensor:
+        """q [N, H, hd], k, v [N, KVH, hd] (q and k views of `qk` [N, H + KVH, hd] when given) -> [N, D]."""
         ropes, st = layout.ropes[self.rope_kind], layout.starts
         joint = ropes.joint
         if joint is not None:  # every session numbers absolute positions: one rotation for all N tokens
-            q, k = ops.apply_rope(q, joint.cos, joint.sin), ops.apply_rope(k, joint.cos, joint.sin)
-        pieces: list[torch.Tensor | None] = [None] * len(kvs)
+            q, k = self._rotate(qk, q, k, joint, ops)
+            qk = None  # rotated: the views below must read q and k
         group = kvs[0].layer_group[self.layer]
+        if len(kvs) == 1 and layout.blocks is None:  # one session (a CPU decode): its rows are all of them
+            return self.o_proj(self._attend(qk, q, k, v, ropes.sessions[0], kvs[0], ops, joint is not None, group))
+        pieces: list[torch.Tensor | None] = [None] * len(kvs)
         if layout.blocks is not None:  # one launch for every session of few tokens, absolute and rolling
             assert ops.attention_blocks is not None
             for i in layout.blocked:
                 a, b = st[i], st[i + 1]
                 if joint is None and not kvs[i].rolling:  # rolling rows are rotated inside the kernel
-                    r = ropes.sessions[i]
-                    q[a:b], k[a:b] = ops.apply_rope(q[a:b], r.cos, r.sin), ops.apply_rope(k[a:b], r.cos, r.sin)
+                    q[a:b], k[a:b] = self._rotate(None if qk is None else qk[a:b], q[a:b], k[a:b],
+                                                  ropes.sessions[i], ops)
                 paged = kvs[i].update(self.layer, k[a:b], v[a:b])
             inv_freq, scaling = layout.rope_tables[self.rope_kind]
             out = ops.attention_blocks(q, paged.k_pool, paged.v_pool, layout.blocks[group], self.scale, self.window,
@@ -119,8 +143,8 @@ class Attention(nn.Module):
             for i in layout.batched:
                 a, b = st[i], st[i + 1]
                 if joint is None:  # rolling sessions in the step too: rotate the batched (absolute) ones here
-                    r = ropes.sessions[i]
-                    q[a:b], k[a:b] = ops.apply_rope(q[a:b], r.cos, r.sin), ops.apply_rope(k[a:b], r.cos, r.sin)
+                    q[a:b], k[a:b] = self._rotate(None if qk is None else qk[a:b], q[a:b], k[a:b],
+                                                  ropes.sessions[i], ops)
                 paged = kvs[i].update(self.layer, k[a:b], v[a:b])
             out = ops.attention_batch(q, paged.k_pool, paged.v_pool, layout.batch[group], self.scale, self.window)
             if len(layout.batched) == len(kvs):  # rows already in token order
@@ -131,13 +155,14 @@ class Attention(nn.Module):
         for i, kv in enumerate(kvs):
             if pieces[i] is None:
                 a, b = st[i], st[i + 1]
-                pieces[i] = self._attend(q[a:b], k[a:b], v[a:b], ropes.sessions[i], kv, ops, joint is not None,
-                                         group)
+                pieces[i] = self._attend(None if qk is None else qk[a:b], q[a:b], k[a:b], v[a:b],
+                                         ropes.sessions[i], kv, ops, joint is not None, group)
         return self.o_proj(pieces[0] if len(kvs) == 1 else torch.cat(pieces))  # type: ignore[arg-type]
 
-    def _attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope, kv: LayerKV,
-                ops: Ops, roped: bool, group: int) -> torch.Tensor:
-        """One session's T tokens: q [T, H, hd], k/v [T, KVH, hd] (rotated already if `roped`) -> [T, H*hd]."""
+    def _attend(self, qk: torch.Tensor | None, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, rope: Rope,
+                kv: LayerKV, ops: Ops, roped: bool, group: int) -> torch.Tensor:
+        """One session's T tokens: q [T, H, hd], k/v [T, KVH, hd] (rotated already if `roped`; views of `qk`
+        [T, H + KVH, hd] when given) -> [T, H*hd]."""
         pol = kv.policy
         if kv.rolling:  # keys are cached as they are; attention rotates them by their place in the cache
             paged = kv.update(self.layer, k, v)
@@ -147,7 +172,7 @@ class Attention(nn.Module):
                                         self.window)
         else:
             if not roped:
-                q, k = ops.apply_rope(q, rope.cos, rope.sin), ops.apply_rope(k, rope.cos, rope.sin)
+                q, k = self._rotate(qk, q, k, rope, ops)
             paged = kv.update(self.layer, k, v)
             out = ops.attention(q, paged, kv.q_pos, self.scale, self.window, pol.sinks, pol.window)
         return out.reshape(q.shape[0], -1)

@@ -139,7 +139,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, self.in_features)
+        x2 = x if x.dim() == 2 else x.reshape(-1, self.in_features)
         if x2.device.type == "cpu":
             y = self._cpu_forward(x2)
         elif x2.device.type == "cuda" and x2.shape[0] <= CUDA_GEMV_ROWS:
@@ -150,19 +150,21 @@ class QuantLinear(nn.Module):
             y = F.linear(x2, self.canonical().dequantize().to(x2.dtype))
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return y if x.dim() == 2 else y.reshape(*shape[:-1], self.out_features)
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] through torch's packed kernels, activations in bfloat16 (their fast path)."""
         if self._cpu is None:
             self._cpu = self._pack_cpu()
         w, s = self._cpu
-        xb = x.to(torch.bfloat16)
+        xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.bits == 8:
             y = torch.ops.aten._weight_int8pack_mm(xb, w, s)
         else:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, self.group, s)[:, :self.out_features]
-        return y.to(x.dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, self.group, s)
+            if y.shape[1] != self.out_features:  # rows padded to the kernel's tile
+                y = y[:, :self.out_features]
+        return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _pack_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.bits == 8:  # [N, K] int8 as is; one bf16 scale per row

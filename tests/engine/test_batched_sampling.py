@@ -17,6 +17,7 @@ import torch
 from helpers import greedy
 
 from streamserve.engine.sampling import Draws, sample_rows
+from streamserve.errors import InvalidInputError
 from streamserve.kernels import reference as ref
 
 M32 = 0xFFFFFFFF
@@ -269,9 +270,15 @@ def test_ngram_speculation_in_a_batch_samples_what_plain_decoding_alone_does(eng
     assert engine.stats()["speculative"]["ngram"]["verifications"] > verified  # it did speculate
 
 
-def test_unseeded_replies_take_their_seed_from_a_cpu_generator(default_engine) -> None:
+def test_unseeded_replies_take_their_seed_from_a_python_generator(default_engine) -> None:
+    """Drawing a reply's seed never touches torch (the caller may be the server's event loop): a seeded session's
+    unseeded replies repeat, and a reply refused at submission takes no draw."""
     with default_engine.open_session() as s:
-        assert s.core.generator.device.type == "cpu"
+        assert isinstance(s.core.generator, random.Random)
+        state = s.core.generator.getstate()
+        with pytest.raises(InvalidInputError):
+            s.stream(max_tokens=4)  # nothing appended yet: refused, no draw taken
+        assert s.core.generator.getstate() == state
     with default_engine.open_session(seed=9) as a, default_engine.open_session(seed=9) as b:
         for s in (a, b):
             s.append(token_ids=prompts(1, default_engine.config.vocab_size)[0])

@@ -206,3 +206,15 @@ def test_batched_attention_equals_one_session_at_a_time(H: int, KVH: int, hd: in
                                torch.tensor(out_rows))
     got = ref.paged_attention_batch(q, k_pool, v_pool, batch, 0.3, sliding)
     torch.testing.assert_close(got, torch.cat(expected), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("shape", [(1, 37), (5, 576), (3, 7, 65)])
+def test_rms_norm_is_the_transformers_formula_bit_for_bit(dtype: torch.dtype, shape: tuple[int, ...]) -> None:
+    """The one-call `F.rms_norm` path equals HF's LlamaRMSNorm exactly: fp32 statistics, the scale in x's dtype."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = (torch.randn(shape, generator=g) * 3).to(dtype)
+    w = torch.randn(shape[-1], generator=g).to(dtype)
+    xf = x.float()
+    expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
+    assert torch.equal(ref.rms_norm(x, w, 1e-6), expected)

@@ -33,12 +33,6 @@ import streamserve_client as sc
 pytestmark = pytest.mark.asyncio(loop_scope="module")  # the module's server runs in the test's own event loop
 
 TORCH_DIR = os.path.dirname(torch.__file__) + os.sep
-# (file, function) of known calls into torch on the loop that run on the CPU only, each to be removed when it moves
-# off the loop. An unseeded reply draws its seed from the session's torch.Generator on the caller's thread (the loop,
-# via the service); commit 4ad2c72 put that generator on the CPU so the draw never waits for the device.
-KNOWN_CPU_ONLY = {("streamserve/engine/session.py", "Session.stream")}
-
-
 class Call(NamedTuple):
     what: str  # "c_call Tensor.item", "aten op aten.add.Tensor", "call is_available (.../torch/cuda/...)"
     site: str  # file:line of the first frame outside torch that made the call
@@ -156,14 +150,7 @@ async def test_the_event_loop_never_calls_into_torch(served: RunningServer) -> N
         assert sys.getprofile() == watch.profile  # nothing replaced the watch meanwhile
     engine_thread = served.engine.loop.thread
     assert engine_thread is not None and engine_thread.ident != watch.thread  # the model work ran off this thread
-    unexpected = [c for c in watch.calls if not known(c)]
-    assert unexpected == [], "torch on the event loop's thread:\n" + "\n".join(dict.fromkeys(map(str, unexpected)))
-
-
-def known(call: Call) -> bool:
-    """A call of KNOWN_CPU_ONLY, whose aten ops touched no tensor off the CPU."""
-    return call.devices <= {"cpu"} and any(call.site.rpartition(":")[0].endswith(path) and call.function == function
-                                           for path, function in KNOWN_CPU_ONLY)
+    assert watch.calls == [], "torch on the event loop's thread:\n" + "\n".join(dict.fromkeys(map(str, watch.calls)))
 
 
 async def test_the_watch_sees_torch_called_on_the_loop() -> None:
@@ -182,4 +169,3 @@ async def test_the_watch_sees_torch_called_on_the_loop() -> None:
             "aten op aten._local_scalar_dense.default"} <= seen, seen
     assert {(c.site, c.function) for c in watch.calls} == {(f"{__file__}:{on_loop.__code__.co_firstlineno + 1}",
                                                             on_loop.__code__.co_qualname)}  # the culprit, named
-    assert not any(map(known, watch.calls))
