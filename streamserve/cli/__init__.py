@@ -7,12 +7,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from streamserve.cli import chat, generate, info, models, serve
+from streamserve.cli import bench, chat, generate, info, models, serve
 from streamserve.errors import StreamserveError
 from streamserve.version import __version__
 
 # the sub-commands, in the order `streamserve --help` lists them
-COMMANDS = (serve, generate, chat, info, models)
+COMMANDS = (serve, generate, chat, info, models, bench)
 
 DESCRIPTION = """\
 streamserve: a real-time streaming interaction server for large language models.

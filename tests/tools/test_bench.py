@@ -1,0 +1,139 @@
+"""`streamserve bench` against real servers on loopback (tests/serving.py): the command runs as a subprocess and its
+last stdout line is the JSON report. Latencies are reported, never asserted: what is checked is the report's
+structure, that every session ran its duration with no error, and that held / missed deadlines agree."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from serving import serve
+from voice_assets import needs, voice_model
+
+from streamserve.cli import main
+from streamserve.config import ServerConfig
+from streamserve.engine import Engine
+from streamserve.errors import InvalidInputError
+from streamserve.tools.bench.config import check_url
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parent.parent.parent
+SPREAD = ("n", "p50", "p90", "p99", "max")
+
+
+async def bench(*args: str) -> dict[str, Any]:
+    """`streamserve bench ARGS --no-progress` -> its report (the last stdout line); the exit status must be 0."""
+    env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "streamserve", "bench", *args, "--no-progress",
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+                                                env=env, cwd=ROOT)
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    return json.loads(stdout.decode().strip().splitlines()[-1])
+
+
+def check_kind(report: dict[str, Any], kind: str, sessions: int, measures: tuple[str, ...]) -> dict[str, Any]:
+    """Every session of `kind` ran its whole duration without an error; held agrees with the missed deadlines."""
+    k = report["kinds"][kind]
+    assert "skipped" not in k, k.get("skipped")
+    assert k["sessions"] == sessions and k["completed"] == sessions
+    assert k["errors"] == {}, k["errors"]
+    assert k["held"] == sessions - k["sessions_missing_deadlines"] == report["held"][kind]
+    assert (k["missed_deadlines"] == 0) == (k["sessions_missing_deadlines"] == 0)
+    assert report["missed_deadlines"][kind] == k["missed_deadlines"]
+    for m in measures:
+        spread = k["latency_ms"][m]
+        assert set(spread) == set(SPREAD) and spread["n"] > 0, (m, spread)
+        assert spread["p50"] <= spread["p90"] <= spread["p99"] <= spread["max"]
+    return k
+
+
+@pytest.mark.asyncio
+async def test_text_and_policy_sessions_report() -> None:
+    def policy_engine() -> Engine:
+        return Engine.from_pretrained("default-policy", device="cpu", kv_memory="64MiB")
+
+    async with serve(ServerConfig()) as text_srv, serve(ServerConfig(), policy_engine) as policy_srv:
+        report = await bench("--url", text_srv.url, "--policy-url", policy_srv.url, "--text", "2", "--policy", "1",
+                             "--duration", "10", "--reply-every", "10", "--reply-tokens", "8")
+    assert report["benchmark"] == "streamserve bench" and report["settings"]["text"] == 2
+    assert report["errors"] == {} and set(report["kinds"]) == {"text", "policy"}
+    assert report["all_held"] == (report["held"] == {"text": 2, "policy": 1})
+
+    text = check_kind(report, "text", 2, ("append_ms", "reply_first_token_ms", "reply_total_ms"))
+    assert 2 * 49 <= text["counts"]["chunks"] <= 2 * 50  # 10 s at 5 chunks a second, each session, late or not
+    assert text["counts"]["replies"] >= 2 and text["counts"]["tokens_appended"] > 0
+    policy = check_kind(report, "policy", 1, ("action_ms", "server_infer_ms"))
+    assert 499 <= policy["counts"]["ticks"] <= 500  # 10 s at 50 Hz, late or not
+    assert policy["counts"]["replies"] > 0 and policy["counts"]["episodes"] >= 1
+    assert policy["missed_deadlines"] + policy["counts"]["startup_ticks"] == policy["counts"]["held_ticks"]
+
+    assert [s["url"] for s in report["servers"]] == [text_srv.url, policy_srv.url]
+    assert [s["model"] for s in report["servers"]] == ["default", "default-policy"]
+    for s in report["servers"]:
+        assert s["stats_error"] is None and s["pid"] == os.getpid()  # the servers run in this process
+        assert len(s["samples"]) >= 8 and all(x["rss_mb"] > 0 and x["kv_pages_used"] >= 0 for x in s["samples"])
+        assert s["kv_pages_used"]["max"] > 0 and s["chunks_shed"] == 0 and s["rss_mb"]["max"] > 0
+    assert report["shed_chunks"] == {"acked_as_shed": 0, "server": [0, 0]}
+
+
+@pytest.mark.asyncio
+async def test_policy_sessions_are_skipped_with_the_reason_when_the_model_is_no_policy() -> None:
+    async with serve(ServerConfig()) as srv:
+        report = await bench("--url", srv.url, "--text", "1", "--policy", "1", "--duration", "2",
+                             "--reply-every", "0")
+    assert report["kinds"]["policy"]["skipped"].startswith("no_policy:")
+    assert report["held"]["policy"] == 0 and report["missed_deadlines"]["policy"] is None
+    assert not report["all_held"]
+    check_kind(report, "text", 1, ("append_ms",))
+
+
+@pytest.mark.asyncio
+async def test_voice_sessions_report() -> None:
+    for module in ("onnxruntime", "soxr", "faster_whisper"):
+        needs(module)
+    for name in ("piper-joe", "whisper-base", "silero-vad"):
+        voice_model(name)
+    async with serve(ServerConfig(), voice=True) as srv:
+        report = await bench("--url", srv.url, "--voice", "1", "--duration", "10")
+    voice = check_kind(report, "voice", 1, ("speech_stopped_ms", "stop_lag_ms"))
+    assert voice["counts"]["frames"] >= 450  # 10 s of 20 ms frames, less the pacing's slack
+    assert voice["counts"]["turns"] >= 1
+    assert voice["counts"].get("turns_answered", 0) + voice["counts"].get("turns_cut", 0) == voice["counts"]["turns"]
+    if voice["counts"].get("turns_answered"):
+        assert voice["latency_ms"]["turn_ms"]["n"] >= 1
+
+
+@pytest.mark.parametrize("url", ["ws://192.0.2.1:8000", "ws://example.com:8000", "ws://[2001:db8::1]:8000",
+                                 "ws://0.0.0.0:8000"])
+def test_a_url_off_loopback_is_refused(url: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--url", url, "--text", "1"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "is not a loopback address" in err and "--allow-remote" in err
+    with pytest.raises(SystemExit):  # the policy server's URL too
+        main(["bench", "--policy-url", url, "--policy", "1"])
+    assert "is not a loopback address" in capsys.readouterr().err
+    check_url(url, allow_remote=True)  # allowed when asked for (nothing is connected here)
+
+
+@pytest.mark.parametrize("url", ["ws://127.0.0.1:8000", "ws://127.0.0.2:9", "ws://localhost:8000",
+                                 "ws://[::1]:8000/v1/stream", "wss://127.0.0.1:443"])
+def test_loopback_urls_are_accepted(url: str) -> None:
+    check_url(url, allow_remote=False)
+
+
+def test_a_url_that_is_not_a_websocket_is_refused() -> None:
+    with pytest.raises(InvalidInputError, match="ws://HOST:PORT"):
+        check_url("http://127.0.0.1:8000", allow_remote=True)
