@@ -137,3 +137,13 @@ def test_loopback_urls_are_accepted(url: str) -> None:
 def test_a_url_that_is_not_a_websocket_is_refused() -> None:
     with pytest.raises(InvalidInputError, match="ws://HOST:PORT"):
         check_url("http://127.0.0.1:8000", allow_remote=True)
+
+
+def test_without_the_client_sdk_the_command_says_what_to_install(monkeypatch: pytest.MonkeyPatch,
+                                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setitem(sys.modules, "streamserve_client", None)  # import and find_spec now see it missing
+    with pytest.raises(SystemExit) as e:
+        main(["bench", "--text", "1"])
+    assert e.value.code == 1
+    err = capsys.readouterr().err
+    assert "streamserve_client not installed" in err and "pip install streamserve-client" in err

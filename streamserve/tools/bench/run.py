@@ -87,7 +87,7 @@ async def load(cfg: BenchConfig, key: str | None, policy_url: str, watches: list
             jobs.append(guarded(rec, policy.policy_session(cfg, policy_url, key, rec, start)))
 
     bar = tqdm(total=round(cfg.duration), unit="s", file=sys.stderr, desc="streamserve bench",
-               disable=True if cfg.no_progress else None, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s {postfix}")
+               disable=True if cfg.no_progress else None, bar_format="{l_bar}{bar}| {n:.0f}/{total:.0f} s{postfix}")
 
     def tick(t: float, samples: list[dict[str, Any]]) -> None:
         bar.update(min(bar.total, round(t)) - bar.n)
@@ -101,6 +101,7 @@ async def load(cfg: BenchConfig, key: str | None, policy_url: str, watches: list
     sampler = asyncio.create_task(sample_every_second(watches, t0, stop, tick))
     try:
         await asyncio.wait_for(asyncio.gather(*jobs), cfg.duration + cfg.chunk_ms / 1000 + cfg.turn_timeout + GRACE_S)
+        bar.update(bar.total - bar.n)  # every session ran its duration (the sampler may not have ticked last)
     except asyncio.TimeoutError:
         for rec in everyone:
             if not rec.completed:
