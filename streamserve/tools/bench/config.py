@@ -40,6 +40,9 @@ class BenchConfig:
         "help": "the text sessions' KV window (4 sinks), so that long runs stay in bounded memory; 0: the "
                 "server's default"})
     voice_reply_tokens: int = field(default=24, metadata={"help": "max_output_tokens of each voice reply"})
+    voice_turn_ms: float = field(default=5000.0, metadata={
+        "help": "a voice turn answered later than this (end of speech -> first reply audio) is a missed deadline "
+                "(5 s suits the voice models on a CPU; set what your users can bear)"})
     policy_replan: int | None = field(default=None, metadata={
         "help": "control ticks between a policy loop's observations (default: half the policy's action chunk)"})
     turn_timeout: float = field(default=30.0, metadata={
@@ -68,6 +71,8 @@ class BenchConfig:
             raise InvalidInputError("--reply-tokens and --voice-reply-tokens must be >= 1")
         if self.window < 0 or (self.policy_replan is not None and self.policy_replan < 1):
             raise InvalidInputError("--window must be >= 0 and --policy-replan >= 1")
+        if not (math.isfinite(self.voice_turn_ms) and self.voice_turn_ms > 0):
+            raise InvalidInputError(f"--voice-turn-ms must be > 0, got {self.voice_turn_ms!r}")
         if not (math.isfinite(self.turn_timeout) and self.turn_timeout > 0):
             raise InvalidInputError(f"--turn-timeout must be > 0, got {self.turn_timeout!r}")
         for url in (self.url, self.policy_url):

@@ -73,9 +73,7 @@ async def policy_session(cfg: BenchConfig, url: str, key: str | None, rec: Sessi
                 rec.counts["client_late_ticks"] += 1
             if pending is not None and pending.done():
                 reply, pending = pending.result(), None
-                if reply.get("stale"):
-                    rec.counts["stale_replies"] += 1
-                else:
+                if not reply.get("stale"):  # a stale reply's actions are never executed
                     chunk, valid_from = np.asarray(reply["actions"], dtype=np.float64), int(reply["valid_from_step"])
             if pending is None and ep_tick - asked_at >= replan:
                 obs = {**arm.observation(q, target), "step": ep_tick, "deadline_ms": deadline_ms}
@@ -128,7 +126,9 @@ async def ask(client: PolicyClient, obs: dict[str, Any], rec: SessionRecord, tim
     seconds = time.monotonic() - sent
     rec.latency("action_ms", seconds)
     rec.counts["replies"] += 1
-    if not reply.get("stale"):
+    if reply.get("stale"):
+        rec.counts["stale_replies"] += 1
+    else:
         rec.latency("fresh_action_ms", seconds)
     infer = (reply.get("server_timing") or {}).get("infer_ms")
     if isinstance(infer, (int, float)):

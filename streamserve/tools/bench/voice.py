@@ -4,16 +4,17 @@ Questions are synthesised once, before the clock starts, by the Piper voice (pip
 to 24 kHz PCM16 and streamed in 20 ms `input_audio_buffer.append` frames on each session's own clock, silence in
 between (the microphone stays open while the reply plays). Turn detection is the server's VAD (`server_vad`, 500 ms
 of silence, create_response). A turn: the question, then silence until the reply created after speech stopped is
-done, then 0.3 s more; the next question follows.
+done, then 0.3 s more; the next question follows until the duration ends.
 
 Measures (ms), from the end of speech (the send time of the frame holding the question's last voiced sample):
 `turn_ms` to the first `response.output_audio.delta` (the turn latency), `speech_stopped_ms` to the server's
 `speech_stopped` (its VAD hangover, the silence duration included), `reply_done_ms` to `response.done`.
 `stop_lag_ms`: `speech_stopped` received - the send time of the frame holding its `audio_end_ms`, i.e. how far the
-server's listening runs behind the audio it is sent. A missed deadline: a stop lag over STOP_LAG_BUDGET_MS (the
-server fell behind real time). A turn with no reply within --turn-timeout is an error (`no_reply`); a turn still
-running when the duration ends is counted as `turns_cut` and is no error. `client_late_frames`: frames this process
-sent more than a frame period after their slot (the load generator itself fell behind; not the server's miss).
+server's listening runs behind the audio it is sent. Missed deadlines: a turn answered later than --voice-turn-ms
+(end of speech -> first audio), and a stop lag over STOP_LAG_BUDGET_MS (the server fell behind the audio). A turn
+asked is waited for past the duration: no reply within --turn-timeout is an error (`no_reply`); a question still
+being spoken when the duration ends is counted as `turns_cut` and is no error. `client_late_frames`: frames this
+process sent more than a frame period after their slot (the load generator itself fell behind, not the server).
 """
 
 from __future__ import annotations
@@ -124,8 +125,8 @@ class Turn:
 class Stream:
     """One voice session: the reader follows the current turn's events as they arrive."""
 
-    def __init__(self, ws: ClientConnection, rec: SessionRecord) -> None:
-        self.ws, self.rec = ws, rec
+    def __init__(self, ws: ClientConnection, rec: SessionRecord, turn_budget_s: float) -> None:
+        self.ws, self.rec, self.turn_budget_s = ws, rec, turn_budget_s
         self.turn = Turn()
         self.sent = 0  # frames sent: the session's audio clock
         self.sent_at: collections.deque[float] = collections.deque(maxlen=KEPT_SEND_TIMES)  # send times, latest last
@@ -149,6 +150,7 @@ class Stream:
                   and turn.first_audio_at is None):
                 turn.first_audio_at = t
                 self.rec.latency("turn_ms", t - turn.eos_at)
+                self.rec.missed += t - turn.eos_at > self.turn_budget_s
             elif kind == "response.done" and ev["response"]["id"] in turn.responses:
                 self.rec.latency("reply_done_ms", t - turn.eos_at)
                 self.rec.counts["replies_with_audio" if turn.first_audio_at else "replies_without_audio"] += 1
@@ -190,7 +192,7 @@ async def voice_session(cfg: BenchConfig, key: str | None, utts: list[Utterance]
         if refused is not None:
             rec.error(str((refused.get("error") or {}).get("code") or refused.get("type")))
             return
-        stream = Stream(ws, rec)
+        stream = Stream(ws, rec, cfg.voice_turn_ms / 1e3)
         rec.started = True
         stream.t0 = end = time.monotonic()
         end += cfg.duration
@@ -204,19 +206,21 @@ async def voice_session(cfg: BenchConfig, key: str | None, utts: list[Utterance]
                     stream.turn.eos_at = time.monotonic()
                 if time.monotonic() >= end:
                     break
+            if stream.turn.eos_at == float("inf"):  # the duration ended before the question did
+                rec.counts["turns_cut"] += 1
+                break
             rec.counts["turns"] += 1
-            give_up = stream.turn.eos_at + cfg.turn_timeout
-            while not stream.turn.done.is_set() and time.monotonic() < min(end, give_up):
+            give_up = stream.turn.eos_at + cfg.turn_timeout  # past the duration too: a turn asked is answered
+            while not stream.turn.done.is_set() and time.monotonic() < give_up:
                 if stream.reader.done():  # the connection closed
                     raise stream.reader.exception() or ConnectionError("the server closed the connection")
                 await stream.send(SILENCE)
             if not stream.turn.done.is_set():
-                if time.monotonic() >= give_up:
-                    rec.error("no_reply")
-                else:
-                    rec.counts["turns_cut"] += 1
+                rec.error("no_reply")
                 continue
             rec.counts["turns_answered"] += 1
+            if time.monotonic() >= end:
+                break
             for _ in range(GAP_FRAMES):
                 await stream.send(SILENCE)
         rec.completed = True
