@@ -9,6 +9,12 @@ Callers (the sync API, asyncio front ends) only `submit` work and `cancel`; both
 briefly and never wait for a step. A step holds the between-steps guard from schedule to update, so
 out-of-band operations (rewind, snapshot, park, close) always see a session between steps. The loop
 sleeps when there is no work and checks idle sessions' TTL about once a second.
+
+Exceptions in a step fail that step's sessions and the thread goes on. Something that escapes even that (a
+BaseException raised inside a step, such as SystemExit or GeneratorExit, or an extension's fatal error surfacing
+as one) ends the thread; it is then recorded (`died`), every queued chunk fails and every reply ends with
+`EngineDiedError`, new work is refused with it (the thread is never silently restarted with sessions half-stepped),
+and the `on_death` callbacks run, so that a server can report unhealthy and exit.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import logging
 import threading
 import time
 import weakref
+from collections.abc import Callable
 from typing import Protocol
 
 from streamserve.engine.guard import BetweenSteps
@@ -38,11 +45,17 @@ from streamserve.engine.work import (
     StepOutput,
     TokenProduced,
 )
-from streamserve.errors import ResponseInProgressError, SessionClosedError, StepError
+from streamserve.errors import ResponseInProgressError, SessionClosedError, StepError, StreamserveError
 
 log = logging.getLogger("streamserve")
 
 IDLE_CHECK_SECONDS = 1.0
+
+
+class EngineDiedError(StreamserveError):
+    """The engine thread ended on an unrecoverable fault: nothing more runs on this engine; restart the server."""
+
+    code = "engine_failed"
 
 
 class LoopOwner(Protocol):
@@ -72,12 +85,17 @@ class EngineLoop:
         self._stopping = False
         self._last_idle_check = time.monotonic()
         self.steps = 0
+        self.died: BaseException | None = None  # what ended the engine thread, if a fault did
+        self._death_callbacks: list[Callable[[BaseException], None]] = []
 
     # ---- called from any thread -----------------------------------------------------------------------
     def submit(self, work: Chunk | Response) -> None:
         """Queue a chunk or a response (typed errors if the session's queue is full or, for a response,
         one is already open). Never waits for the engine."""
         with self.cv:
+            if self.died is not None:
+                raise EngineDiedError(f"the engine thread died ({type(self.died).__name__}); nothing more can run "
+                                      "on this engine: restart the server")
             if self._stopping:
                 raise SessionClosedError("the engine is shut down")
             if isinstance(work, Response) and self.scheduler.open_response(work.session_id) is not None:
@@ -125,6 +143,32 @@ class EngineLoop:
         with self.guard, self.cv:
             events = [e for sid in list(self.scheduler.busy_sessions()) for e in self.scheduler.drop_session(sid)]
         self._deliver(events)
+
+    def on_death(self, callback: Callable[[BaseException], None]) -> None:
+        """Call `callback(fault)` (from the dying engine thread) if the thread dies; at once if it already has."""
+        with self.cv:
+            self._death_callbacks.append(callback)
+            died = self.died
+        if died is not None:
+            callback(died)
+
+    def thread_died(self, fault: BaseException) -> None:
+        """The engine thread is ending on `fault` (called from it): refuse new work, fail what is queued (the
+        step in flight included: its work is still at the head of its queues), tell the callbacks."""
+        log.critical("streamserve: the engine thread died; no more work can run on this engine", exc_info=fault)
+        with self.cv:
+            self.died, self._stopping = fault, True
+            callbacks = list(self._death_callbacks)
+        error = EngineDiedError(f"the engine thread died ({type(fault).__name__}); restart the server")
+        with self.guard, self.cv:
+            events = [e for sid in list(self.scheduler.busy_sessions())
+                      for e in self.scheduler.drop_session(sid, error)]
+        self._deliver(events)
+        for callback in callbacks:
+            try:
+                callback(fault)
+            except Exception:
+                log.exception("streamserve: an engine death callback failed")
 
     # ---- the engine thread ----------------------------------------------------------------------------
     def idle(self) -> bool:
@@ -222,7 +266,13 @@ def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
             if idle:
                 cv.wait(IDLE_CHECK_SECONDS)  # submit() and stop() notify
         loop = ref()
-        if loop is None or not loop.iteration():
+        if loop is None:
+            return
+        try:
+            if not loop.iteration():
+                return
+        except BaseException as fault:  # Exceptions are handled inside the step: this is the thread's end
+            loop.thread_died(fault)
             return
         del loop
 

@@ -21,7 +21,9 @@ With an API key, /v1/stream, /v1/realtime, /v1/policy and calls need it or a liv
 page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an unexpected
 failure is answered with `internal_error` and a request id that the server log also has.
 SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed
-with 1001, replies end, pages come back.
+with 1001, replies end, pages come back. If the engine thread dies (engine/loop.py), /healthz says `failed`, new
+connections are closed with 1011, work on open sessions is refused (`engine_failed`), and `run` shuts down the same
+way and exits with status 1, so that a supervisor restarts the server rather than keep a process that cannot serve.
 """
 
 from __future__ import annotations
@@ -117,6 +119,7 @@ class Server:
         self.app.on_cleanup.append(self.on_cleanup)
         self.background: list[asyncio.Task] = []
         self.ready = asyncio.Event()
+        self.engine_failed = asyncio.Event()  # set (on the event loop) when the engine thread dies
         self.calls = webrtc_calls(self)
         self.policy = PolicyEndpoint(self)  # WS /v1/policy, and its own site with --policy-port
 
@@ -149,6 +152,8 @@ class Server:
             Counter("streamserve_messages", "Client messages received, by type", ["type"], registry=reg))
         self.server_metrics.connections.set_function(lambda: len(self.connections))
         self.engine = engine
+        loop = asyncio.get_running_loop()
+        engine.loop.on_death(lambda fault: loop.call_soon_threadsafe(self.engine_failed.set))
         self.ready.set()
         log.info("streamserve: serving %s", engine.name)
 
@@ -183,6 +188,11 @@ class Server:
         if self.service is not None:
             await self.service.shutdown()
 
+    @property
+    def engine_died(self) -> BaseException | None:
+        """What ended the engine thread, if it died (the detail is for the log, never a client)."""
+        return None if self.engine is None else self.engine.loop.died
+
     # ---- auth -----------------------------------------------------------------------------------------
     def credential(self, request: web.Request) -> str | None:
         given = bearer(request.headers.get("Authorization"))
@@ -213,7 +223,7 @@ class Server:
 
     # ---- routes ---------------------------------------------------------------------------------------
     async def healthz(self, request: web.Request) -> web.Response:
-        if self.load_error is not None:
+        if self.load_error is not None or self.engine_died is not None:
             return web.json_response({"status": "failed"}, status=503)
         if self.engine is None:
             return web.json_response({"status": "loading"}, status=503)
@@ -270,6 +280,9 @@ class Server:
         await ws.prepare(request.clone(headers=headers))
         if self.load_error is not None:  # permanent until the operator acts: not "retry shortly"
             await ws.close(code=P.CLOSE_INTERNAL, message=b"the model failed to load (see the server log)")
+            return ws
+        if self.engine_died is not None:
+            await ws.close(code=P.CLOSE_INTERNAL, message=b"the engine failed (see the server log)")
             return ws
         if self.service is None or self.server_metrics is None:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"the model is still loading; retry shortly")
@@ -392,7 +405,14 @@ def run(server: Server, announce: Callable[[str], None] = print) -> None:
             raise SystemExit(1)
         if ready in done and server.engine is not None:
             announce(f"streamserve: ready: {server.engine.name} on {server.engine.device}")
-        await stopped
+        failed = asyncio.create_task(server.engine_failed.wait())
+        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        if server.engine_died is not None:
+            announce(f"streamserve: the engine thread died ({type(server.engine_died).__name__}: see the log); "
+                     "shutting down")
+            await runner.cleanup()
+            raise SystemExit(1)
+        failed.cancel()
         announce("streamserve: shutting down")
         await runner.cleanup()
 
