@@ -199,12 +199,17 @@ class Server:
         return given if given is not None else split_protocols(request.headers.get("Sec-WebSocket-Protocol"))[0]
 
     def grant(self, request: web.Request) -> Grant | None:
-        return self.auth.grant_for(self.credential(request))
+        credential = self.credential(request)
+        if credential is not None and not utf8(credential):  # no key or secret of ours: refused, as a wrong one is
+            return None
+        return self.auth.grant_for(credential)
 
     def operator(self, request: web.Request) -> bool:
         """The API key itself (or no key configured): what server-wide figures need; a client secret is not
         enough."""
-        return not self.auth.required or self.auth.is_api_key(self.credential(request))
+        credential = self.credential(request)
+        return not self.auth.required or (credential is not None and utf8(credential)
+                                          and self.auth.is_api_key(credential))
 
     @web.middleware
     async def guard(self, request: web.Request, handler: Handler) -> web.StreamResponse:
@@ -267,6 +272,8 @@ class Server:
         grant = self.grant(request)
         if grant is None:
             return unauthorized()
+        if not all(utf8(k) and utf8(v) for k, v in request.headers.items()):  # the clone below encodes them all
+            return error_response(400, "invalid_header", "a header of the WebSocket handshake is not UTF-8 text")
         offered = split_protocols(request.headers.get("Sec-WebSocket-Protocol"))[1]
         # compress=False: no permessage-deflate (media frames do not compress; it costs CPU and memory per
         # connection). protocols: echo a non-secret protocol the client offered, never a key. The handshake
@@ -304,6 +311,16 @@ class Server:
         finally:
             self.connections.discard(conn)
         return ws
+
+
+def utf8(header_text: str) -> bool:
+    """Whether a header's text was UTF-8 on the wire: aiohttp keeps other bytes as lone surrogates, which
+    str.encode() raises on (the credential checks, request.clone): a 500, found by tests/server/test_fuzz_http.py."""
+    try:
+        header_text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 def webrtc_calls(server: Server) -> Any:

@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 
 import pytest_asyncio
+from fuzz_options import pytest_addoption  # noqa: F401  (--fuzz-minutes: tests/server/fuzz_options.py)
 from serving import RunningServer, default_engine
 
 from streamserve.config import ServerConfig
