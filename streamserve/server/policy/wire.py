@@ -134,7 +134,11 @@ def _ndarray(m: dict) -> np.ndarray:
     if count * dt.itemsize != len(data):
         raise WireError(f"an array of shape {shape} and dtype {dt.str} needs {count * dt.itemsize} bytes, "
                         f"got {len(data)}")
-    return np.frombuffer(data, dtype=dt).reshape(shape)  # a read-only view of the frame's bytes
+    try:
+        return np.frombuffer(data, dtype=dt).reshape(shape)  # a read-only view of the frame's bytes
+    except ValueError:  # an empty array whose other dimensions NumPy cannot index ([0, 2**62]): no bytes, no use
+        raise WireError(f"an array of shape {shape} has dimensions NumPy cannot hold (each and their product "
+                        "must fit in 63 bits, zeros aside)") from None
 
 
 def _npgeneric(m: dict) -> np.generic:
