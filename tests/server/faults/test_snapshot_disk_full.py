@@ -74,8 +74,9 @@ def test_a_full_disk_never_leaves_a_half_snapshot_under_its_name_and_the_session
     engine.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="engine/snapshot.py:93-98 (Snapshot.save): the OSError of a failed write "
-                   "reaches the caller untyped and the half-written '<name>.tmp' file stays on the full disk")
+@pytest.mark.xfail(strict=True, reason="engine/snapshot.py, Snapshot.save (torch.save to '<name>.tmp', then "
+                   "replace): the OSError of a failed write reaches the caller untyped and the half-written "
+                   "'<name>.tmp' stays on the full disk")
 def test_a_full_disk_is_a_typed_error_and_leaves_no_file(engine: Any, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     with engine.open_session() as s:
