@@ -121,7 +121,7 @@ def wrong_shapes(folder: Path) -> None:
 
 
 TRUNCATED_BUG = ("models/loader.py:77 opens safetensors with safe_open and lets SafetensorError through untyped: "
-                 "app.py:135 then logs the model failure with a full traceback")
+                 "server/app.py (Server.load_engine) then logs the model failure with a full traceback")
 
 
 @pytest.mark.parametrize(("damage", "named"), [
