@@ -74,10 +74,13 @@ class Checkpoint:
             path = folder / f
             if not path.exists():
                 raise ModelLoadError(f"shard {f} named in {index.name} is missing from {folder}")
-            h = self._handles[f] = safe_open(str(path), framework="pt", device="cpu")
-            for name in h.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                sl = h.get_slice(name)
-                self.meta[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
+            try:
+                h = self._handles[f] = safe_open(str(path), framework="pt", device="cpu")
+                for name in h.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                    sl = h.get_slice(name)
+                    self.meta[name] = (f, tuple(sl.get_shape()), sl.get_dtype())
+            except Exception as e:  # safetensors raises its own (untyped) errors for a truncated or damaged file
+                raise ModelLoadError(f"{path} is not a readable safetensors file ({e}); download it again") from None
 
     def __contains__(self, name: str) -> bool:
         return name in self.meta

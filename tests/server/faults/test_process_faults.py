@@ -120,13 +120,9 @@ def wrong_shapes(folder: Path) -> None:
     (folder / "config.json").write_text(json.dumps(config))
 
 
-TRUNCATED_BUG = ("models/loader.py:77 opens safetensors with safe_open and lets SafetensorError through untyped: "
-                 "server/app.py (Server.load_engine) then logs the model failure with a full traceback")
-
-
 @pytest.mark.parametrize(("damage", "named"), [
     (corrupt_config, "config.json"),
-    pytest.param(truncated_weights, ".safetensors", marks=pytest.mark.xfail(strict=True, reason=TRUNCATED_BUG)),
+    (truncated_weights, ".safetensors"),
     (wrong_shapes, "shape"),
 ], ids=["corrupt-config", "truncated-safetensors", "wrong-shapes"])
 def test_a_malformed_checkpoint_at_start_up_exits_non_zero_with_one_readable_error(tmp_path: Path, damage,
