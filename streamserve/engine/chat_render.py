@@ -142,5 +142,6 @@ class ChatTemplate:
     def text_after(self, ids: Sequence[int], start: int) -> str:
         """The text of `ids[start:]` as it reads after `ids[:start]` (a few ids before it decoded with it, for
         decoders that read context, such as SentencePiece's leading-space rule)."""
-        detok = self.tokenizer.detokenizer(skip_special_tokens=False, context=ids[:start])
+        # (the detokenizer reads the last few context ids: an endless session keeps only its recent ones)
+        detok = self.tokenizer.detokenizer(skip_special_tokens=False, context=ids[max(0, start - 8):start])
         return detok.push(ids[start:]) + detok.flush()

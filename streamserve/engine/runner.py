@@ -144,7 +144,7 @@ class Runner:
             return ItemResult(tokens=tokens)
         if logits is not None:
             s.keep_logits(logits)
-            s.trim_vectors()  # the window may have dropped positions whose vectors no rewind can re-run now
+            s.trim()  # the window may have dropped positions: their ids, records and vectors no rewind can reach
         if isinstance(work, Chunk):
             for c, n in item.parts:
                 start = len(s.token_ids)
@@ -158,7 +158,7 @@ class Runner:
                     r = s.timeline[-1]
                     s.timeline[-1] = ChunkRecord(r.kind, r.seq, r.start, len(s.token_ids), r.capture_time,
                                                  r.deadline)
-            s.trim_vectors()
+            s.trim()
             return ItemResult()
         return None
 

@@ -34,6 +34,7 @@ from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.streams import Outbox, ResponseStream, TokenIterator
 from streamserve.engine.table import SessionTable
+from streamserve.engine.token_log import TokenLog
 from streamserve.engine.work import CHUNK_KINDS, Ack, Chunk, ChunkKind, Response
 from streamserve.errors import (
     ChunkTooLargeError,
@@ -94,8 +95,9 @@ class Session:
         return self.core.kv
 
     @property
-    def token_ids(self) -> list[int]:
-        """Everything appended or generated, in order (an embedding vector's position holds a placeholder id)."""
+    def token_ids(self) -> TokenLog:
+        """Everything appended or generated, by position (a vector's position holds a placeholder id). An endless
+        session keeps its sinks' and its KV's positions only: `list()` gives those (docs/protocol.md)."""
         return self.core.token_ids
 
     @property
@@ -340,7 +342,9 @@ class Session:
         if to_seq is not None:
             rec = next((r for r in st.timeline if r.kind == "input" and r.seq == to_seq), None)
             if rec is None:
-                raise RewindError(f"no chunk with seq {to_seq!r} on this session's timeline")
+                gone = "" if st.token_ids.gap is None else (" (an endless session forgets the chunks its window "
+                                                           f"dropped: rewind reaches back to {st.token_ids.base})")
+                raise RewindError(f"no chunk with seq {to_seq!r} on this session's timeline{gone}")
             to = rec.end
         assert to is not None
         if isinstance(to, bool) or not isinstance(to, int) or not 0 <= to <= len(st.token_ids):
@@ -371,7 +375,7 @@ class Session:
             vectors = torch.stack([st.vectors[p] for p in positions]).cpu().clone() if positions else None
             # between steps: a running reply's timeline record is current
             snap = Snapshot(model=e.fingerprint, model_name=e.name,
-                            page_size=self.kv.pool.page_size, policy=self.kv.policy, token_ids=list(st.token_ids),
+                            page_size=self.kv.pool.page_size, policy=self.kv.policy, token_ids=st.token_ids.copy(),
                             timeline=list(st.timeline), kv_length=self.kv.length, pages=pages,
                             logits=None if st.logits is None else st.logits.detach().cpu().clone(),
                             logits_at=st.logits_at, next_seq=st.next_seq, page_cap=self.kv.page_cap,

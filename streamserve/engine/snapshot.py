@@ -7,7 +7,9 @@ size, window policy, token ids, timeline, committed KV length, the held pages' k
 group, as before groups existed; one such list per group for models that mix native windows, whose layers'
 n follow their group), the last logits, the next chunk seq, the page cap, and
 the vectors of embedding chunks still kept (`vector_positions` [n] and `vectors` [n, hidden]; absent in
-files written before embedding chunks existed, which read as none).
+files written before embedding chunks existed, which read as none). An endless session's token ids are the
+kept ones only (`token_ids`, in position order) with the forgotten positions `token_gap` [lo, hi) (absent or
+None: none forgotten; engine/token_log.py).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from typing import Any
 
 import torch
 
+from streamserve.engine.token_log import TokenLog
 from streamserve.errors import SnapshotError
 from streamserve.sessions import HostPages, WindowPolicy
 
@@ -43,7 +46,7 @@ class Snapshot:
     model_name: str
     page_size: int
     policy: WindowPolicy
-    token_ids: list[int]
+    token_ids: TokenLog  # by absolute position; an endless session's forgotten positions are not in the file
     timeline: list[ChunkRecord]
     kv_length: int
     pages: HostPages
@@ -54,6 +57,10 @@ class Snapshot:
     vector_positions: list[int] = field(default_factory=list)  # positions whose input was a vector
     vectors: torch.Tensor | None = None  # [len(vector_positions), hidden] on the host
 
+    def __post_init__(self) -> None:
+        if not isinstance(self.token_ids, TokenLog):  # a list of ids: nothing forgotten
+            self.token_ids = TokenLog(self.token_ids)
+
     @property
     def nbytes(self) -> int:
         return self.pages.nbytes
@@ -63,7 +70,9 @@ class Snapshot:
             "format": FORMAT, "version": VERSION, "model": self.model, "model_name": self.model_name,
             "page_size": self.page_size,
             "policy": {"window": self.policy.window, "sinks": self.policy.sinks, "mode": self.policy.mode},
-            "token_ids": list(self.token_ids), "timeline": [asdict(r) for r in self.timeline],
+            "token_ids": self.token_ids.kept(),
+            "token_gap": None if self.token_ids.gap is None else list(self.token_ids.gap),
+            "timeline": [asdict(r) for r in self.timeline],
             "kv_length": self.kv_length,
             "logical_pages": list(self.pages.logical[0]) if len(self.pages.logical) == 1
             else [list(g) for g in self.pages.logical],
@@ -81,13 +90,14 @@ class Snapshot:
                                 f"version {VERSION})")
         try:
             return cls(model=d["model"], model_name=d["model_name"], page_size=int(d["page_size"]),
-                       policy=WindowPolicy(**d["policy"]), token_ids=[int(i) for i in d["token_ids"]],
+                       policy=WindowPolicy(**d["policy"]),
+                       token_ids=TokenLog([int(i) for i in d["token_ids"]], _read_gap(d.get("token_gap"))),
                        timeline=[ChunkRecord(**r) for r in d["timeline"]], kv_length=int(d["kv_length"]),
                        pages=HostPages(_groups(d["logical_pages"]), list(d["k"]), list(d["v"])),
                        logits=d["logits"], logits_at=int(d["logits_at"]), next_seq=int(d["next_seq"]),
                        page_cap=d.get("page_cap"),
                        vector_positions=[int(p) for p in d.get("vector_positions", [])], vectors=d.get("vectors"))
-        except (KeyError, TypeError, ValueError) as e:
+        except (KeyError, TypeError, ValueError) as e:  # (a bad token_gap: InvalidInputError, a ValueError)
             raise SnapshotError(f"damaged snapshot: {e}") from None
 
     def save(self, path: str | Path) -> Path:
@@ -113,3 +123,12 @@ def _groups(logical: list) -> list[list[int]]:
     if logical and all(isinstance(g, list) for g in logical):
         return [[int(j) for j in g] for g in logical]
     return [[int(j) for j in logical]]
+
+
+def _read_gap(gap: object) -> tuple[int, int] | None:
+    """A file's `token_gap` -> the forgotten positions [lo, hi) (None: none)."""
+    if gap is None:
+        return None
+    if not isinstance(gap, (list, tuple)) or len(gap) != 2:
+        raise ValueError(f"token_gap must be [lo, hi], got {gap!r}")
+    return int(gap[0]), int(gap[1])

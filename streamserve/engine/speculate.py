@@ -88,7 +88,7 @@ def accept(s: SessionState, r: Response, proposal: DraftProposal, logits: torch.
     extend_reply(s, r, emitted, new_detokenizer)
     s.kv.truncate(len(s.token_ids) - 1)  # the rejected drafts leave the cache
     s.kv.drop_outside_window()
-    s.trim_vectors()
+    s.trim()  # what the window dropped: ids, records, vectors
     s.keep_logits(None)  # the next step runs the new pending token
     return emitted
 

@@ -11,9 +11,16 @@ Embedding chunks: a position whose input was a vector holds `placeholder_id` in 
 tokenizer's pad id, else the model's last id: `engine.placeholder_id`) and its vector [hidden] in
 `vectors`, a side table by position. Which positions are vectors is known from that table alone (a real
 token equal to the placeholder id is just a token). The forward embeds the placeholder and then puts the
-vector in its row. Vectors of positions no rewind can run again (the window dropped what they need) are
-freed (`trim_vectors`), so memory stays bounded on an endless stream of embedding chunks.
-Drafters treat `placeholder_id` as a break in the history (they never propose it or draft through it).
+vector in its row. Drafters treat `placeholder_id` as a break in the history (they never propose it or
+draft through it).
+
+An endless (windowed) session holds a bounded host state (`trim`, after each commit, on the engine thread):
+once the window dropped a position's pages no rewind can reach it again nor attention read it, so the token
+ids (`token_ids` is a `TokenLog`: absolute positions, only the kept ones stored), the timeline records and the
+vectors of such positions are forgotten. Kept for ever: the sink pages' positions and the one after them (a
+rewind into the sinks stays possible); kept as the stream goes on: the positions from the oldest one the KV
+still holds (and at least the last `RECENT_TOKENS`, the detokenizer's and drafters' context); vectors only
+from the oldest position a rewind can still run again.
 """
 
 from __future__ import annotations
@@ -27,11 +34,15 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamserve.engine.snapshot import ChunkRecord
+from streamserve.engine.token_log import TokenLog
 from streamserve.errors import ContextLengthError
 from streamserve.sessions import PagedSessionKV
 
 if TYPE_CHECKING:
     from streamserve.engine.drafters.adaptive import SpecController
+
+RECENT_TOKENS = 64  # an endless session keeps at least its last this many token ids (a reply's detokenizer
+# starts from the 8 before it; drafters look back over them), whatever its window
 
 
 class SessionStatus(enum.Enum):
@@ -49,7 +60,8 @@ class SessionState:
         self.max_positions = max_positions  # the model's context (limits sessions with absolute positions)
         self.device = device
         self.placeholder_id = placeholder_id
-        self.token_ids: list[int] = []  # everything appended or generated, in order (placeholders at vectors)
+        # everything appended or generated, by position (placeholders at vectors); an endless session keeps part
+        self.token_ids = TokenLog()
         self.timeline: list[ChunkRecord] = []
         self.vectors: dict[int, torch.Tensor] = {}  # position -> [hidden] vector of an embedding chunk
         self.logits: torch.Tensor | None = None  # [V] fp32 after the first `logits_at` tokens
@@ -111,20 +123,56 @@ class SessionState:
             return []
         return [(p - start, self.vectors[p]) for p in range(start, end) if p in self.vectors]
 
-    def trim_vectors(self) -> None:
-        """Free the vectors no rewind can run again. A rewind keeping `keep` tokens in the KV runs position
-        `keep` again; the KV allows that for every position up to the end of the sink pages, then (pages
-        leave the window oldest first) for every position from some point on. So past the sink pages the
-        vectors are freed in position order up to the first one a rewind can still reach."""
+    # ---- bounded history (an endless session) -------------------------------------------------------
+    def forgettable(self) -> tuple[int, int] | None:
+        """The positions [head, base) no step and no rewind can need again (None: no window, or the KV is parked;
+        the span may be empty). A rewind keeping `keep` tokens in the KV runs position `keep` again: the KV allows
+        that for every position up to the end of the sink pages (`head` - 1), and past them only where every layer
+        group still holds the pages a query there reads, which (pages leave oldest first) is never below the
+        oldest non-sink page a group holds; below that no step reads a key either. `base` is the start of the
+        latest such page (over the groups)."""
         kv = self.kv
-        if kv.policy.window is None or kv.parked is not None or not self.vectors:
+        if kv.policy.window is None or kv.parked is not None:
+            return None
+        head = self._kept_until() + 1
+        return head, max(g.oldest_kept(g.table, kv.length) for g in kv.groups)
+
+    def trim(self) -> None:
+        """Forget what no step and no rewind can need again (after a commit: the window may have dropped pages):
+        the token ids and the timeline records before `base` (see `forgettable`; the sinks' are kept, and the last
+        `RECENT_TOKENS`), and the vectors no rewind can run again."""
+        span = self.forgettable()
+        if span is None:
             return
-        sink_end = self._kept_until()  # positions in sink pages: held for ever
+        head, reach = span
+        self._trim_vectors(head, reach)
+        base = min(reach, self.kv.length - RECENT_TOKENS)
+        if base <= head:
+            return
+        self.token_ids.forget_before(base, keep_first=head)
+        # timeline records wholly in [head, base) go (they are in position order: one run after the sinks'),
+        # but the latest input one (a rewind renumbers the chunks after the last one before the point it keeps)
+        # and the last one (the record a reply or a split chunk is growing)
+        tl, i = self.timeline, 0
+        while i < len(tl) and tl[i].start < head:
+            i += 1
+        j = i
+        while j < len(tl) - 1 and tl[j].end <= base:
+            j += 1
+        inputs = [k for k in range(i, j) if tl[k].kind == "input"]
+        keep = [tl[inputs[-1]]] if inputs else []
+        if j - i > len(keep):
+            self.timeline = tl[:i] + keep + tl[j:]
+
+    def _trim_vectors(self, head: int, base: int) -> None:
+        """Free the vectors no rewind can run again: those in [head, base), then in position order up to the
+        first one a rewind can still reach."""
+        kv = self.kv
         free = []
         for p in self.vectors:  # in position order; stops at the first one kept (no walk over the table)
-            if p <= sink_end:
+            if p < head:
                 continue
-            if p >= kv.length or kv.can_rewind(p):
+            if p >= base and (p >= kv.length or kv.can_rewind(p)):
                 break
             free.append(p)
         for p in free:
@@ -155,6 +203,8 @@ class SessionState:
         follows the last chunk kept (a user's rewind)."""
         if to == len(self.token_ids):
             return
+        # (an endless session keeps the ids this needs: `check_cut` lets through only a rewind into the sink pages
+        # or one whose last kept token, run again, sits where the KV still holds pages)
         self.kv.truncate(min(max(0, to - 1), self.kv.length))
         del self.token_ids[to:]
         for p in [p for p in self.vectors if p >= to]:
@@ -175,10 +225,10 @@ class SessionState:
         for d in self.spec.drafters if self.spec is not None else ():
             d.release(self.id)
 
-    def load(self, token_ids: list[int], timeline: list[ChunkRecord], kv_length: int, next_seq: int,
+    def load(self, token_ids: TokenLog | list[int], timeline: list[ChunkRecord], kv_length: int, next_seq: int,
              logits: torch.Tensor | None, logits_at: int, vectors: Mapping[int, torch.Tensor]) -> None:
         """Take the record of a snapshot (its KV pages are loaded separately)."""
-        self.token_ids = list(token_ids)
+        self.token_ids = token_ids.copy() if isinstance(token_ids, TokenLog) else TokenLog(token_ids)
         self.timeline = list(timeline)
         self.kv.length = kv_length
         self.next_seq = next_seq

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from streamserve.engine.token_log import TokenLog
     from streamserve.engine.work import Response
     from streamserve.sessions import PagedSessionKV
 
@@ -27,7 +28,7 @@ class DraftContext(Protocol):
     """What a drafter reads of a session (`state.SessionState` is one)."""
 
     id: str
-    token_ids: list[int]  # the history; `placeholder_id` marks an embedding vector, never a token to draft from
+    token_ids: TokenLog  # the history (an endless session's kept part); `placeholder_id` marks a vector
     revisions: int  # moves when the history is cut (a rewind)
     placeholder_id: int
     kv: PagedSessionKV  # its window policy

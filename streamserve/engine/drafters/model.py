@@ -12,12 +12,16 @@ session: when its pool is full it frees the least recently used session's draft 
 cannot draft (pool, context), it proposes nothing and does not try again for RETRY_AFTER tokens.
 The draft model reads token ids only: its view of the history starts after the last embedding vector (the
 session's placeholder id), and while the last token is one it proposes nothing.
+Bounded on an endless stream: the history it holds is a `TokenLog` that forgets what its own window dropped,
+as the session's does; its view never starts before the session's oldest kept token (`TokenLog.base`), and
+a draft state that fell behind what the session forgot starts over.
 """
 
 from __future__ import annotations
 
 import time
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -26,6 +30,7 @@ import torch
 
 from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.drafters.verify import target_probs
+from streamserve.engine.token_log import TokenLog
 from streamserve.errors import CapacityError, ContextLengthError, InvalidInputError, RewindError, StreamserveError
 from streamserve.kernels.reference import MIN_TEMPERATURE
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model, open_pretrained
@@ -40,6 +45,7 @@ CATCH_UP_CHUNK = 256  # history tokens per draft forward when catching up
 RETRY_AFTER = 64  # tokens of history after a failed proposal before the drafter tries that session again
 POOL_SHARE = 8  # the draft pool gets 1/POOL_SHARE of the target pool's bytes (at least MIN_POOL_PAGES pages)
 MIN_POOL_PAGES = 256
+FORGET_BATCH = 256  # an endless session's draft history forgets the positions its window dropped this many at a time
 
 
 class DraftTokenizerError(InvalidInputError):
@@ -50,7 +56,7 @@ class DraftTokenizerError(InvalidInputError):
 class DraftState:
     kv: PagedSessionKV
     offset: int = 0  # the history position its view starts at (a windowed session: its last window)
-    tokens: list[int] = field(default_factory=list)  # history[offset:offset + len(tokens)], what the KV holds
+    tokens: TokenLog = field(default_factory=TokenLog)  # history[offset:offset + len(tokens)], what the KV holds
     revision: int = 0
 
 
@@ -116,13 +122,12 @@ class DraftModelDrafter:
             self.states[session.id] = st
         self.states.move_to_end(session.id)
         if st.revision != session.revisions:  # the history was cut: keep the common prefix only
-            h, n = session.token_ids, 0
-            while n < min(len(h) - st.offset, len(st.tokens)) and h[st.offset + n] == st.tokens[n]:
-                n += 1
-            self._cut(st, st.offset + n, session)
+            self._cut(st, st.offset + _common_prefix(session.token_ids, st), session)
             st.revision = session.revisions
         ph = session.placeholder_id
-        if ph in session.token_ids[st.offset + len(st.tokens):]:  # a vector since: the view starts after it
+        h = session.token_ids
+        # the session forgot tokens it never ran, or a vector came since (the view starts after it): start over
+        if st.offset + len(st.tokens) < _kept_from(h) or ph in h[st.offset + len(st.tokens):]:
             self._start_over(st, session)
         return st
 
@@ -130,9 +135,9 @@ class DraftModelDrafter:
         """An empty draft cache viewing the history from its start, or for a windowed session from its last
         window (plus the pending token)."""
         st.kv.release()
-        st.kv.length, st.tokens = 0, []
+        st.kv.length, st.tokens = 0, TokenLog()
         pol, h = session.kv.policy, session.token_ids
-        st.offset = 0 if pol.window is None else max(0, len(h) - pol.window - pol.sinks - 1)
+        st.offset = 0 if pol.window is None else max(0, len(h) - pol.window - pol.sinks - 1, _kept_from(h))
         last_vector = next((i for i in range(len(h) - 1, st.offset - 1, -1) if h[i] == session.placeholder_id), -1)
         st.offset = max(st.offset, last_vector + 1)
 
@@ -165,7 +170,7 @@ class DraftModelDrafter:
             st.kv.abort()
             raise
         st.kv.commit(drop=drop)
-        st.tokens += ids
+        st.tokens.extend(ids)
         return logits
 
     def _propose(self, session: DraftContext, k: int, reply: Response | None) -> DraftProposal:
@@ -202,4 +207,41 @@ class DraftModelDrafter:
                 logits = self._forward(st, [tok], drop=False)
         self._cut(st, len(h), session)  # the drafts leave the draft cache: it holds the real history only
         st.kv.drop_outside_window()
+        _forget_dropped(st)
         return DraftProposal(tokens, torch.stack(probs) if sampled else None, time.perf_counter() - t0)
+
+
+def _kept_from(h: Sequence[int]) -> int:
+    """The oldest position of an endless session's kept tail (0: everything is kept)."""
+    return h.base if isinstance(h, TokenLog) else 0
+
+
+def _forget_dropped(st: DraftState) -> None:
+    """The draft history forgets the positions its KV dropped for good (its sink pages' and the one after them
+    stay, as a rewind may still reach those), FORGET_BATCH at least at a time: it holds at most that many more
+    than the draft KV's positions."""
+    kv = st.kv
+    if kv.policy.window is None:
+        return
+    head = -(-kv.policy.sinks // kv.pool.page_size) * kv.pool.page_size + 1
+    base = max(g.oldest_kept(g.table, kv.length) for g in kv.groups)
+    if base - max(head, st.tokens.base) >= FORGET_BATCH:
+        st.tokens.forget_before(base, keep_first=head)
+
+
+def _common_prefix(h: Sequence[int], st: DraftState) -> int:
+    """How many tokens of the draft's view agree with the history h (from st.offset) after a cut. Positions
+    either side forgot are taken as agreeing: a cut keeps the positions before it, and a draft need not be exact."""
+    gaps = [st.tokens.gap] if st.tokens.gap else []  # in the draft's positions
+    if isinstance(h, TokenLog) and h.gap is not None:
+        gaps.append((h.gap[0] - st.offset, h.gap[1] - st.offset))
+    n, limit = 0, min(len(h) - st.offset, len(st.tokens))
+    while n < limit:
+        skip = next((hi for lo, hi in gaps if lo <= n < hi), None)
+        if skip is not None:
+            n = skip
+        elif h[st.offset + n] != st.tokens[n]:
+            break
+        else:
+            n += 1
+    return min(n, limit)
