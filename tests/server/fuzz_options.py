@@ -51,17 +51,23 @@ def fuzz(config: pytest.Config, name: str, strategy: st.SearchStrategy[T], body:
         count += 1
         body(x)
 
-    test = given(strategy)(once)
-    for x in pinned:
-        test = example(x)(test)
+    def test() -> Callable[[], None]:  # a new hypothesis test per run (one takes one settings object)
+        def run(x: T) -> None:
+            once(x)
+
+        t = given(strategy)(run)
+        for x in pinned:
+            t = example(x)(t)
+        return t
+
     minutes = fuzz_minutes(config)
     started = time.monotonic()
     if minutes is None:
         settings(max_examples=ci_examples, deadline=None, derandomize=True, database=None,
-                 suppress_health_check=QUIET)(test)()
+                 suppress_health_check=QUIET)(test())()
     else:
         while time.monotonic() - started < minutes * 60:
             settings(max_examples=BATCH, deadline=None, database=None,
-                     suppress_health_check=QUIET)(test)()
+                     suppress_health_check=QUIET)(test())()
     report(config, f"\nfuzz {name}: {count} inputs in {time.monotonic() - started:.1f} s")
     return count
