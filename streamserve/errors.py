@@ -97,6 +97,12 @@ class StepError(StreamserveError):
     code = "step_failed"
 
 
+class EngineDiedError(StreamserveError):
+    """The engine thread ended on an unrecoverable fault: nothing more runs on this engine; restart the server."""
+
+    code = "engine_failed"
+
+
 class ChunkTooLargeError(InvalidInputError):
     """A chunk with more tokens than the server allows in one append; split it."""
 

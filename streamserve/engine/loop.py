@@ -45,17 +45,11 @@ from streamserve.engine.work import (
     StepOutput,
     TokenProduced,
 )
-from streamserve.errors import ResponseInProgressError, SessionClosedError, StepError, StreamserveError
+from streamserve.errors import EngineDiedError, ResponseInProgressError, SessionClosedError, StepError
 
 log = logging.getLogger("streamserve")
 
 IDLE_CHECK_SECONDS = 1.0
-
-
-class EngineDiedError(StreamserveError):
-    """The engine thread ended on an unrecoverable fault: nothing more runs on this engine; restart the server."""
-
-    code = "engine_failed"
 
 
 class LoopOwner(Protocol):

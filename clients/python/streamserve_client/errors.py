@@ -47,6 +47,12 @@ class StepFailedError(StreamserveClientError):
     code = "step_failed"
 
 
+class EngineFailedError(StepFailedError):
+    """The server's engine died (`engine_failed`): nothing more runs there until it is restarted; reconnect later."""
+
+    code = "engine_failed"
+
+
 class UnauthorizedError(StreamserveClientError):
     """The server wants `api_key=` (or a different one)."""
 
@@ -96,6 +102,7 @@ _FAMILIES: dict[str, type[StreamserveClientError]] = {
                     CapacityError),
     "unsupported_modality": UnsupportedModalityError,
     "step_failed": StepFailedError,
+    "engine_failed": EngineFailedError,
     **dict.fromkeys(("unauthorized", "client_secret_used"), UnauthorizedError),
 }
 
