@@ -144,7 +144,6 @@ class Runner:
             return ItemResult(tokens=tokens)
         if logits is not None:
             s.keep_logits(logits)
-            s.trim()  # the window may have dropped positions: their ids, records and vectors no rewind can reach
         if isinstance(work, Chunk):
             for c, n in item.parts:
                 start = len(s.token_ids)
@@ -158,9 +157,9 @@ class Runner:
                     r = s.timeline[-1]
                     s.timeline[-1] = ChunkRecord(r.kind, r.seq, r.start, len(s.token_ids), r.capture_time,
                                                  r.deadline)
-            s.trim()
-            return ItemResult()
-        return None
+        if logits is not None or isinstance(work, Chunk):  # (once a chunk's ids are in)
+            s.trim()  # the window may have dropped positions: their ids, records and vectors no rewind can reach
+        return ItemResult() if isinstance(work, Chunk) else None
 
     @staticmethod
     def _draft_len(s: SessionState, r: Response) -> int:

@@ -71,6 +71,7 @@ class SessionState:
         self.last_active = time.monotonic()
         self.closed = False
         self.spec: SpecController | None = None  # speculative decoding: drafters and draft length
+        self._trimmed: tuple[int, int, int] | None = None  # what `trim` last saw (pages held, KV pages, vectors)
         self.seeded = seed is not None
         # draws each reply's seed: plain Python, so the caller's thread (the server's event loop) never calls torch
         self.generator = random.Random(seed)  # None: seeded from the OS
@@ -141,12 +142,16 @@ class SessionState:
         """Forget what no step and no rewind can need again (after a commit: the window may have dropped pages):
         the token ids and the timeline records before `base` (see `forgettable`; the sinks' are kept, and the last
         `RECENT_TOKENS`), and the vectors no rewind can run again."""
-        span = self.forgettable()
+        kv = self.kv
+        # what it forgets moves with the pages held only (and new vectors): once a page, not every token
+        seen = (kv.held_count, kv.length // kv.pool.page_size, len(self.vectors))
+        span = None if seen == self._trimmed else self.forgettable()
+        self._trimmed = seen
         if span is None:
             return
         head, reach = span
         self._trim_vectors(head, reach)
-        base = min(reach, self.kv.length - RECENT_TOKENS)
+        base = min(reach, kv.length - RECENT_TOKENS)
         if base <= head:
             return
         self.token_ids.forget_before(base, keep_first=head)
@@ -210,6 +215,7 @@ class SessionState:
         for p in [p for p in self.vectors if p >= to]:
             del self.vectors[p]
         self.revisions += 1
+        self._trimmed = None
         self.keep_logits(None)
         self.timeline = [r if r.end <= to else ChunkRecord(r.kind, r.seq, r.start, to, r.capture_time, r.deadline)
                          for r in self.timeline if r.start < to]
@@ -229,6 +235,7 @@ class SessionState:
              logits: torch.Tensor | None, logits_at: int, vectors: Mapping[int, torch.Tensor]) -> None:
         """Take the record of a snapshot (its KV pages are loaded separately)."""
         self.token_ids = token_ids.copy() if isinstance(token_ids, TokenLog) else TokenLog(token_ids)
+        self._trimmed = None
         self.timeline = list(timeline)
         self.kv.length = kv_length
         self.next_seq = next_seq
