@@ -28,7 +28,8 @@ def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from streamserve.server.app import Server, engine_loader, run
+    from streamserve.server.app import Server, run
+    from streamserve.server.loaders import engine_loader
 
     server_cfg: ServerConfig = config_from_args(ServerConfig, args)
     # a named model is pulled (and its licence asked for) here, in the foreground, before the port opens

@@ -37,15 +37,12 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
 
 from aiohttp import web
 from prometheus_client import Counter, Gauge
 
 from streamserve.config import (
     SESSION_DEFAULTS,
-    EngineConfig,
-    SchedulerConfig,
     ServerConfig,
     SessionConfig,
 )
@@ -54,6 +51,8 @@ from streamserve.errors import InvalidInputError, StreamserveError
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
+from streamserve.server.http_replies import error_response, openai_error, unauthorized, utf8
+from streamserve.server.loaders import load_vision, load_voice, webrtc_calls
 from streamserve.server.native import NativeConnection
 from streamserve.server.policy import PolicyEndpoint
 from streamserve.server.realtime.connection import RealtimeConnection
@@ -62,9 +61,6 @@ from streamserve.server.secrets_route import mint_client_secret
 from streamserve.server.service import SessionService
 from streamserve.server.static import StaticFiles
 from streamserve.server.transport import RateLimiter, Transport, WebSocketChannel
-
-if TYPE_CHECKING:
-    from streamserve.server.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.server")
 
@@ -311,85 +307,6 @@ class Server:
         finally:
             self.connections.discard(conn)
         return ws
-
-
-def utf8(header_text: str) -> bool:
-    """Whether a header's text was UTF-8 on the wire: aiohttp keeps other bytes as lone surrogates, which
-    str.encode() raises on (the credential checks, request.clone): a 500, found by tests/server/test_fuzz_http.py."""
-    try:
-        header_text.encode()
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-def webrtc_calls(server: Server) -> Any:
-    """The WebRTC calls' routes added to the server's app (server/webrtc/), or None without aiortc (logged)."""
-    try:
-        from streamserve.server.webrtc.routes import Calls, routes
-    except ImportError as e:
-        log.info("streamserve: no WebRTC calls (install the webrtc extra): %s", e)
-        return None
-    calls = Calls(server)
-    server.app.add_routes(routes(calls))
-    return calls
-
-
-def load_voice() -> VoiceRuntime | None:
-    """The voice models, or None (logged: what to install) when the voice extra or a model is missing."""
-    from streamserve.server.voice.runtime import VoiceRuntime
-
-    try:
-        return VoiceRuntime.load()
-    except StreamserveError as e:
-        log.warning("streamserve: no voice (audio is refused): %s", e)
-    except Exception:  # a damaged voice model must not take text serving down with it
-        log.exception("streamserve: the voice models failed to load (audio is refused)")
-    return None
-
-
-def load_vision() -> Any:
-    """The vision model (server/vision.py), or None (logged: what to install) when the extra or the model is missing."""
-    try:
-        from streamserve.server.vision import VisionRuntime
-
-        return VisionRuntime.load()
-    except (StreamserveError, ImportError) as e:
-        log.warning("streamserve: no vision (images are refused): %s", e)
-    except Exception:  # a damaged vision model must not take text serving down with it
-        log.exception("streamserve: the vision model failed to load (images are refused)")
-    return None
-
-
-def error_response(status: int, code: str, message: str, request_id: str | None = None,
-                   headers: dict[str, str] | None = None) -> web.Response:
-    body: dict[str, Any] = {"type": "error", "code": code, "message": message}
-    if request_id is not None:
-        body["request_id"] = request_id
-    return web.json_response(body, status=status, headers=headers)
-
-
-def unauthorized() -> web.Response:
-    return error_response(401, "unauthorized", "send 'Authorization: Bearer <api key or client secret>', or "
-                          "the WebSocket subprotocol 'openai-insecure-api-key.<key or secret>'",
-                          headers={"WWW-Authenticate": "Bearer"})
-
-
-def openai_error(status: int, code: str, message: str) -> web.Response:
-    kind = "authentication_error" if status == 401 else "invalid_request_error"
-    return web.json_response({"error": {"message": message, "type": kind, "code": code, "param": None}},
-                             status=status)
-
-
-def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None) -> Callable[[], Engine]:
-    def load() -> Engine:
-        return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, quantize=engine.quantize,
-                                      kernels=engine.kernels,
-                                      cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
-                                      drafter=engine.drafter, max_draft=engine.max_draft,
-                                      page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler,
-                                      rewind_reach=engine.rewind_reach, offline=engine.offline)
-    return load
 
 
 async def start(server: Server) -> tuple[web.AppRunner, int]:

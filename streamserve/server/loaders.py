@@ -1,0 +1,67 @@
+"""What `streamserve serve` loads besides its routes: the engine (in a worker thread, after the port is open), the
+voice and vision models (each optional: missing or damaged, it is logged and its input refused, and text serving
+goes on), and the WebRTC calls' routes (the webrtc extra)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from streamserve.config import EngineConfig, SchedulerConfig
+from streamserve.engine import Engine
+from streamserve.errors import StreamserveError
+
+if TYPE_CHECKING:
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+log = logging.getLogger("streamserve.server")
+
+
+def webrtc_calls(server: Any) -> Any:
+    """The WebRTC calls' routes added to the server's app (server/webrtc/), or None without aiortc (logged)."""
+    try:
+        from streamserve.server.webrtc.routes import Calls, routes
+    except ImportError as e:
+        log.info("streamserve: no WebRTC calls (install the webrtc extra): %s", e)
+        return None
+    calls = Calls(server)
+    server.app.add_routes(routes(calls))
+    return calls
+
+
+def load_voice() -> VoiceRuntime | None:
+    """The voice models, or None (logged: what to install) when the voice extra or a model is missing."""
+    from streamserve.server.voice.runtime import VoiceRuntime
+
+    try:
+        return VoiceRuntime.load()
+    except StreamserveError as e:
+        log.warning("streamserve: no voice (audio is refused): %s", e)
+    except Exception:  # a damaged voice model must not take text serving down with it
+        log.exception("streamserve: the voice models failed to load (audio is refused)")
+    return None
+
+
+def load_vision() -> Any:
+    """The vision model (server/vision.py), or None (logged: what to install) when the extra or the model is missing."""
+    try:
+        from streamserve.server.vision import VisionRuntime
+
+        return VisionRuntime.load()
+    except (StreamserveError, ImportError) as e:
+        log.warning("streamserve: no vision (images are refused): %s", e)
+    except Exception:  # a damaged vision model must not take text serving down with it
+        log.exception("streamserve: the vision model failed to load (images are refused)")
+    return None
+
+
+def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None) -> Callable[[], Engine]:
+    def load() -> Engine:
+        return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, quantize=engine.quantize,
+                                      kernels=engine.kernels,
+                                      cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
+                                      drafter=engine.drafter, max_draft=engine.max_draft,
+                                      page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler,
+                                      rewind_reach=engine.rewind_reach, offline=engine.offline)
+    return load
