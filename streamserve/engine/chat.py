@@ -164,7 +164,10 @@ class ChatTranscript(StreamedMessages):
             raise InvalidInputError("no chat reply to record")
         stream.wait()  # at once if it has ended
         self._reply = None
-        ids = list(self.session.token_ids[r.at:])
+        log = self.session.token_ids
+        # the reply's ids: from the session, or, where an endless session's window already forgot its start (a
+        # reply longer than what the window keeps), from the stream, which received every one of them
+        ids = list(log[r.at:]) if r.at >= log.base else list(stream.token_ids)
         body = ids[:-1] if stream.finish_reason == "stop" and ids and ids[-1] in r.stop_ids else ids
         content = self.template.decode(body)
         for s in r.stop:  # a stop string ends the reply's text before it

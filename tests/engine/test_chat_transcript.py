@@ -258,3 +258,23 @@ def test_chat_needs_a_rewind_reach_on_models_with_sliding_window_layers(tmp_path
                 with pytest.raises(InvalidInputError, match="--rewind-reach >= 16"):
                     ChatTranscript(s)
         engine.shutdown()
+
+
+
+def test_a_reply_longer_than_an_endless_session_keeps_is_recorded_whole(tmp_path: Path) -> None:
+    """A windowed (endless) chat session forgets the start of a reply longer than its window keeps: the transcript
+    records the reply from the stream, which received every token, not from the session's forgotten ids."""
+    looping = chat_checkpoint(tmp_path / "loop", "chatml", [NL, SPACE, *scripted("hi"), TAB])  # " hi\t\n" for ever
+    engine = Engine.from_pretrained(looping, device="cpu", kv_memory="64MiB")
+    try:
+        with engine.open_session(window=16, sinks=4) as s:
+            chat = ChatTranscript(s)
+            chat.add({"role": "user", "content": "tell me everything"})
+            reply = chat.reply(temperature=0.0, max_tokens=300)
+            text = "".join(d.text for d in reply)
+            assert reply.stream.finish_reason == "length" and len(reply.stream.token_ids) == 300
+            assert s.token_ids.stored < 300  # the reply's start is forgotten by the session
+            assert reply.content == text == " hi\t\n" * 60
+            assert chat.messages[-1] == {"role": "assistant", "content": reply.content}
+    finally:
+        engine.shutdown()
