@@ -56,7 +56,8 @@ class RewindError(InvalidInputError):
 
 
 class SnapshotError(StreamserveError):
-    """A snapshot that cannot be restored here: another model, another format version, a damaged file."""
+    """A snapshot that cannot be written (a full disk) or restored here (another model, another format version, a
+    damaged file)."""
 
     code = "snapshot_mismatch"
 

@@ -103,8 +103,13 @@ class Snapshot:
     def save(self, path: str | Path) -> Path:
         path = Path(path)
         tmp = path.with_suffix(path.suffix + ".tmp")
-        torch.save(self.to_dict(), tmp)
-        tmp.replace(path)  # never a half-written snapshot under the real name
+        try:
+            torch.save(self.to_dict(), tmp)
+            tmp.replace(path)  # never a half-written snapshot under the real name
+        except OSError as e:  # a full disk, a read-only folder...: typed, and nothing half-written left behind
+            tmp.unlink(missing_ok=True)
+            raise SnapshotError(f"cannot write snapshot {path}: {e.strerror or e}; free space or choose another "
+                                "folder (the session is unchanged)") from None
         return path
 
     @classmethod

@@ -3,7 +3,7 @@
 The write is made to fail with ENOSPC halfway through (torch.save writes half the file, then raises as a full disk
 makes it). What must hold: the file under the snapshot's name is never a half-written one (an earlier snapshot
 there still restores, and nothing new appears), the session goes on exactly as before, no KV page is lost; and
-the caller gets a typed error with nothing left behind (this last part is a known bug: xfail)."""
+the caller gets a typed error (SnapshotError) with nothing left behind."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ import torch
 from helpers import greedy, make_checkpoint, random_ids
 
 import streamserve.engine.snapshot as snapshot_module
-from streamserve.errors import StreamserveError
+from streamserve.errors import SnapshotError, StreamserveError
 
 IDS = random_ids(24, seed=1700)
 
@@ -57,10 +57,10 @@ def test_a_full_disk_never_leaves_a_half_snapshot_under_its_name_and_the_session
     s.append(token_ids=[7, 8, 9])
     pages = engine.stats()["kv_pages_used"]
     written = disk_full(monkeypatch)
-    with pytest.raises((OSError, StreamserveError)):  # untyped today (the xfail below); typed once fixed
+    with pytest.raises(SnapshotError):
         s.snapshot(tmp_path / "session.pt")
     assert written and written[0] != earlier  # it wrote beside the earlier snapshot, not over it
-    with pytest.raises((OSError, StreamserveError)):
+    with pytest.raises(SnapshotError):
         s.snapshot(tmp_path / "fresh.pt")
     assert not (tmp_path / "fresh.pt").exists()  # no half file under a name a restore would be pointed at
     monkeypatch.undo()
@@ -74,9 +74,6 @@ def test_a_full_disk_never_leaves_a_half_snapshot_under_its_name_and_the_session
     engine.check_integrity()
 
 
-@pytest.mark.xfail(strict=True, reason="engine/snapshot.py, Snapshot.save (torch.save to '<name>.tmp', then "
-                   "replace): the OSError of a failed write reaches the caller untyped and the half-written "
-                   "'<name>.tmp' stays on the full disk")
 def test_a_full_disk_is_a_typed_error_and_leaves_no_file(engine: Any, tmp_path: Path,
                                                          monkeypatch: pytest.MonkeyPatch) -> None:
     with engine.open_session() as s:
