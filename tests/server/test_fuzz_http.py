@@ -2,8 +2,10 @@
 /v1/realtime/calls, /v1/realtime/client_secrets and the WebSocket upgrade paths (/v1/stream, /v1/realtime,
 /v1/policy), with random, oversized (past aiohttp's 8190-byte field limit), duplicated, non-ASCII and non-UTF-8
 header names and values, and weird Authorization, Origin, Sec-WebSocket-Protocol, Sec-WebSocket-Key,
-Content-Length, Transfer-Encoding and Content-Type values; bodies shorter or longer than declared (the request is
-half-closed after it, so a server waiting for more sees the end).
+Content-Length, Transfer-Encoding and Content-Type values; bodies with and without a length. A declared length
+up to PAD is sent in full; a request that still leaves the server rightly waiting for more body (a larger length,
+chunked coding) may go unanswered for WAITING seconds, then its socket is closed. (Half-closing instead does not
+work: aiohttp drops a connection whose peer sent EOF without answering it.)
 
 The server runs with an API key, so that every credential goes through the key's constant-time compare and the
 client-secret lookup. Each answer is a status line below 500 (a 101 for an upgrade that is in order), or the
