@@ -121,15 +121,25 @@ class SessionRegistry:
         with self._lock:
             return self._entries.get(session_id)
 
+    def verified(self, session_id: str, token: str) -> Entry:
+        """The session `token` resumes (SessionNotFoundError, ResumeTokenError otherwise): checked before anything
+        else is said about the session (its quota), so that without the token nothing is learnt of it."""
+        with self._lock:
+            return self._verified(session_id, token)
+
+    def _verified(self, session_id: str, token: str) -> Entry:  # under the lock
+        e = self._entries.get(session_id)
+        if e is None or e.session.closed:
+            raise SessionNotFoundError(f"no session {session_id!r} to resume: it was closed, expired after "
+                                       f"{self.resume_ttl:g}s detached, or never existed; open a new one")
+        if not hmac.compare_digest(e.resume_token.encode(), token.encode()):
+            raise ResumeTokenError("the resume token does not match this session")
+        return e
+
     def resume(self, owner: Any, session_id: str, token: str) -> tuple[Entry, Any]:
         """Re-attach a session to `owner`; -> (entry, the connection it was taken from, if any)."""
         with self._lock:
-            e = self._entries.get(session_id)
-            if e is None or e.session.closed:
-                raise SessionNotFoundError(f"no session {session_id!r} to resume: it was closed, expired after "
-                                           f"{self.resume_ttl:g}s detached, or never existed; open a new one")
-            if not hmac.compare_digest(e.resume_token.encode(), token.encode()):
-                raise ResumeTokenError("the resume token does not match this session")
+            e = self._verified(session_id, token)
             if e.owner is not owner and self._held(owner) >= self.max_per_owner:
                 raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit)")
             previous = e.owner if e.owner is not owner else None

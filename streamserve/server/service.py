@@ -221,9 +221,9 @@ class SessionService:
     async def resume(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:
         """-> (the session, the results of its latest chunks, sent again for the client to pick from)."""
         ctx.grant.check_resume(session_id)
-        found = self.registry.find(session_id)
+        found = self.registry.verified(session_id, token)  # the token first: without it, nothing about the session
         quota = self.config.max_pages_per_connection
-        if found is not None and found.owner is not ctx and quota is not None \
+        if found.owner is not ctx and quota is not None \
                 and self.reserved_pages(ctx) + found.reserved_pages > quota:
             raise QuotaExceededError(f"resuming this session needs {found.reserved_pages} KV pages of this "
                                      f"connection's quota of {quota}; {quota - self.reserved_pages(ctx)} are left")

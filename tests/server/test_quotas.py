@@ -269,3 +269,21 @@ async def test_appends_running_at_once_cannot_pass_the_queued_token_cap_together
     assert ctx.queued_tokens == 0
     await service.close(ctx, sid)
     service.disconnect(ctx)
+
+
+async def test_a_resume_without_the_token_learns_nothing_of_the_session(limited: RunningServer) -> None:
+    """The token is checked before the quota: a caller with the session id but not its token gets
+    invalid_resume_token, never quota_exceeded (which would say that the session exists and what it reserves)."""
+    async with sc.connect(limited.url) as owner, sc.connect(limited.url) as other:
+        target = await owner.open_session(window=32, sinks=4)
+        a = await other.open_session(window=32, sinks=4)
+        b = await other.open_session(window=32, sinks=4)  # `other` has no quota left for a third session
+        for token in ("not-the-token", target.info["resume_token"][:-1] + "x"):
+            with pytest.raises(sc.StreamserveClientError) as info:
+                await other.request({"type": "resume", "session": target.id, "resume_token": token})
+            assert info.value.code == "invalid_resume_token"
+        with pytest.raises(sc.StreamserveClientError) as info:  # with the token, the quota speaks
+            await other.request({"type": "resume", "session": target.id, "resume_token": target.info["resume_token"]})
+        assert info.value.code == "quota_exceeded"
+        for s in (a, b, target):
+            await s.close()
