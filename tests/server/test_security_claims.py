@@ -1,7 +1,7 @@
 """Claims of docs/security.md that no other test pins: the routes the review covers are exactly the server's (a new
 route fails here until the review lists it), what every route answers without a credential, with a client secret
-and with the API key, that a foreign Origin is refused on every route before auth is looked at, and (a known gap,
-strict xfail) that the Realtime reader does not bound the frames it could not parse. Loopback only."""
+and with the API key, that a foreign Origin is refused on every route before auth is looked at, and that the
+Realtime reader bounds the frames it could not parse (a gap of the review, fixed). Loopback only."""
 
 from __future__ import annotations
 
@@ -105,8 +105,6 @@ async def test_a_foreign_origin_is_refused_on_every_route_even_with_the_key(keye
                 assert await status(http, method, url, evil) == 403, (method, path)
 
 
-@pytest.mark.xfail(strict=True, reason="known gap (docs/security.md): frames that are no valid event are queued "
-                                       "without bound (realtime/inbox.py Inbox.read)")
 @pytest.mark.asyncio
 async def test_the_realtime_reader_bounds_frames_it_could_not_parse() -> None:
     def parse(frame: str) -> object:
