@@ -19,6 +19,11 @@ MAX_ID_CHARS = 128  # session ids, resume tokens and request ids
 MAX_STOP_STRINGS = 16
 MAX_INT = (1 << 63) - 1  # seq, seeds, ids: what every peer can hold
 MAX_TOKEN_LIST = 1 << 16  # token_ids per message (servers set a lower max_chunk_tokens)
+# what msgpack may build from one frame, told to the decoder (as policy/wire.py does): its defaults scale with the
+# frame, and a 1 MiB frame of a million empty maps took ~115 ms to decode on the event loop before it was refused
+MAX_ARRAY_ITEMS = MAX_TOKEN_LIST  # the longest array a message holds: token_ids
+MAX_MAP_KEYS = 32  # an append's fields (14 + type, id, session) are the most; unknown fields are refused anyway
+MAX_CONTAINERS = 256  # maps + arrays in one message (chat messages, voice, sampling, stop, an image's shape: < 40)
 
 # WebSocket close codes the server uses
 CLOSE_NORMAL = 1000
@@ -80,8 +85,12 @@ def decode_client(frame: bytes | str, max_frame_bytes: int) -> ClientMessage:
         raise ProtocolError("frame_too_large", f"a frame of {len(frame)} bytes is over the limit of "
                                                f"{max_frame_bytes}")
     try:
-        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True)
-    except Exception as e:  # msgpack raises several types for malformed input
+        obj = msgpack.unpackb(frame, raw=False, strict_map_key=True, max_str_len=max_frame_bytes,
+                              max_bin_len=max_frame_bytes, max_array_len=MAX_ARRAY_ITEMS, max_map_len=MAX_MAP_KEYS,
+                              max_ext_len=0, object_hook=(count := _ContainerCount()), list_hook=count)
+    except _TooManyContainers:
+        raise ProtocolError("bad_message", f"a message holds at most {MAX_CONTAINERS} maps and arrays") from None
+    except Exception as e:  # msgpack raises several types for malformed input (and for a container over its limit)
         raise ProtocolError("bad_message", f"the frame is not valid msgpack ({type(e).__name__})") from None
     if not isinstance(obj, dict):
         raise ProtocolError("bad_message", f"a frame must be a msgpack map, got {type(obj).__name__}")
@@ -102,6 +111,24 @@ def decode_client(frame: bytes | str, max_frame_bytes: int) -> ClientMessage:
     msg.fields = _PARSERS[kind](f)
     f.reject_unknown()
     return msg
+
+
+class _TooManyContainers(Exception):
+    pass
+
+
+class _ContainerCount:
+    """msgpack's object_hook and list_hook (called as each map / array is finished): stops the decoding past
+    MAX_CONTAINERS, however the frame nests them (a per-container limit alone lets 16 arrays of 65536 maps by)."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def __call__(self, container: Any) -> Any:
+        self.n += 1
+        if self.n > MAX_CONTAINERS:
+            raise _TooManyContainers
+        return container
 
 
 # ---- per-type fields ------------------------------------------------------------------------------------
