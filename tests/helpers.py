@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+import json
 from pathlib import Path
 from typing import Any
 
@@ -66,3 +68,19 @@ def random_ids(n: int, seed: int, vocab: int = VOCAB) -> list[int]:
 
 __all__ = ["ARCH_CONFIGS", "VOCAB", "assert_same", "greedy", "make_checkpoint", "random_ids", "vectors",
            "write_byte_tokenizer"]
+
+
+async def json_of_subprocess(*argv: str, env: dict[str, str] | None = None, cwd: Path | None = None,
+                             timeout: float = 300) -> dict[str, Any]:
+    """Run a command; -> the JSON object on the last line of its stdout. It must exit 0 within `timeout` seconds
+    (it is killed otherwise); its stderr's tail is the failure message."""
+    proc = await asyncio.create_subprocess_exec(*argv, env=env, cwd=cwd, stdout=asyncio.subprocess.PIPE,
+                                                stderr=asyncio.subprocess.PIPE)
+    try:
+        stdout, stderr = await asyncio.wait_for(proc.communicate(), timeout)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+    assert proc.returncode == 0, stderr.decode()[-3000:]
+    return json.loads(stdout.decode().strip().splitlines()[-1])

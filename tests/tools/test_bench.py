@@ -4,14 +4,13 @@ structure, that every session ran its duration with no error, and that held / mi
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from helpers import json_of_subprocess
 from serving import serve
 from voice_assets import needs, voice_model
 
@@ -29,17 +28,8 @@ SPREAD = ("n", "p50", "p90", "p99", "max")
 async def bench(*args: str) -> dict[str, Any]:
     """`streamserve bench ARGS --no-progress` -> its report (the last stdout line); the exit status must be 0."""
     env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "streamserve", "bench", *args, "--no-progress",
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
-                                                env=env, cwd=ROOT)
-    try:
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, stderr.decode()[-3000:]
-    return json.loads(stdout.decode().strip().splitlines()[-1])
+    return await json_of_subprocess(sys.executable, "-m", "streamserve", "bench", *args, "--no-progress", env=env,
+                                    cwd=ROOT)
 
 
 def check_kind(report: dict[str, Any], kind: str, sessions: int, measures: tuple[str, ...]) -> dict[str, Any]:

@@ -3,14 +3,13 @@ with an API key (openpi's `Authorization: Api-Key KEY`), through several ticks a
 
 from __future__ import annotations
 
-import asyncio
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
 import pytest
+from helpers import json_of_subprocess
 from policy_fixture import POLICY, POLICY_CONFIG, freed, loader
 from serving import serve
 
@@ -41,16 +40,7 @@ async def test_openpi_client_drives_the_policy_port(policy_checkpoint: Path) -> 
 
 async def run_driver(script: Path, *args: str, env: dict[str, str] | None = None) -> dict:
     """Run a driver script with openpi-client's Python; -> the JSON line it prints last."""
-    proc = await asyncio.create_subprocess_exec(str(OPENPI_PYTHON), str(script), *args, env=env,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
-    try:
-        stdout, stderr = await asyncio.wait_for(proc.communicate(), 300)
-    finally:
-        if proc.returncode is None:
-            proc.kill()
-            await proc.wait()
-    assert proc.returncode == 0, stderr.decode()[-3000:]
-    return json.loads(stdout.decode().strip().splitlines()[-1])
+    return await json_of_subprocess(str(OPENPI_PYTHON), str(script), *args, env=env)
 
 
 async def test_policy_client_under_numpy_1(policy_checkpoint: Path) -> None:
