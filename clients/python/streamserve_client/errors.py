@@ -88,9 +88,9 @@ class ProtocolViolationError(ConnectionLostError):
 
 _FAMILIES: dict[str, type[StreamserveClientError]] = {
     **dict.fromkeys(("invalid_input", "bad_message", "empty_append", "token_out_of_range", "context_length_exceeded",
-                     "session_page_cap", "invalid_rewind", "chunk_too_large", "response_in_progress",
-                     "frame_too_large", "chat_template_error", "window_too_large", "unknown_drafter",
-                     "embedding_shape", "embedding_dtype", "non_finite_input", "no_chat_template",
+                     "session_page_cap", "invalid_rewind", "tokens_forgotten", "chunk_too_large",
+                     "response_in_progress", "frame_too_large", "chat_template_error", "window_too_large",
+                     "unknown_drafter", "embedding_shape", "embedding_dtype", "non_finite_input", "no_chat_template",
                      "chat_template_not_incremental", "invalid_chat_message", "not_chat_session",
                      "invalid_audio_format", "invalid_turn_detection", "message_in_progress", "no_open_message",
                      "invalid_audio_encoder", "invalid_image", "invalid_image_encoder", "invalid_observation"),
