@@ -76,6 +76,23 @@ class ServerConfig:
                 "is closed to make room, and with none detached a new one is refused"})
     max_connections: int = field(default=256, metadata={
         "help": "connections served at once; more are closed with 1013 (try again later)"})
+    max_connections_per_ip: int = field(default=64, metadata={
+        "help": "connections one client address may hold at once (WebSockets and WebRTC calls); more are refused "
+                "(too_many_connections, WebSocket close 1013)"})
+    max_sessions_per_ip: int = field(default=256, metadata={
+        "help": "sessions opened from one client address held at once, open and detached together: one client "
+                "cannot fill --max-sessions and so evict other clients' detached sessions"})
+    trusted_proxies: str | None = field(default=None, metadata={
+        "help": "comma-separated addresses of reverse proxies (e.g. 127.0.0.1 for nginx on this machine) whose "
+                "X-Forwarded-For header names the client address that the per-address limits count (default: "
+                "none; the peer address counts)"})
+    max_media_bytes: int = field(default=256 << 20, metadata={
+        "help": "bytes of media the server holds at once over all connections: input audio waiting to be "
+                "transcribed, reply audio not yet sent, camera frames and images waiting for the encoder; media "
+                "past it is refused (server_busy) until some is freed"})
+    max_media_bytes_per_connection: int = field(default=32 << 20, metadata={
+        "help": "bytes of media (as --max-media-bytes counts them) one connection may hold at once; media past it "
+                "is refused (quota_exceeded)"})
     messages_per_second: float = field(default=200.0, metadata={
         "help": "per-connection message rate limit (a burst of twice this is allowed)"})
     bytes_per_second: float = field(default=float(16 << 20), metadata={
@@ -121,7 +138,8 @@ class ServerConfig:
 
         optional = ("max_pages_per_connection", "max_queued_tokens_per_connection")  # None: no quota
         counts = ("max_frame_bytes", "max_chunk_tokens", "max_sessions_per_connection", "max_sessions",
-                  "max_connections", "max_reply_tokens", "max_window", "max_calls_per_key", *optional)
+                  "max_connections", "max_reply_tokens", "max_window", "max_calls_per_key", "max_connections_per_ip",
+                  "max_sessions_per_ip", "max_media_bytes", "max_media_bytes_per_connection", *optional)
         for name in counts:
             v = getattr(self, name)
             if v is None and name in optional:
