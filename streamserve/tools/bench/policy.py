@@ -17,7 +17,6 @@ ran a tick more than a period late: the load generator itself fell behind, not t
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from typing import Any
 
@@ -25,7 +24,7 @@ import numpy as np
 
 from streamserve.robot import arm
 from streamserve.tools.bench.config import PROBE_TIMEOUT_S, BenchConfig
-from streamserve.tools.bench.record import SessionRecord, code_of
+from streamserve.tools.bench.record import SessionRecord, code_of, wind_down
 from streamserve_client import StreamserveClientError
 from streamserve_client.policy import PolicyClient
 
@@ -110,12 +109,7 @@ async def policy_session(cfg: BenchConfig, url: str, key: str | None, rec: Sessi
     except (StreamserveClientError, asyncio.TimeoutError, OSError) as e:
         rec.error(code_of(e))
     finally:
-        if pending is not None and not pending.done():
-            pending.cancel()
-            with contextlib.suppress(BaseException):
-                await pending
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.close(), 5.0)
+        await wind_down(pending, client.close)
 
 
 async def ask(client: PolicyClient, obs: dict[str, Any], rec: SessionRecord, timeout: float) -> dict[str, Any]:

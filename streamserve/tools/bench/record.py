@@ -1,4 +1,5 @@
-"""What one bench session measured, and the summary of a kind of session.
+"""What one bench session measured, and the summary of a kind of session; what every kind of session does with
+an error (its code) and at its end (`wind_down`).
 
 A session is *held* when it ran its whole duration with no missed deadline and no error. Latencies are kept in
 milliseconds per measure (e.g. `append_ms`), summarised as nearest-rank p50/p90/p99.
@@ -8,9 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
+
+CLOSE_TIMEOUT_S = 5.0  # a connection's close may take this long at a session's end
 
 
 @dataclass
@@ -51,6 +56,18 @@ def code_of(e: BaseException) -> str:
     if isinstance(e, OSError):
         return "connection_failed"
     return type(e).__name__
+
+
+async def wind_down(task: asyncio.Task[Any] | None, close: Callable[[], Awaitable[object]]) -> None:
+    """A session's end, however it ended: its `task` still running (a reply, the event reader) is cancelled and
+    awaited (a finished one's exception is retrieved, never logged as lost), then `close()` closes the connection
+    within CLOSE_TIMEOUT_S. Neither raises: the session's figures are already in its record."""
+    if task is not None:
+        task.cancel()  # a no-op on a finished task
+        with contextlib.suppress(BaseException):
+            await task
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(close(), CLOSE_TIMEOUT_S)
 
 
 def percentile(xs: list[float], q: float) -> float | None:

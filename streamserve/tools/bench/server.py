@@ -19,7 +19,7 @@ from urllib.parse import urlsplit
 
 import streamserve_client as sc
 from streamserve.tools.bench.config import PROBE_TIMEOUT_S, is_loopback
-from streamserve.tools.bench.record import code_of
+from streamserve.tools.bench.record import code_of, wind_down
 
 STAT_KEYS = ("kv_pages_used", "kv_pages_total", "sessions_open", "sessions_parked", "queued_chunks", "chunks_shed")
 LISTEN = "0A"  # the TCP state LISTEN in /proc/net/tcp
@@ -103,12 +103,10 @@ class ServerWatch:
     async def finish(self) -> None:
         """The figures once the load is over (its sessions closed: their pages should be back), then disconnect."""
         self.after = await self.stats() or {}
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.close(), 5.0)
+        await self.close()
 
     async def close(self) -> None:
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(self.client.close(), 5.0)
+        await wind_down(None, self.client.close)
 
     def summary(self) -> dict[str, Any]:
         rss = [s["rss_mb"] for s in self.samples if s.get("rss_mb") is not None]

@@ -15,13 +15,12 @@ replies skipped (the previous one was still running).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import time
 
 import streamserve_client as sc
 from streamserve.tools.bench.config import BenchConfig
-from streamserve.tools.bench.record import SessionRecord, code_of
+from streamserve.tools.bench.record import SessionRecord, code_of, wind_down
 
 SINKS = 4
 # Genesis 1:1-5, King James Version (public domain): the default model was trained on this Bible
@@ -87,12 +86,7 @@ async def text_session(cfg: BenchConfig, key: str | None, rec: SessionRecord, st
     except (sc.StreamserveClientError, asyncio.TimeoutError, OSError) as e:
         rec.error(code_of(e))
     finally:
-        if reply is not None and not reply.done():
-            reply.cancel()
-            with contextlib.suppress(BaseException):
-                await reply
-        with contextlib.suppress(Exception):
-            await asyncio.wait_for(client.close(), 5.0)
+        await wind_down(reply, client.close)
 
 
 async def ask_reply(cfg: BenchConfig, session: sc.Session, rec: SessionRecord) -> None:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import collections
-import contextlib
 import json
 import math
 import time
@@ -35,7 +34,7 @@ from websockets.exceptions import ConnectionClosed
 
 from streamserve.errors import StreamserveError
 from streamserve.tools.bench.config import PROBE_TIMEOUT_S, BenchConfig
-from streamserve.tools.bench.record import SessionRecord, code_of
+from streamserve.tools.bench.record import SessionRecord, code_of, wind_down
 
 RATE = 24000  # the Realtime API's PCM16 rate
 FRAME_S = 0.02
@@ -228,9 +227,4 @@ async def voice_session(cfg: BenchConfig, key: str | None, utts: list[Utterance]
         rec.error(code_of(e))
     finally:
         if ws is not None:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(ws.close(), 5.0)
-        if stream is not None:
-            stream.reader.cancel()
-            with contextlib.suppress(BaseException):
-                await stream.reader
+            await wind_down(stream.reader if stream is not None else None, ws.close)
