@@ -4,6 +4,8 @@ structure, that every session ran its duration with no error, and that held / mi
 
 from __future__ import annotations
 
+import importlib.util
+import json
 import os
 import sys
 from pathlib import Path
@@ -12,12 +14,12 @@ from typing import Any
 import pytest
 from helpers import json_of_subprocess
 from serving import serve
-from voice_assets import needs, voice_model
 
 from streamserve.cli import main
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.errors import InvalidInputError
+from streamserve.media import VOICE_EXTRA
 from streamserve.tools.bench.config import check_url
 
 pytestmark = pytest.mark.slow
@@ -48,33 +50,83 @@ def check_kind(report: dict[str, Any], kind: str, sessions: int, measures: tuple
     return k
 
 
+def voice_missing() -> str | None:
+    """Why voice sessions cannot run here (a voice extra module or model missing), or None."""
+    from streamserve.models.store import installed
+
+    missing = [m for m in ("onnxruntime", "soxr", "faster_whisper") if importlib.util.find_spec(m) is None]
+    missing += [m for m in ("piper-joe", "whisper-base", "silero-vad") if installed(m) is None]
+    return f"the voice part needs {', '.join(missing)} (voice extra: {VOICE_EXTRA}; streamserve models pull)" \
+        if missing else None
+
+
 @pytest.mark.asyncio
-async def test_text_and_policy_sessions_report() -> None:
+async def test_a_minute_of_mixed_load_has_no_errors_and_leaks_no_pages() -> None:
+    """Issue 17's CI load: 60 s of 2 text sessions (with replies), 1 voice session and 1 policy loop (against a
+    default-policy server) at once: the smallest mix with every kind. Whether it is held depends on the machine:
+    on a 2-core CPU, the voice models, two engines and the bench sharing it, most deadlines are missed (the
+    figures of the sessions held on this CPU are in docs/benchmarks.md, Load testing).
+
+    Checked: no errors, every session ran its whole duration, the counts its clock implies, held == sessions -
+    sessions_missing_deadlines per kind, and no leaked pages: each server's KV pages in use are back to 0 once the
+    bench's sessions closed (the report's after_close, sampled by the bench, and the engine itself asked after the
+    bench exited). Deadlines are NOT asserted: CI runs on shared 2-core machines where another job can make any
+    session late, and a timed assertion there fails for reasons that are not the code's. The deadline figures are
+    printed (pytest -s) and the whole report is written to build/artifacts/bench/mixed.json
+    ($STREAMSERVE_ARTIFACTS/bench/mixed.json) for whoever wants to read them.
+
+    Without the voice extra or models the test runs text and policy only, then skips naming what is missing."""
+    no_voice = voice_missing()
+
     def policy_engine() -> Engine:
         return Engine.from_pretrained("default-policy", device="cpu", kv_memory="64MiB")
 
-    async with serve(ServerConfig()) as text_srv, serve(ServerConfig(), policy_engine) as policy_srv:
-        report = await bench("--url", text_srv.url, "--policy-url", policy_srv.url, "--text", "2", "--policy", "1",
-                             "--duration", "10", "--reply-every", "10", "--reply-tokens", "8")
+    out = Path(os.environ.get("STREAMSERVE_ARTIFACTS", ROOT / "build" / "artifacts")) / "bench" / "mixed.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    async with serve(ServerConfig(), voice=no_voice is None) as text_srv, \
+            serve(ServerConfig(), policy_engine) as policy_srv:
+        report = await bench("--url", text_srv.url, "--policy-url", policy_srv.url, "--text", "2",
+                             "--voice", "0" if no_voice else "1", "--policy", "1", "--duration", "60",
+                             "--reply-every", "10", "--reply-tokens", "8", "--report", str(out))
+        pages_left = [srv.engine.stats()["kv_pages_used"] for srv in (text_srv, policy_srv)]
+    kinds = {"text", "policy"} | (set() if no_voice else {"voice"})
+    print(f"\nmixed load, wall {report['wall_s']} s, load average {report['load_avg_1m']}: held {report['held']}, "
+          f"missed deadlines {report['missed_deadlines']}")
+    for kind in sorted(kinds):
+        print(f"  {kind}: " + ", ".join(f"{m} p50/p99 {v['p50']}/{v['p99']} ms"
+                                        for m, v in report["kinds"][kind]["latency_ms"].items()))
     assert report["benchmark"] == "streamserve bench" and report["settings"]["text"] == 2
-    assert report["errors"] == {} and set(report["kinds"]) == {"text", "policy"}
-    assert report["all_held"] == (report["held"] == {"text": 2, "policy": 1})
+    assert report["errors"] == {} and set(report["kinds"]) == kinds
+    assert report["all_held"] == (report["held"] == {"text": 2, "policy": 1} | ({} if no_voice else {"voice": 1}))
 
     text = check_kind(report, "text", 2, ("append_ms", "reply_first_token_ms", "reply_total_ms"))
-    assert 2 * 49 <= text["counts"]["chunks"] <= 2 * 50  # 10 s at 5 chunks a second, each session, late or not
+    assert 2 * 299 <= text["counts"]["chunks"] <= 2 * 300  # 60 s at 5 chunks a second, each session, late or not
     assert text["counts"]["replies"] >= 2 and text["counts"]["tokens_appended"] > 0
     policy = check_kind(report, "policy", 1, ("action_ms", "server_infer_ms"))
-    assert 499 <= policy["counts"]["ticks"] <= 500  # 10 s at 50 Hz, late or not
+    assert 2999 <= policy["counts"]["ticks"] <= 3000  # 60 s at 50 Hz, late or not
     assert policy["counts"]["replies"] > 0 and policy["counts"]["episodes"] >= 1
     assert policy["missed_deadlines"] + policy["counts"]["startup_ticks"] == policy["counts"]["held_ticks"]
+    if not no_voice:
+        voice = check_kind(report, "voice", 1, ("speech_stopped_ms", "stop_lag_ms", "reply_done_ms"))
+        counts = voice["counts"]
+        assert counts["frames"] >= 2700  # 90% of 60 s of 20 ms frames at least (more: a turn asked is answered)
+        assert counts["turns"] >= 1 and counts["turns_answered"] == counts["turns"]  # no error: every turn answered
+        with_audio = counts.get("replies_with_audio", 0)
+        assert with_audio + counts.get("replies_without_audio", 0) == counts["turns"]
+        assert voice["latency_ms"].get("turn_ms", {"n": 0})["n"] == with_audio
 
     assert [s["url"] for s in report["servers"]] == [text_srv.url, policy_srv.url]
     assert [s["model"] for s in report["servers"]] == ["default", "default-policy"]
     for s in report["servers"]:
         assert s["stats_error"] is None and s["pid"] == os.getpid()  # the servers run in this process
-        assert len(s["samples"]) >= 8 and all(x["rss_mb"] > 0 and x["kv_pages_used"] >= 0 for x in s["samples"])
+        assert len(s["samples"]) >= 50 and all(x["rss_mb"] > 0 and x["kv_pages_used"] >= 0 for x in s["samples"])
         assert s["kv_pages_used"]["max"] > 0 and s["chunks_shed"] == 0 and s["rss_mb"]["max"] > 0
+        assert s["kv_pages_used"]["after_close"] == 0, s["kv_pages_used"]  # no leaked pages
+    assert pages_left == [0, 0]
     assert report["shed_chunks"] == {"acked_as_shed": 0, "server": [0, 0]}
+    assert json.loads(out.read_text()) == report
+    if no_voice:
+        pytest.skip(f"text and policy passed; {no_voice}")
 
 
 @pytest.mark.asyncio
@@ -86,23 +138,6 @@ async def test_policy_sessions_are_skipped_with_the_reason_when_the_model_is_no_
     assert report["held"]["policy"] == 0 and report["missed_deadlines"]["policy"] is None
     assert not report["all_held"]
     check_kind(report, "text", 1, ("append_ms",))
-
-
-@pytest.mark.asyncio
-async def test_voice_sessions_report() -> None:
-    for module in ("onnxruntime", "soxr", "faster_whisper"):
-        needs(module)
-    for name in ("piper-joe", "whisper-base", "silero-vad"):
-        voice_model(name)
-    async with serve(ServerConfig(), voice=True) as srv:
-        report = await bench("--url", srv.url, "--voice", "1", "--duration", "10")
-    voice = check_kind(report, "voice", 1, ("speech_stopped_ms", "stop_lag_ms", "reply_done_ms"))
-    counts = voice["counts"]
-    assert counts["frames"] >= 450  # 10 s of 20 ms frames at least (a turn asked is answered past the duration)
-    assert counts["turns"] >= 1 and counts["turns_answered"] == counts["turns"]  # no error: every turn answered
-    with_audio = counts.get("replies_with_audio", 0)
-    assert with_audio + counts.get("replies_without_audio", 0) == counts["turns"]
-    assert voice["latency_ms"].get("turn_ms", {"n": 0})["n"] == with_audio
 
 
 @pytest.mark.parametrize("url", ["ws://192.0.2.1:8000", "ws://example.com:8000", "ws://[2001:db8::1]:8000",
