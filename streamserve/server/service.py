@@ -25,6 +25,7 @@ from streamserve.server.acks import Acks
 from streamserve.server.auth import Grant
 from streamserve.server.chat import ChatSessions
 from streamserve.server.context import ClientContext, page_reservation
+from streamserve.server.media_budget import MediaBudget, charging
 from streamserve.server.registry import Entry, SessionRegistry
 from streamserve.server.results import (
     AppendRequest,
@@ -82,6 +83,7 @@ class SessionService:
                                    model_encoder(engine) if voice is not None else None)
         self.images = ImageSessions(vision, model_image_encoder(engine), self.registry, self.audio.seqs,  # vision.py
                                     lambda sid: self.chats.get(sid) is not None)
+        self.budget = MediaBudget(config.max_media_bytes, config.max_media_bytes_per_connection)  # media_budget.py
         self.acks = Acks(self.registry, self.audio.seqs)  # chunk results to their session's connection (acks.py)
         self.deliver, self.finish_chunk = self.acks.deliver, self.acks.finish
 
@@ -117,6 +119,7 @@ class SessionService:
     def disconnect(self, ctx: ClientContext) -> None:
         """The connection ended: its reply forwarders stop, its sessions wait for a resume."""
         ctx.gone = True
+        self.budget.close(ctx)  # the media its buffers still hold goes back now, whenever they stop
         for t in list(ctx.tasks):
             t.cancel()
         for entry in self.registry.detach_all(ctx):
@@ -239,9 +242,12 @@ class SessionService:
         connection holds the session when it is done. Refusals (limits, quotas, input) raise here, queuing nothing."""
         s = self.registry.get(ctx, session_id).session
         if req.audio is not None:  # the session's Listener, or its model's encoder (server/voice_sessions.py)
-            return await self.audio.append(ctx, session_id, req, self.deliver, self.finish_chunk)
+            with charging(self.budget.account(ctx)):  # what the Listener holds counts against this connection
+                return await self.audio.append(ctx, session_id, req, self.deliver, self.finish_chunk)
         if req.image is not None:  # its note (text or a chat message), or the model's image embeds (vision.py)
-            return await self.images.append(s.id, req, self.deliver, lambda r, m: self.append(ctx, session_id, r, m))
+            with charging(self.budget.account(ctx)):  # the image's bytes, while it waits for the vision thread
+                return await self.images.append(s.id, req, self.deliver,
+                                                lambda r, m: self.append(ctx, session_id, r, m))
         message, req = self.chats.check_append(session_id, message, req)
         limit = self.config.max_chunk_tokens
         too_many = req.token_ids is not None and len(req.token_ids) > limit

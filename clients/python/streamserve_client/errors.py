@@ -60,7 +60,8 @@ class UnauthorizedError(StreamserveClientError):
 
 
 class ServerBusyError(StreamserveClientError):
-    """The server closed the connection with 1013 (too many connections, or the model is still loading)."""
+    """The server closed the connection with 1013 (too many connections, server-wide or from this client address:
+    `too_many_connections`; or the model is still loading)."""
 
     code = "busy"
 
@@ -98,11 +99,12 @@ _FAMILIES: dict[str, type[StreamserveClientError]] = {
     **dict.fromkeys(("unknown_session", "session_closed", "invalid_resume_token", "session_moved"),
                     UnknownSessionError),
     **dict.fromkeys(("capacity_exceeded", "too_many_sessions", "quota_exceeded", "audio_buffer_full",
-                     "vision_busy"),
+                     "vision_busy", "server_busy"),
                     CapacityError),
     "unsupported_modality": UnsupportedModalityError,
     "step_failed": StepFailedError,
     "engine_failed": EngineFailedError,
+    "too_many_connections": ServerBusyError,
     **dict.fromkeys(("unauthorized", "client_secret_used"), UnauthorizedError),
 }
 
