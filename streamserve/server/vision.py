@@ -11,7 +11,9 @@ Neither: images are refused with `unsupported_modality`, naming the extra and th
 
 Decoding and inference never run on the event loop (every connection would stall) nor on the engine thread (decode
 would stall): one thread of their own, one image at a time, with at most MAX_PENDING images waiting (more are
-refused with `vision_busy`, nothing taken: a camera drops that frame).
+refused with `vision_busy`, nothing taken: a camera drops that frame). An image's bytes count against its
+connection's media account (server/media_budget.py) from its append until it is labelled or encoded: past the
+connection's or the server's media budget it is refused (`quota_exceeded`, `server_busy`), nothing taken.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import numpy as np
 
 from streamserve.errors import StreamserveError
 from streamserve.media.vision import MAX_PIXELS, VISION_EXTRA, VISION_MODEL, SceneNotes, VisionUnavailableError
+from streamserve.server import media_budget
 from streamserve.server.results import AppendRequest, ChunkResult, ImageInfo
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -167,17 +170,23 @@ class ImageSessions:
         vision_busy, unsupported_modality, and whatever `then` refuses), nothing taken."""
         if self.encoder is None and self.vision is None:
             raise unavailable()
-        async with self.locks.setdefault(session_id, asyncio.Lock()):
-            got = await self.prepare(session_id, req)
-            if isinstance(got, ChunkResult):
-                return await deliver(got)
-            try:
-                await then(*got)
-            except BaseException:
-                self.rewound(session_id)  # the note is not in the session: the next image notes its scene again
-                raise
-            if self.encoder is None and got[0].seq is not None:  # a note: shed or refused later, it is not said
-                self.noted[session_id] = got[0].seq  # its ack is looked at before the next note
+        held = media_budget.Holding(media_budget.current(), "image")  # the append's connection (service.append)
+        held.admit(req.image.nbytes if isinstance(req.image, np.ndarray) else len(req.image or b""))
+        try:
+            async with self.locks.setdefault(session_id, asyncio.Lock()):
+                got = await self.prepare(session_id, req)
+                held.drop()  # labelled or encoded: the image's bytes are no longer held
+                if isinstance(got, ChunkResult):
+                    return await deliver(got)
+                try:
+                    await then(*got)
+                except BaseException:
+                    self.rewound(session_id)  # the note is not in the session: the next image notes its scene again
+                    raise
+                if self.encoder is None and got[0].seq is not None:  # a note: shed or refused later, it is not said
+                    self.noted[session_id] = got[0].seq  # its ack is looked at before the next note
+        finally:
+            held.drop()  # refused, failed or cancelled on the way: given back all the same
 
     async def prepare(self, session_id: str, req: AppendRequest) -> tuple[AppendRequest, Any] | ChunkResult:
         """-> (the request to append in the image's place, the chat message or None), or the ChunkResult of an

@@ -8,7 +8,9 @@ its Whisper pass, or a backlog of audio appends on a loaded CPU; past the client
 pings at once. What waits to be handled is bounded, whatever the frame: audio by the server's max_audio_buffer_s (an
 append past it is refused with `audio_buffer_full`, as the Listener refuses audio it cannot transcribe in time),
 every entry (an event, or the error of a frame that is none) by MAX_WAITING, and the events' frames by
-MAX_WAITING_BYTES; a refusal is an `error` event naming the refused event, and the connection goes on. A frame that
+MAX_WAITING_BYTES; the frames of audio events also count against the connection's media account
+(server/media_budget.py: `quota_exceeded`, or `server_busy` when the server's media budget is full) until they are
+handled; a refusal is an `error` event naming the refused event, and the connection goes on. A frame that
 is no valid event is malformed: the MAX_BAD_FRAMES-th closes the connection with 4400, as the native protocol does
 (native.py), after its `error` event.
 """
@@ -19,6 +21,8 @@ import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
+from streamserve.errors import StreamserveError
+from streamserve.server.media_budget import Holding, MediaAccount
 from streamserve.server.native import MAX_BAD_MESSAGES
 from streamserve.server.protocol import CLOSE_BAD_CLIENT
 from streamserve.server.realtime.events import ClientEvent, RealtimeError
@@ -41,13 +45,16 @@ class Waiting:
 
 class Inbox:
     """`refuse` tells an error at once (out of turn); `close(code, reason)` ends the connection (None: the reader
-    only stops reading, and the connection ends when what waits is handled)."""
+    only stops reading, and the connection ends when what waits is handled). `account`: the connection's media
+    account; by default, when `refuse` is a connection's method, that connection's (its service's budget, its ctx)."""
 
     def __init__(self, parse: Callable[[Frame], ClientEvent], audio_ms: Callable[[ClientEvent], float],
                  max_audio_ms: float, refuse: Callable[[RealtimeError], Awaitable[None]],
-                 close: Callable[[int, str], Awaitable[None]] | None = None) -> None:
+                 close: Callable[[int, str], Awaitable[None]] | None = None,
+                 account: MediaAccount | None = None) -> None:
         self.parse, self.measure, self.max_audio_ms, self.refuse = parse, audio_ms, max_audio_ms, refuse
         self.close = close
+        self.media = Holding(account if account is not None else connection_account(refuse), "audio event")
         self.queue: asyncio.Queue[Waiting | None] = asyncio.Queue()  # None: the client's frames ended
         self.audio_ms = 0.0  # audio waiting in the queue
         self.bytes = 0  # frame bytes of the events waiting in the queue
@@ -81,6 +88,8 @@ class Inbox:
                         f"{self.bytes} bytes of this connection's events are still waiting to be handled (limit "
                         f"{MAX_WAITING_BYTES >> 20} MiB): wait for their answers before sending more",
                         "too_many_events", "type", event_id=ev.event_id))
+                elif ms and (refused := self.admit(size, ev.event_id)) is not None:
+                    await self.refuse(refused)
                 else:
                     self.audio_ms += ms
                     self.bytes += size
@@ -112,5 +121,23 @@ class Inbox:
         while (waiting := await self.queue.get()) is not None:
             self.audio_ms = max(0.0, self.audio_ms - waiting.audio_ms)
             self.bytes -= waiting.size
+            if waiting.audio_ms:  # an audio event's frame: off the media account as it is handled
+                self.media.settle(self.media.bytes - waiting.size)
             if not self.closed:
                 yield waiting
+
+    def admit(self, size: int, event_id: str | None) -> RealtimeError | None:
+        """An audio event's frame onto the connection's media account -> None, or the refusal to tell."""
+        try:
+            self.media.admit(size)
+        except StreamserveError as e:
+            return RealtimeError(str(e), e.code, "audio", event_id=event_id)
+        return None
+
+
+def connection_account(refuse: Callable[..., Awaitable[None]]) -> MediaAccount | None:
+    """The media account of the connection whose bound method `refuse` is (None when it is no such method)."""
+    conn = getattr(refuse, "__self__", None)
+    service, ctx = getattr(conn, "service", None), getattr(conn, "ctx", None)
+    budget = getattr(service, "budget", None)
+    return budget.account(ctx) if budget is not None and ctx is not None else None

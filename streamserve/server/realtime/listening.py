@@ -1,7 +1,8 @@
 """The Realtime session's audio: the input audio buffer over a `Listener` (server VAD turns, streaming transcription
 with local agreement) and the `Speaker` of each spoken response. Imported only when the server has voice.
 
-Input: `input_audio_buffer.append` feeds the Listener (decoded and resampled once, bounded by max_audio_buffer_s).
+Input: `input_audio_buffer.append` feeds the Listener (decoded and resampled once, bounded by max_audio_buffer_s and
+by the connection's media account: server/media_budget.py).
 With server_vad, speech start is `input_audio_buffer.speech_started` (and cancels a running response when
 interrupt_response); words agreed by two transcription passes are `conversation.item.input_audio_transcription.delta`
 as the person speaks; at the end of speech the utterance is committed as a user item whose transcript is the
@@ -79,7 +80,8 @@ class InputAudio:
         self.runtime = voice
         s = conn.settings
         self.listener = Listener(voice, self.input_format(s), vad_config(s.turn_detection), self.on_event,
-                                 max_buffer_s=conn.service.config.max_audio_buffer_s)
+                                 max_buffer_s=conn.service.config.max_audio_buffer_s,
+                                 account=conn.service.budget.account(conn.ctx))  # its backlog's bytes count there
         self.item_id: str | None = None  # the user item the utterance being heard becomes
         self.idle_timer: asyncio.Task | None = None
         # the utterance streamed into the session as a user message while it is said (ChatSessions.begin/extend/end)

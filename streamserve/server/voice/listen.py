@@ -14,7 +14,9 @@ back the audio after it. If the stop follows, that audio was the VAD's hangover 
 no pass (the transcript is final max(silence_duration_ms, one pass) after the speech, not their sum); if speech
 resumes, the held audio goes to the transcriber and the pass was an ordinary step.
 What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
-(`audio_buffer_full`) instead of holding it.
+(`audio_buffer_full`) instead of holding it. Its bytes (16 kHz float32: 64 kB a second) also count against the
+connection's media account (server/media_budget.py): an append past the connection's or the server's media budget
+is refused (`quota_exceeded`, `server_busy`), nothing taken.
 
 Events, in order for one utterance:
     SpeechStarted, (TranscriptDelta | TranscriptPartial)*, SpeechStopped, TranscriptDelta?, TranscriptDone
@@ -34,16 +36,19 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamserve.errors import StreamserveError
+from streamserve.server import media_budget
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat, AudioInput
     from streamserve.media.stt import StreamingTranscriber, TranscriptUpdate
     from streamserve.media.vad import TurnDetector, VADConfig
+    from streamserve.server.media_budget import MediaAccount
     from streamserve.server.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.voice")
 
 RATE = 16000  # what VAD and Whisper take
+SAMPLE_BYTES = 4  # float32: what the backlog holds, per 16 kHz sample
 _UNSET: Any = object()
 
 
@@ -102,7 +107,7 @@ class _Work:
 class Listener:
     def __init__(self, runtime: VoiceRuntime, fmt: AudioFormat, turn_detection: VADConfig | None,
                  emit: Callable[[ListenEvent], Awaitable[None]], *, max_buffer_s: float = 30.0,
-                 language: str = "en") -> None:
+                 language: str = "en", account: MediaAccount | None = None) -> None:
         from streamserve.media.stt import StreamingTranscriber
 
         self.runtime, self.emit, self.max_buffer_s = runtime, emit, max_buffer_s
@@ -130,6 +135,9 @@ class Listener:
         self._deferred = ""  # ... here, for the final delta (events stay S (d|p)* E d? F)
         self._closed = False
         self._last: asyncio.Future[Any] | None = None  # the latest decode + VAD on the executor
+        # the backlog's bytes on the connection's media account (the one given, or the append's: media_budget.py)
+        self._holding = media_budget.Holding(account or media_budget.current(), "audio")
+        self._admitted = 0  # bytes admitted by appends still decoding (not in the backlog yet)
         self._worker = asyncio.create_task(self._work(), name="streamserve-listener")
 
     # ---- configuration ---------------------------------------------------------------------------------
@@ -174,17 +182,26 @@ class Listener:
             raise AudioBufferFullError(f"{self.backlog_s:.1f} s of this stream's audio is still waiting to be "
                                        f"transcribed (limit {self.max_buffer_s:g} s): send audio at real-time pace "
                                        "or commit the utterance")
-        async with self._lock:
-            self._check_open()
-            if self._last is not None:  # an append cancelled mid-way: its decode may still run on the executor
-                await asyncio.wait({self._last})
-            fut = self._last = asyncio.ensure_future(self.runtime.run_light(self._process, data))
-            x, events = await asyncio.shield(fut)
-            if self._closed:
-                return
-            self.audio_ms += ms
-            for event in self._route(x, events):
-                await self._send(event, self._epoch)
+        if (account := media_budget.current()) is not None:  # the append's connection (another after a resume)
+            self._holding.move(account)
+        need = round(ms * RATE / 1e3) * SAMPLE_BYTES
+        self._holding.admit(need)  # MediaQuotaError / MediaBusyError: refused, nothing taken
+        self._admitted += need
+        try:
+            async with self._lock:
+                self._check_open()
+                if self._last is not None:  # an append cancelled mid-way: its decode may still run on the executor
+                    await asyncio.wait({self._last})
+                fut = self._last = asyncio.ensure_future(self.runtime.run_light(self._process, data))
+                x, events = await asyncio.shield(fut)
+                if self._closed:
+                    return
+                self.audio_ms += ms
+                for event in self._route(x, events):
+                    await self._send(event, self._epoch)
+        finally:
+            self._admitted -= need
+            self._settle_bytes()
 
     def _process(self, data: bytes) -> tuple[np.ndarray, list[Any]]:
         """On the per-frame thread: bytes -> [n] float32 at 16 kHz, and the VAD's events over them."""
@@ -231,6 +248,10 @@ class Listener:
             self._put(_Work("silence" if silent is not None else "resume", self._epoch, ms=ms))
         return now
 
+    def _settle_bytes(self) -> None:
+        """The account holds what the backlog holds now (16 kHz float32), plus what appends in flight admitted."""
+        self._holding.settle(0 if self._closed else round(self.backlog_s * RATE) * SAMPLE_BYTES + self._admitted)
+
     def _put(self, work: _Work) -> None:
         if work.samples is not None:
             self._queued_s += len(work.samples) / RATE
@@ -264,6 +285,7 @@ class Listener:
             self._input = self._make_input(self.fmt)
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             self._put(_Work("reset", self._epoch, done=done))
+            self._settle_bytes()
         await done
 
     async def close(self) -> None:
@@ -273,6 +295,7 @@ class Listener:
             return
         self._closed, self._epoch = True, self._epoch + 1
         self._queue.clear()
+        self._holding.drop()  # nothing it held is kept: the account has it back now
         self._wake.set()
         try:
             await asyncio.shield(self._worker)
@@ -294,6 +317,7 @@ class Listener:
             if not self._queue:
                 if self._stt.ready() and self._utterance_open and self._untranscribed_s > 0 and self._silent_ms is None:
                     await self._pass("step", self._epoch)  # nothing queued, no trailing silence (it'd delay the final)
+                    self._settle_bytes()
                     continue
                 self._wake.clear()
                 await self._wake.wait()
@@ -307,6 +331,8 @@ class Listener:
             except Exception as e:  # one bad pass must not end the stream's transcription
                 log.exception("streamserve: a transcription step failed")
                 self._settle(w, None, e)
+            finally:
+                self._settle_bytes()
 
     async def _do(self, w: _Work) -> None:
         if w.samples is not None:
