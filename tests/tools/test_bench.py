@@ -54,10 +54,11 @@ def voice_missing() -> str | None:
     """Why voice sessions cannot run here (a voice extra module or model missing), or None."""
     from streamserve.models.store import installed
 
-    missing = [m for m in ("onnxruntime", "soxr", "faster_whisper") if importlib.util.find_spec(m) is None]
-    missing += [m for m in ("piper-joe", "whisper-base", "silero-vad") if installed(m) is None]
-    return f"the voice part needs {', '.join(missing)} (voice extra: {VOICE_EXTRA}; streamserve models pull)" \
-        if missing else None
+    modules = [m for m in ("onnxruntime", "soxr", "faster_whisper") if importlib.util.find_spec(m) is None]
+    models = [m for m in ("piper-joe", "whisper-base", "silero-vad") if installed(m) is None]
+    needs = ([f"the voice extra ({VOICE_EXTRA}: {', '.join(modules)} missing)"] if modules else []) + \
+        ([f"the voice models (streamserve models pull {' '.join(models)})"] if models else [])
+    return f"the voice part did not run: it needs {' and '.join(needs)}" if needs else None
 
 
 @pytest.mark.asyncio
