@@ -184,6 +184,110 @@ async def test_inbox_refuses_audio_frames_past_the_account_and_gives_them_back()
     assert handled == ["a0", "a1"] and budget.held == 0
 
 
+# ---- reply audio synthesised and not yet sent ------------------------------------------------------------------
+class FakeVoice:
+    sample_rate = 16000
+
+    def synthesize(self, text: str) -> np.ndarray:
+        return np.zeros(1600 * len(text.split()), np.float32)  # 100 ms a word: [n] at 16 kHz
+
+
+class FakeRuntime:
+    voice = FakeVoice()
+
+    async def run(self, fn, *args):  # type: ignore[no-untyped-def]
+        return fn(*args)
+
+
+@pytest.mark.asyncio
+async def test_speaker_holds_its_unsent_audio_on_the_account_until_emitted_or_cancelled() -> None:
+    from streamserve.media.audio import AudioFormat
+    from streamserve.server.voice.speak import Speaker
+
+    budget = M.MediaBudget(10**6, 10**6)
+    owner = Owner()
+    gate, emitted = asyncio.Event(), []
+
+    async def emit(chunk: bytes) -> None:  # a client that reads only when the gate opens
+        await gate.wait()
+        emitted.append(chunk)
+
+    fmt = AudioFormat("pcm16", 16000)
+    sp = Speaker(FakeRuntime(), fmt, emit, budget.account(owner))  # type: ignore[arg-type]
+    sp.feed("One two three four. Five six seven. ")
+    for _ in range(100):  # the synthesis runs on the loop here: a few turns of it
+        if budget.held >= 2 * 3200 * 3:
+            break
+        await asyncio.sleep(0)
+    assert budget.held >= 2 * 3200 * 3  # at least two pieces waiting, 100 ms (3200 B of pcm16) a word
+    gate.set()
+    await sp.finish()
+    assert sum(map(len, emitted)) == 3200 * 7 and budget.held == 0
+    gate.clear()
+    sp2 = Speaker(FakeRuntime(), fmt, emit, budget.account(owner))  # type: ignore[arg-type]
+    sp2.feed("Eight nine ten. Eleven twelve. ")
+    for _ in range(100):
+        if budget.held > 0:
+            break
+        await asyncio.sleep(0)
+    assert budget.held > 0
+    sp2.cancel()  # barge-in: its audio is dropped, and so is what it held
+    await sp2.wait_idle()
+    assert budget.held == 0
+
+
+# ---- a WebRTC call's microphone --------------------------------------------------------------------------------
+@pytest.mark.asyncio
+async def test_call_microphone_refusals_are_dropped_and_told_once_per_run() -> None:
+    import fractions
+
+    av = pytest.importorskip("av")
+    pytest.importorskip("aiortc")
+    from aiortc.mediastreams import MediaStreamError
+
+    from streamserve.server.webrtc.tracks import MicDrain
+
+    class Track:
+        def __init__(self) -> None:
+            self.frames: asyncio.Queue = asyncio.Queue()
+
+        async def recv(self):  # type: ignore[no-untyped-def]
+            frame = await self.frames.get()
+            if frame is None:
+                raise MediaStreamError
+            return frame
+
+    def frame(i: int):  # type: ignore[no-untyped-def]
+        f = av.AudioFrame(format="s16", layout="mono", samples=960)  # 20 ms at 48 kHz
+        f.planes[0].update(bytes(1920))
+        f.sample_rate, f.pts, f.time_base = 48000, 960 * i, fractions.Fraction(1, 48000)
+        return f
+
+    budget = M.MediaBudget(10**6, 1)
+    owner = Owner()
+    answers = ["refuse", "refuse", "accept", "refuse"]
+    fed, told = asyncio.Queue(), []
+
+    async def sink(data: bytes) -> None:
+        answer = answers.pop(0)
+        fed.put_nowait(answer)
+        if answer == "refuse":
+            budget.account(owner).acquire(len(data), "audio")  # over the 1-byte budget: MediaQuotaError
+
+    async def refused(e: Exception) -> None:
+        told.append(e)
+
+    track = Track()
+    mic = MicDrain(track, sink, refused)  # type: ignore[arg-type]
+    for i in range(4):  # one frame at a time: each is one feed
+        track.frames.put_nowait(frame(i))
+        await asyncio.wait_for(fed.get(), WAIT_S)
+    track.frames.put_nowait(None)
+    await mic.close()
+    assert mic.dropped == 3 and budget.held == 0
+    assert [getattr(e, "code", None) for e in told] == ["quota_exceeded", "quota_exceeded"]  # the runs: 2 and 1
+
+
 # ---- through a real server ---------------------------------------------------------------------------------
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def voiced() -> AsyncIterator[RunningServer]:

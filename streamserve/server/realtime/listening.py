@@ -262,10 +262,10 @@ class InputAudio:
 
     # ---- spoken responses and the idle timeout ---------------------------------------------------------
     def speaker(self, run: ResponseRun) -> Speaker:
-        media = self.conn.media
+        media, account = self.conn.media, self.conn.service.budget.account(self.conn.ctx)  # its unsent audio
         if media is None:
-            return Speaker(self.runtime, self.settings.output_audio, run.audio_delta)
-        return Speaker(self.runtime, media.output_format, media.emitter(run))
+            return Speaker(self.runtime, self.settings.output_audio, run.audio_delta, account)
+        return Speaker(self.runtime, media.output_format, media.emitter(run), account)
 
     async def truncate_heard(self, item: Item, heard: str) -> None:
         """Cut an assistant item to what was heard: now, or (the person speaks: their message is open in the

@@ -8,6 +8,9 @@ own reply), piece n+1 is synthesised, so the next sentence is ready when the las
 The first audio leaves after the splitter's first piece (an early clause), long before the reply is finished.
 `cancel()` (barge-in) stops both at once: queued text and audio are dropped and nothing is emitted after it returns.
 `heard_text(ms)` maps audio played back to the text spoken in it, for truncating a reply to what was heard.
+Audio synthesised and not yet emitted counts on the connection's media account (server/media_budget.py) until it is
+emitted or dropped. It is taken, never refused: the reply was admitted and its text is generated already, and it is
+bounded by the AHEAD pieces; the input media of the connection (and of the server) is refused earlier instead.
 """
 
 from __future__ import annotations
@@ -18,8 +21,11 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from streamserve.server import media_budget
+
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat, AudioOutput
+    from streamserve.server.media_budget import MediaAccount
     from streamserve.server.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.voice")
@@ -37,7 +43,8 @@ class _Spoken:
 
 
 class Speaker:
-    def __init__(self, runtime: VoiceRuntime, fmt: AudioFormat, emit: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(self, runtime: VoiceRuntime, fmt: AudioFormat, emit: Callable[[bytes], Awaitable[None]],
+                 account: MediaAccount | None = None) -> None:
         from streamserve.media.audio import AudioOutput
         from streamserve.media.tts import SentenceSplitter
 
@@ -53,6 +60,7 @@ class Speaker:
         self._finished = False
         self._cancelled = False
         self._in_flight: asyncio.Future[bytes] | None = None  # the synthesis running on the executor
+        self._held = media_budget.Holding(account or media_budget.current(), "reply audio")  # synthesised, not emitted
         self._synth = asyncio.create_task(self._synthesise(), name="streamserve-speaker-synth")
         self._play = asyncio.create_task(self._emit_all(), name="streamserve-speaker-emit")
 
@@ -119,12 +127,15 @@ class Speaker:
                 text = await self._text.get()
                 if text is _END:
                     tail = await self._run(self._output.flush)
+                    self._held.settle(self._held.bytes + len(tail))
                     await self._audio.put(("", tail))
                     await self._audio.put(_END)
                     return
                 if not text.strip():
                     continue
-                await self._audio.put((text, await self._run(self._convert, text)))
+                data = await self._run(self._convert, text)
+                self._held.settle(self._held.bytes + len(data))
+                await self._audio.put((text, data))
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -152,11 +163,14 @@ class Speaker:
                     chunk = data[i:i + self._chunk_bytes]
                     await self.emit(chunk)
                     self.audio_ms += self.fmt.duration_ms(len(chunk))
+                    self._held.settle(self._held.bytes - len(chunk))
         except BaseException:
             # emit failed (or this task was cancelled): nobody drains the audio queue any more, so the synthesis
             # task, which may be blocked putting into it, must stop too (else wait_idle() waits for ever)
             self._synth.cancel()
             raise
+        finally:
+            self._held.drop()  # emitted, or dropped with the reply's audio (a cancel, a failure)
 
     # ---- what was heard ---------------------------------------------------------------------------------------
     @property

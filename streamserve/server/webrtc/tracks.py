@@ -10,7 +10,9 @@ are handed to a callback, which must not block.
 Microphone (`drain_audio`): aiortc's receive queue is unbounded, so a task takes every frame as it arrives into a
 bounded deque of MIC_QUEUE frames (when the feeding falls behind, the oldest frame is dropped and counted); a second
 task converts what has gathered (av's AudioResampler: any layout and rate -> s16 mono 48 kHz) and feeds it to the
-sink in one call.
+sink in one call. Audio the sink refuses is dropped and counted; when the refusal is the media budget's (the
+connection's or the server's media bytes are full: server/media_budget.py), the call is told once per run of
+refusals by an `error` event on the data channel (`refused`), as a WebSocket client is told per append.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import av
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from streamserve.media.audio import AudioFormat
+from streamserve.server.media_budget import MediaBusyError, MediaQuotaError
 
 log = logging.getLogger("streamserve.server")
 
@@ -136,10 +139,15 @@ class ReplyTrack(MediaStreamTrack):
 
 
 class MicDrain:
-    """Drains a microphone track continuously and feeds PCM16 mono 48 kHz to `sink` (bytes -> awaitable)."""
+    """Drains a microphone track continuously and feeds PCM16 mono 48 kHz to `sink` (bytes -> awaitable).
+    `refused(error)` tells the call of a media budget refusal (default: when `sink` is a call's method, its Realtime
+    connection's `error`, which sends the error event on the data channel)."""
 
-    def __init__(self, track: MediaStreamTrack, sink: Callable[[bytes], Awaitable[None]]) -> None:
+    def __init__(self, track: MediaStreamTrack, sink: Callable[[bytes], Awaitable[None]],
+                 refused: Callable[[Exception], Awaitable[None]] | None = None) -> None:
         self.track, self.sink = track, sink
+        self.refused = refused if refused is not None else call_error(sink)
+        self.refusing = False  # the last feed was refused by the media budget (told once per run)
         self.frames: collections.deque[av.AudioFrame] = collections.deque()
         self.ready = asyncio.Event()
         self.dropped = 0  # frames dropped because feeding fell behind
@@ -178,11 +186,28 @@ class MicDrain:
             if data:
                 try:
                     await self.sink(data)
+                    self.refusing = False
                 except Exception as e:  # the Listener refused it (behind real time, closed): dropped, counted
                     self.dropped += len(frames)
                     log.debug("streamserve: microphone audio dropped: %s", e)
+                    if isinstance(e, MediaQuotaError | MediaBusyError) and not self.refusing:
+                        self.refusing = True
+                        await self.tell(e)
+
+    async def tell(self, e: Exception) -> None:
+        if self.refused is not None:
+            try:
+                await self.refused(e)
+            except Exception:  # the data channel is gone: nobody to tell
+                log.debug("streamserve: a microphone refusal could not be told", exc_info=True)
 
     async def close(self) -> None:
         for t in self.tasks:
             t.cancel()
         await asyncio.wait(self.tasks)
+
+
+def call_error(sink: Callable[..., Awaitable[None]]) -> Callable[[Exception], Awaitable[None]] | None:
+    """The `error` of the Realtime connection of the call whose bound method `sink` is, or None."""
+    conn = getattr(getattr(sink, "__self__", None), "conn", None)
+    return getattr(conn, "error", None)
