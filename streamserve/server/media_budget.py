@@ -53,6 +53,27 @@ class MediaBudget:
         self.refused = {"server_busy": 0, "quota_exceeded": 0}  # refusals so far (a metric's figures)
         self.lock = threading.RLock()  # re-entrant: a finalizer (close) may run in a gc inside a locked call
         self._accounts: weakref.WeakKeyDictionary[Any, MediaAccount] = weakref.WeakKeyDictionary()
+        self._counter: Any = None  # the refusals' Prometheus counter, once metrics() registered it
+
+    def metrics(self, registry: Any) -> None:
+        """Register this budget's Prometheus metrics in `registry` (the engine's, served on /metrics): the bytes
+        held and the limit, and the refusals by code."""
+        from prometheus_client import Counter, Gauge
+
+        Gauge("streamserve_media_bytes_held", "Bytes of media held over all connections (input audio waiting to be "
+              "transcribed, reply audio not yet sent, images waiting for the vision thread)",
+              registry=registry).set_function(lambda: self.held)
+        Gauge("streamserve_media_bytes_limit", "--max-media-bytes", registry=registry).set_function(
+            lambda: self.max_bytes)
+        self._counter = Counter("streamserve_media_refused", "Media refused by the media byte budgets, by code "
+                                "(server_busy: the server's, quota_exceeded: a connection's)", ["code"],
+                                registry=registry)
+
+    def refuse(self, code: str) -> None:
+        """Count a refusal (called with the lock held)."""
+        self.refused[code] += 1
+        if self._counter is not None:
+            self._counter.labels(code).inc()
 
     def account(self, owner: Any) -> MediaAccount:
         """The account of `owner` (a connection's ClientContext), made at its first use and held weakly. close()
@@ -99,13 +120,13 @@ class MediaAccount:
             if self.closed:
                 return
             if self.held + n > b.max_per_connection:
-                b.refused["quota_exceeded"] += 1
+                b.refuse("quota_exceeded")
                 raise MediaQuotaError(
                     f"this connection holds {self.held} bytes of media waiting to be processed; {n} more ({what}) "
                     f"would pass its limit of {b.max_per_connection} (--max-media-bytes-per-connection): send at "
                     "real-time pace, or wait for answers before sending more")
             if b.held + n > b.max_bytes:
-                b.refused["server_busy"] += 1
+                b.refuse("server_busy")
                 raise MediaBusyError(
                     f"the server holds its limit of {b.max_bytes} bytes of media waiting to be processed "
                     f"(--max-media-bytes); this {what} ({n} bytes) was refused: retry later")

@@ -63,6 +63,23 @@ def test_acquire_release_and_which_limit_refuses() -> None:
     assert (acct_a.held, acct_b.held, budget.held) == (300, 0, 300)
 
 
+def test_metrics_show_the_bytes_held_and_the_refusals() -> None:
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    budget = M.MediaBudget(1000, 600)
+    registry = CollectorRegistry()
+    budget.metrics(registry)
+    acct = budget.account(owner := Owner())
+    acct.acquire(500)
+    with pytest.raises(M.MediaQuotaError):
+        acct.acquire(200)
+    text = generate_latest(registry).decode()
+    assert "streamserve_media_bytes_held 500.0" in text and "streamserve_media_bytes_limit 1000.0" in text
+    assert 'streamserve_media_refused_total{code="quota_exceeded"} 1.0' in text
+    budget.close(owner)
+    assert "streamserve_media_bytes_held 0.0" in generate_latest(registry).decode()
+
+
 def test_close_gives_everything_back_and_later_calls_are_no_ops() -> None:
     budget = M.MediaBudget(1000, 1000)
     owner = Owner()
