@@ -50,10 +50,12 @@ class ClientSecret:
 
 class Grant:
     """What one authenticated connection may do with sessions. With the API key (or no key configured):
-    anything. With a client secret: open one session, the secret's first, and resume only that one."""
+    anything. With a client secret: open one session, the secret's first, and resume only that one. `address` is
+    the client address the request came from (server/clients.py; None for an in-process caller), which the limits
+    per address count."""
 
-    def __init__(self, secret: ClientSecret | None = None) -> None:
-        self.secret = secret
+    def __init__(self, secret: ClientSecret | None = None, address: str | None = None) -> None:
+        self.secret, self.address = secret, address
 
     def claim_open(self) -> None:
         """Before an open: take the secret's single session (ClientSecretScopeError when it is taken)."""
@@ -110,9 +112,9 @@ class Authenticator:
         for digest in [d for d, s in self.secrets.items() if s.expires_at <= now]:
             del self.secrets[digest]
 
-    def grant_for(self, credential: str | None) -> Grant | None:
-        """The credential a request carries -> its Grant, or None (401). Without a configured key and no
-        credential, everyone is granted; a client secret that is presented must be live in any case."""
+    def grant_for(self, credential: str | None, address: str | None = None) -> Grant | None:
+        """The credential a request from `address` carries -> its Grant, or None (401). Without a configured key
+        and no credential, everyone is granted; a client secret that is presented must be live in any case."""
         if credential is not None and credential.startswith(SECRET_PREFIX):
             with self.lock:
                 record = self.secrets.get(_digest(credential))
@@ -120,11 +122,11 @@ class Authenticator:
                     del self.secrets[record.digest]
                     record = None
             if record is not None:
-                return Grant(record)
+                return Grant(record, address)
             if not self.is_api_key(credential):  # an expired or unknown secret is refused, key or not
                 return None
         if self.api_key is None or self.is_api_key(credential):
-            return Grant()
+            return Grant(None, address)
         return None
 
 

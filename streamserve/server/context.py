@@ -2,7 +2,8 @@
 
 Per connection: the sessions it holds (the registry), the KV pages their page caps reserve
 (`max_pages_per_connection`), the tokens it submitted that are not acked yet (`max_queued_tokens_per_connection`),
-its reply-forwarding tasks, and its authorization (`Grant`).
+its reply-forwarding tasks, its authorization (`Grant`), and the client address it connects from (server/clients.py;
+the registry counts sessions per address with it).
 """
 
 from __future__ import annotations
@@ -20,8 +21,9 @@ MAX_PENDING_ACKS = 256  # appends in flight per connection; past it the adapter'
 class ClientContext:
     """One connection's standing with the service."""
 
-    def __init__(self, listener: ResultListener, grant: Grant) -> None:
+    def __init__(self, listener: ResultListener, grant: Grant, address: str | None = None) -> None:
         self.listener, self.grant = listener, grant
+        self.address = address  # None: an in-process caller, not counted per address
         self.tasks: set[asyncio.Task] = set()  # reply forwarders: cancelled when the connection ends
         self.pending_acks = asyncio.Semaphore(MAX_PENDING_ACKS)
         self.queued_tokens = 0  # submitted, not acked yet, over all its sessions

@@ -9,9 +9,13 @@ if the old connection has not noticed it is dead. The results (ack or error) of 
 chunks stay in its entry and are sent again to whoever resumes it, so a client learns the fate of every
 chunk it was waiting for, whether its ack was lost with the old connection or came while none held it. After the
 TTL, a detached session is closed and its pages come back. The server holds at most `max_total`
-sessions, open and detached together: when full, the oldest detached session makes room, and when
-none is detached, `open` is refused. Thread-safe: `open` runs in a worker thread. Owned by the session
-service (server/service.py); an owner is whatever object stands for one connection there.
+sessions, open and detached together: when full, the oldest detached session makes room (the opener's own
+address's first), and when none is detached, `open` is refused. Each client address (the owner's `address`,
+server/clients.py) holds at most `max_per_address` of them, open, detached and opening together, so that one
+address cannot fill the table and so evict other addresses' detached sessions; a session keeps its address while
+detached and takes its new holder's on a resume. Thread-safe: `open` runs in a worker thread. Owned by the session
+service (server/service.py); an owner is whatever object stands for one connection there (an owner without an
+`address` is counted per connection and in the total only).
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ class Entry:
     session: Session
     resume_token: str
     owner: Any  # the connection holding it; None while detached
+    address: str | None = None  # the client address that opened or last resumed it (kept while detached)
     detached_at: float | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # reply defaults from open / configure
     reserved_pages: int = 0  # counted against the owner's page quota (the session's page_cap)
@@ -53,9 +58,10 @@ class Entry:
 
 class SessionRegistry:
     def __init__(self, engine: Engine, resume_ttl: float, max_per_owner: int, max_chunk_tokens: int,
-                 max_total: int) -> None:
+                 max_total: int, max_per_address: int | None = None) -> None:
         self.engine, self.resume_ttl = engine, resume_ttl
         self.max_per_owner, self.max_chunk_tokens, self.max_total = max_per_owner, max_chunk_tokens, max_total
+        self.max_per_address = max_per_address  # None: no per-address limit
         self._entries: dict[str, Entry] = {}
         self._opening: list[Any] = []  # the owner of each open in flight
         self._lock = threading.Lock()
@@ -75,17 +81,20 @@ class SessionRegistry:
 
     def open(self, owner: Any, sampling: dict[str, Any] | None, reserved_pages: int = 0, **session_kw: Any) -> Entry:
         """A new session held by `owner` (blocking: run it off the event loop). Opens in flight count against
-        both limits, so opens running in several threads at once cannot pass them."""
+        every limit, so opens running in several threads at once cannot pass them."""
+        address = address_of(owner)
         with self._lock:
             if self._held(owner) >= self.max_per_owner:
                 raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit); close "
                                            "one or open another connection")
+            self._check_address(address)
             evict = None
             if len(self._entries) + len(self._opening) >= self.max_total:
                 detached = [e for e in self._entries.values() if e.owner is None]
                 if not detached:
                     raise TooManySessionsError(f"the server holds {self.max_total} sessions (its limit); retry later")
-                evict = min(detached, key=lambda e: e.detached_at or 0.0)
+                own = [e for e in detached if address is not None and e.address == address]
+                evict = min(own or detached, key=lambda e: e.detached_at or 0.0)
                 del self._entries[evict.session.id]
             self._opening.append(owner)
         entry = None
@@ -94,7 +103,7 @@ class SessionRegistry:
                 evict.session.close()  # the oldest detached session makes room
             s = self.engine.open_session(**session_kw)
             s.max_chunk_tokens = self.max_chunk_tokens
-            entry = Entry(s, secrets.token_urlsafe(32), owner, sampling=dict(sampling or {}),
+            entry = Entry(s, secrets.token_urlsafe(32), owner, address, sampling=dict(sampling or {}),
                           reserved_pages=reserved_pages)
         finally:
             with self._lock:
@@ -107,6 +116,18 @@ class SessionRegistry:
         """Sessions `owner` holds or is opening (under the lock)."""
         held = sum(1 for e in self._entries.values() if e.owner is owner and not e.session.closed)
         return held + sum(1 for o in self._opening if o is owner)
+
+    def _check_address(self, address: str | None) -> None:
+        """TooManySessionsError when `address` holds max_per_address sessions: open, detached or opening (under the
+        lock)."""
+        if address is None or self.max_per_address is None:
+            return
+        held = sum(1 for e in self._entries.values() if e.address == address and not e.session.closed)
+        if held + sum(1 for o in self._opening if address_of(o) == address) >= self.max_per_address:
+            raise TooManySessionsError(
+                f"this client address holds {self.max_per_address} sessions, open and detached (the server's limit "
+                f"per address): close the sessions it no longer needs; a dropped connection's sessions count until "
+                f"they are resumed or expire ({self.resume_ttl:g} s after the drop)")
 
     def get(self, owner: Any, session_id: str) -> Entry:
         """The session `owner` holds under this id; SessionNotFoundError for anything else."""
@@ -142,8 +163,13 @@ class SessionRegistry:
             e = self._verified(session_id, token)
             if e.owner is not owner and self._held(owner) >= self.max_per_owner:
                 raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit)")
+            address = address_of(owner)
+            if address != e.address:  # resumed from another address: it counts there from now on
+                self._check_address(address)
             previous = e.owner if e.owner is not owner else None
             e.owner, e.detached_at = owner, None
+            if address is not None:
+                e.address = address
         if previous is not None:
             e.session.cancel()  # its reply was streaming to the old connection
         return e, previous
@@ -171,3 +197,8 @@ class SessionRegistry:
             gone = [sid for sid, e in self._entries.items() if e.session.closed or
                     (e.detached_at is not None and now - e.detached_at > self.resume_ttl)]
             return [self._entries.pop(sid) for sid in gone]
+
+
+def address_of(owner: Any) -> str | None:
+    """The client address an owner (a ClientContext) connects from; None for an owner without one."""
+    return getattr(owner, "address", None)

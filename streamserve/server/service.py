@@ -73,7 +73,7 @@ class SessionService:
         self.vision = vision  # the vision model (server/vision.py): None when not loaded, and images are refused
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
-                                        config.max_chunk_tokens, config.max_sessions)
+                                        config.max_chunk_tokens, config.max_sessions, config.max_sessions_per_ip)
         self.engine_executor = ThreadPoolExecutor(ENGINE_WORKERS, thread_name_prefix="streamserve-engine")
         self.tokenize_executor = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="streamserve-tokenize")
         self.tasks: set[asyncio.Task] = set()  # the service's own: acks follow their session to a resume
@@ -114,7 +114,7 @@ class SessionService:
 
     # ---- connections -----------------------------------------------------------------------------------
     def connect(self, listener: ResultListener, grant: Grant) -> ClientContext:
-        return ClientContext(listener, grant)
+        return ClientContext(listener, grant, grant.address)
 
     def disconnect(self, ctx: ClientContext) -> None:
         """The connection ended: its reply forwarders stop, its sessions wait for a resume."""
