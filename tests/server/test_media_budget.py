@@ -409,3 +409,29 @@ async def test_realtime_audio_past_the_connection_budget_is_an_error_event(
         assert errors and {e["code"] for e in errors} == {"quota_exceeded"}, errors
         assert all(e["event_id"].startswith("a") for e in errors)
     await until_released(voiced)
+
+
+@pytest.mark.asyncio(loop_scope="module")
+async def test_an_image_past_the_connection_budget_is_refused_and_given_back() -> None:
+    pytest.importorskip("PIL.Image")
+    from streamserve.media.vision import VISION_MODEL
+    from streamserve.models.store import installed
+
+    if installed(VISION_MODEL) is None:
+        pytest.skip(f"the vision model is not in the model cache: run `streamserve models pull {VISION_MODEL}`")
+    config = ServerConfig(messages_per_second=1000.0, max_media_bytes_per_connection=100_000)
+    srv = await RunningServer.start(config, default_engine, vision=True)
+    try:
+        service = srv.server.service
+        assert service is not None
+        async with sc.connect(srv.url) as client:
+            session = await client.open_session()
+            rng = np.random.default_rng(0)
+            with pytest.raises(sc.CapacityError) as refused:  # 120 kB held while it waits: over the 100 kB
+                await session.append(image=rng.integers(0, 256, (200, 200, 3), dtype=np.uint8))
+            assert refused.value.code == "quota_exceeded"
+            ack = await session.append(image=rng.integers(0, 256, (100, 100, 3), dtype=np.uint8))  # 30 kB: fits
+            assert ack.compute_ms > 0 and service.budget.held == 0  # labelled (noise: no note), given back
+        await until_released(srv)
+    finally:
+        await srv.stop()
