@@ -47,7 +47,8 @@ class Server:
             self.port = s.getsockname()[1]
         room = str(max(64, 2 * max_level + 8))  # every session has its own connection, the bench a few more
         argv = [sys.executable, "-m", "streamserve", "serve", "--port", str(self.port), "--model", model,
-                "--max-connections-per-ip", room, "--max-connections", str(max(256, int(room)))]
+                "--max-connections-per-ip", room, "--max-connections", str(max(256, int(room))),
+                "--max-sessions-per-ip", str(max(256, int(room)))]
         if not voice:
             argv.append("--no-voice")
         self.model = model
