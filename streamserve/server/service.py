@@ -298,11 +298,12 @@ class SessionService:
         entry = self.registry.get(ctx, session_id)
         params = self.check_sampling({**entry.sampling, **params})
         listener = self.audio.reply_listener(ctx.listener, session_id)  # with reply audio on: also spoken
-        if self.chats.respond(listener, session_id, params):
-            return
-        stop = params.pop("stop", None)
-        stream = entry.session.stream(**params, stop=stop)
-        ctx.spawn(self.forward(listener, stream, session_id))
+        with charging(self.budget.account(ctx)):  # the reply's tasks (made here) charge its unsent audio there
+            if self.chats.respond(listener, session_id, params):
+                return
+            stop = params.pop("stop", None)
+            stream = entry.session.stream(**params, stop=stop)
+            ctx.spawn(self.forward(listener, stream, session_id))
 
     async def forward(self, listener: ResultListener, stream: Any, session_id: str) -> None:
         try:

@@ -384,6 +384,28 @@ async def test_native_audio_past_the_connection_budget_is_refused_and_others_go_
 
 
 @pytest.mark.asyncio(loop_scope="module")
+async def test_native_reply_audio_is_charged_to_the_connection(voiced: RunningServer,
+                                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    from streamserve.server.voice import speak
+
+    made: list[speak.Speaker] = []
+    init = speak.Speaker.__init__
+
+    def recording(self: speak.Speaker, *args: object, **kw: object) -> None:
+        init(self, *args, **kw)  # type: ignore[arg-type]
+        made.append(self)
+
+    monkeypatch.setattr(speak.Speaker, "__init__", recording)
+    async with sc.connect(voiced.url) as client:
+        session = await client.open_session(voice={"turn_detection": False, "speak": True})
+        await session.append(text="Once upon a time, there was")
+        reply = session.respond(max_tokens=12, temperature=0.0)
+        assert await asyncio.wait_for(reply.wait(), WAIT_S) in ("length", "stop")
+    assert made and all(sp._held.account is not None for sp in made)  # the respond's connection's account
+    await until_released(voiced)
+
+
+@pytest.mark.asyncio(loop_scope="module")
 async def test_realtime_audio_past_the_connection_budget_is_an_error_event(
         voiced: RunningServer, stt_held: threading.Event) -> None:
     import websockets
