@@ -88,11 +88,12 @@ class ServerConfig:
                 "none; the peer address counts)"})
     max_media_bytes: int = field(default=256 << 20, metadata={
         "help": "bytes of media the server holds at once over all connections: input audio waiting to be "
-                "transcribed, reply audio not yet sent, camera frames and images waiting for the encoder; media "
-                "past it is refused (server_busy) until some is freed"})
+                "transcribed (and Realtime audio events waiting to be handled), images waiting for the vision thread, "
+                "reply audio synthesised and not yet sent; input media past it is refused (server_busy) until some "
+                "is freed (reply audio counts, but is never refused)"})
     max_media_bytes_per_connection: int = field(default=32 << 20, metadata={
-        "help": "bytes of media (as --max-media-bytes counts them) one connection may hold at once; media past it "
-                "is refused (quota_exceeded)"})
+        "help": "bytes of media (as --max-media-bytes counts them) one connection may hold at once; input media "
+                "past it is refused (quota_exceeded); a disconnect gives all of it back"})
     messages_per_second: float = field(default=200.0, metadata={
         "help": "per-connection message rate limit (a burst of twice this is allowed)"})
     bytes_per_second: float = field(default=float(16 << 20), metadata={
