@@ -8,12 +8,17 @@ but below the session's next seq only because server-numbered chunks took those 
 next chunk (renumbered). Its ack keeps the client's `seq` (the client matches acks by it) and says the seq the
 chunk holds (`chunk_seq`); `rewind(to_seq=<the client's seq>)` reaches it. A seq the client itself already used is
 still refused. What is kept per session is bounded (MAX_RENUMBERED).
+
+Audio heard by a Listener takes no place on the session's timeline, so the engine cannot refuse a repeated seq of
+it: `check_audio` does (a client resending an acknowledged audio chunk after a resume must not be heard twice).
 """
 
 from __future__ import annotations
 
 import collections
 from dataclasses import dataclass, field
+
+from streamserve.errors import InvalidInputError
 
 MAX_RENUMBERED = 4096  # renumbered chunks remembered per session, newest kept (for rewinds to them)
 
@@ -32,6 +37,13 @@ class ClientSeqs:
     def server_took(self, session_id: str) -> None:
         """The server appended a chunk of its own numbering to the session."""
         self.sessions.setdefault(session_id, _Seqs()).server_chunks = True
+
+    def check_audio(self, session_id: str, seq: int | None) -> None:
+        """Refuse an audio chunk whose seq the client already used on the session (as the engine refuses a repeated
+        seq of a chunk on the timeline): it was acknowledged once, and would be heard twice."""
+        st = self.sessions.get(session_id)
+        if seq is not None and st is not None and seq <= st.client_high:
+            raise InvalidInputError(f"chunk seq {seq!r} is out of order: the next seq must be > {st.client_high}")
 
     def client_used(self, session_id: str, seq: int | None) -> None:
         """A client seq consumed without a chunk of the session's own (an audio append: its words come later)."""
