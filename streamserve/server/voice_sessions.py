@@ -12,7 +12,9 @@ being spoken (server/voice/speak.py). What the Listener hears goes where the ses
 - with `speak` a reply's text deltas also feed a Speaker, whose audio goes out as `ReplyAudio` chunks followed by
   `ReplyAudioDone`.
 
-A disconnect or close frees the session's Listener and Speaker (a resumed session makes a new Listener).
+A close frees the session's Listener and Speaker. A disconnect frees them too, but first ends the utterance the
+Listener holds (`drain`): the audio it acknowledged is transcribed and its words appended (acknowledged audio is
+never lost); a resumed session's new Listener starts after that, so the words stay in the order they were said.
 """
 
 from __future__ import annotations
@@ -73,6 +75,7 @@ class VoiceSessions:
         self.states: dict[str, VoiceState] = {}
         self.live: set[Any] = set()  # Listeners and Speakers not yet stopped (a leak check's figure)
         self.seqs = ClientSeqs()  # transcript chunks never cost the client an out-of-order seq (seqs.py)
+        self.draining: dict[str, asyncio.Future[None]] = {}  # session -> its cut Listener's drain, until it ends
 
     def info(self) -> AudioInfo | None:
         if self.runtime is None:
@@ -164,12 +167,16 @@ class VoiceSessions:
             raise AudioFormatError("audio needs its sample rate: send `rate` with the append, or set the session's "
                                    "voice input rate (open/configure voice.input.rate)")
         fmt = AudioFormat(encoding, rate, req.channels or st.channels).check()
-        if self.encoder is not None:
+        if self.encoder is not None:  # the engine checks the seq of its embeds chunk
             result = await self.embed(session_id, st, fmt, req)
             if isinstance(result, ChunkResult):
                 return await deliver(result)
             await ctx.pending_acks.acquire()  # released by `finish` with the ack
             return self.spawn(finish(ctx, session_id, req, 0, result))
+        self.seqs.check_audio(session_id, req.seq)  # a seq sent again (a retry after a resume): not heard twice
+        drain = self.draining.get(session_id)
+        if st.listener is None and drain is not None:  # resumed: the cut Listener's words go in first
+            await asyncio.wait({drain})
         if st.listener is None:
             st.listener = L.Listener(self.runtime, fmt, st.vad, lambda ev: self.on_event(session_id, ev),
                                      max_buffer_s=self.max_buffer_s)
@@ -216,10 +223,11 @@ class VoiceSessions:
         st = self.states.get(session_id)
         if entry is None or st is None:
             return
+        live = st.listener is not None  # False: a cut connection's Listener ending its utterance (drain)
         out: Any = None
         if isinstance(ev, L.SpeechStarted):
             out = TurnEvent(session_id, "speech_started", ev.audio_start_ms)
-            if st.interrupt_response and st.vad is not None:
+            if st.interrupt_response and st.vad is not None and live:
                 self.interrupt(session_id, st)
         elif isinstance(ev, L.SpeechStopped):
             out = TurnEvent(session_id, "speech_stopped", ev.audio_end_ms)
@@ -237,7 +245,7 @@ class VoiceSessions:
             st.message_open = False
             self.spawn(self.watch(session_id, self.chats.end(session_id)))
         if isinstance(ev, L.TranscriptDone) and ev.text and st.create_response and st.vad is not None \
-                and entry.owner is not None:
+                and entry.owner is not None and live:  # the end of a cut utterance starts no reply
             try:
                 self.respond(entry.owner, session_id, {})
             except Exception as e:  # e.g. a reply the client started is still running
@@ -302,14 +310,38 @@ class VoiceSessions:
     # ---- lifecycle ---------------------------------------------------------------------------------------
     def detach(self, session_id: str) -> None:
         """The session's connection is gone: its Listener and Speaker go (its settings stay for a resume). They are
-        taken from the session now, so a resume that comes before they have stopped starts afresh."""
+        taken from the session now (its reply audio stops at once); the Listener first ends its utterance (`drain`),
+        and a resumed session's first audio waits for that before a new Listener starts."""
         st = self.states.get(session_id)
         if st is None:
             return
-        if st.message_open:  # a chat session's spoken message, cut: taken out, or the chat would wait for its end
-            st.message_open = False
-            self.spawn(self.watch(session_id, self.chats.abort(session_id)))
-        self.spawn(self.release(st))
+        listener, speaker, st.listener, st.speaker, st.embedder = st.listener, st.speaker, None, None, None
+        if speaker is not None:
+            speaker.cancel()
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        before, self.draining[session_id] = self.draining.get(session_id), done
+        self.spawn(self.drain(session_id, st, listener, speaker, before, done))
+
+    async def drain(self, session_id: str, st: VoiceState, listener: L.Listener | None, speaker: Speaker | None,
+                    before: asyncio.Future[None] | None, done: asyncio.Future[None]) -> None:
+        """A cut connection's Listener: the utterance it holds ends now (`commit`: the acknowledged audio not yet
+        transcribed is, and its words are appended as when the speech stops, with no reply after it), then it stops."""
+        try:
+            if before is not None:  # cut again before the last drain ended: the words stay in order
+                await asyncio.wait({before})
+            if listener is not None:
+                try:
+                    await listener.commit()
+                except Exception:  # closed meanwhile (the session was closed): nothing more to hear
+                    log.debug("streamserve: a cut utterance could not be finished", exc_info=True)
+            if st.message_open:  # a chat session's spoken message its final did not end: taken out, or the chat
+                st.message_open = False  # would wait for its end
+                await self.watch(session_id, self.chats.abort(session_id))
+            await self.stop(listener, speaker)
+        finally:
+            done.set_result(None)
+            if self.draining.get(session_id) is done:
+                del self.draining[session_id]
 
     def forget(self, session_id: str) -> None:
         self.seqs.forget(session_id)
@@ -324,6 +356,9 @@ class VoiceSessions:
         st = self.states.pop(session_id, None)
         if st is not None:
             await self.release(st)
+        drain = self.draining.get(session_id)
+        if drain is not None:  # a cut utterance still ending: its Listener has stopped when this returns
+            await asyncio.wait({drain})
 
     def release(self, st: VoiceState) -> Coroutine[Any, Any, None]:
         """Take the session's Listener, Speaker and embedder away now (its speech stops at once) -> what stops
