@@ -78,14 +78,14 @@ class ServerConfig:
         "help": "connections served at once; more are closed with 1013 (try again later)"})
     max_connections_per_ip: int = field(default=64, metadata={
         "help": "connections one client address may hold at once (WebSockets and WebRTC calls); more are refused "
-                "(too_many_connections, WebSocket close 1013)"})
+                "(too_many_connections: WebSocket close 1013, HTTP 429 for a call)"})
     max_sessions_per_ip: int = field(default=256, metadata={
         "help": "sessions opened from one client address held at once, open and detached together: one client "
                 "cannot fill --max-sessions and so evict other clients' detached sessions"})
     trusted_proxies: str | None = field(default=None, metadata={
-        "help": "comma-separated addresses of reverse proxies (e.g. 127.0.0.1 for nginx on this machine) whose "
-                "X-Forwarded-For header names the client address that the per-address limits count (default: "
-                "none; the peer address counts)"})
+        "help": "comma-separated IP addresses of reverse proxies (e.g. 127.0.0.1 for nginx on this machine) whose "
+                "X-Forwarded-For header names the client address that the per-address limits count: its right-most "
+                "entry that is not a trusted proxy (default: none; the peer address counts)"})
     max_media_bytes: int = field(default=256 << 20, metadata={
         "help": "bytes of media the server holds at once over all connections: input audio waiting to be "
                 "transcribed (and Realtime audio events waiting to be handled), images waiting for the vision thread, "
@@ -122,7 +122,8 @@ class ServerConfig:
         "help": "most seconds of input audio one stream may hold untranscribed (an utterance longer than this is "
                 "committed as it stands; audio sent faster than it is processed past this is refused)"})
     max_calls_per_key: int = field(default=16, metadata={
-        "help": "live WebRTC calls (POST /v1/realtime/calls) per credential: the API key, or one client secret"})
+        "help": "live WebRTC calls (POST /v1/realtime/calls) per credential: a client secret counts its own calls; "
+                "the API key (and, with no key configured, every caller) counts per client address"})
     video_fps: float = field(default=1.0, metadata={
         "help": "camera frames sampled per second on WebRTC calls (at most 5; a call's session.video.fps changes it)"})
     policy_port: int | None = field(default=None, metadata={

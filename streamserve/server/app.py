@@ -16,6 +16,9 @@ the transport's (server/transport.py).
     GET  /web/{path}                 its modules, worklets and styles (server/static.py: listed at start, in memory)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once.
+Connections (WebSockets and WebRTC calls) count against --max-connections and, per client address
+(server/clients.py: the peer, or X-Forwarded-For from a --trusted-proxies peer), --max-connections-per-ip; every
+route answers `Expect` with server/clients.py's handler (100-continue or 417, never 500).
 With an API key, /v1/stream, /v1/realtime, /v1/policy and calls need it or a live client secret (server/auth.py),
 /metrics and minting secrets need the key itself, /healthz needs nothing (and says more with the key); a browser
 page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an unexpected
@@ -51,6 +54,16 @@ from streamserve.errors import InvalidInputError, StreamserveError
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
+from streamserve.server.clients import (
+    UNKNOWN,
+    ConnectionCounts,
+    TooManyConnectionsError,
+    answer_unmatched_expectations,
+    client_address,
+    close_reason,
+    expect,
+    parse_trusted_proxies,
+)
 from streamserve.server.http_replies import error_response, openai_error, unauthorized, utf8
 from streamserve.server.loaders import load_vision, load_voice, webrtc_calls
 from streamserve.server.native import NativeConnection
@@ -96,6 +109,8 @@ class Server:
                  sessions: SessionConfig = SESSION_DEFAULTS, step_tokens: int | None = None) -> None:
         self.config = replace(config, api_key=resolve_api_key(config), api_key_file=None)
         self.auth = Authenticator(self.config.api_key)
+        self.trusted_proxies = parse_trusted_proxies(config.trusted_proxies)  # checked at start (InvalidInputError)
+        self.per_address = ConnectionCounts(config.max_connections_per_ip)  # WebSockets and calls per client address
         self.origins = parse_origins(config.allowed_origins)
         self.session_defaults, self.step_tokens = sessions, step_tokens
         self.load = load
@@ -106,10 +121,13 @@ class Server:
         self.started = time.monotonic()
         self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
-        self.app.add_routes([web.get("/healthz", self.healthz), web.get("/metrics", self.metrics),
-                             web.get("/v1/stream", self.stream), web.get("/v1/realtime", self.realtime),
-                             web.post("/v1/realtime/client_secrets", self.client_secrets),
+        self.app.add_routes([web.get("/healthz", self.healthz, expect_handler=expect),
+                             web.get("/metrics", self.metrics, expect_handler=expect),
+                             web.get("/v1/stream", self.stream, expect_handler=expect),
+                             web.get("/v1/realtime", self.realtime, expect_handler=expect),
+                             web.post("/v1/realtime/client_secrets", self.client_secrets, expect_handler=expect),
                              *StaticFiles().routes()])
+        answer_unmatched_expectations(self.app)  # its 404 and 405 answers too
         self.app.on_startup.append(self.on_startup)
         self.app.on_shutdown.append(self.on_shutdown)
         self.app.on_cleanup.append(self.on_cleanup)
@@ -195,10 +213,11 @@ class Server:
         return given if given is not None else split_protocols(request.headers.get("Sec-WebSocket-Protocol"))[0]
 
     def grant(self, request: web.Request) -> Grant | None:
+        """The request's Grant (None: 401), carrying the client address its limits count against."""
         credential = self.credential(request)
         if credential is not None and not utf8(credential):  # no key or secret of ours: refused, as a wrong one is
             return None
-        return self.auth.grant_for(credential)
+        return self.auth.grant_for(credential, client_address(request, self.trusted_proxies))
 
     def operator(self, request: web.Request) -> bool:
         """The API key itself (or no key configured): what server-wide figures need; a client secret is not
@@ -280,19 +299,35 @@ class Server:
             headers["Sec-WebSocket-Protocol"] = ", ".join(offered)
         ws = web.WebSocketResponse(max_msg_size=max_msg_size, heartbeat=20.0, compress=False,
                                    protocols=tuple(offered))
-        await ws.prepare(request.clone(headers=headers))
+        address = grant.address or UNKNOWN  # self.grant always sets it
+        try:  # decided before the upgrade; told after it (close 1013), as a browser sees no HTTP status
+            self.per_address.acquire(address)
+        except TooManyConnectionsError as e:
+            await ws.prepare(request.clone(headers=headers))
+            await ws.close(code=P.CLOSE_TRY_LATER, message=close_reason(e))
+            return ws
+        try:  # the address's count goes back on every way out, the upgrade's failure included
+            await ws.prepare(request.clone(headers=headers))
+            await self.serve_websocket(request, ws, adapter, grant)
+        finally:
+            self.per_address.release(address)
+        return ws
+
+    async def serve_websocket(self, request: web.Request, ws: web.WebSocketResponse,
+                              adapter: Callable[..., ProtocolAdapter], grant: Grant) -> None:
+        """An upgraded WebSocket: refused with a close code when the server cannot serve it, else served."""
         if self.load_error is not None:  # permanent until the operator acts: not "retry shortly"
             await ws.close(code=P.CLOSE_INTERNAL, message=b"the model failed to load (see the server log)")
-            return ws
+            return
         if self.engine_died is not None:
             await ws.close(code=P.CLOSE_INTERNAL, message=b"the engine failed (see the server log)")
-            return ws
+            return
         if self.service is None or self.server_metrics is None:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"the model is still loading; retry shortly")
-            return ws
+            return
         if len(self.connections) >= self.config.max_connections:
             await ws.close(code=P.CLOSE_TRY_LATER, message=b"too many connections; retry later")
-            return ws
+            return
         c = self.config
         transport = Transport(WebSocketChannel(ws, request.transport),
                               RateLimiter(c.messages_per_second, c.bytes_per_second))
@@ -306,7 +341,6 @@ class Server:
                 await ws.close(code=P.CLOSE_INTERNAL, message=b"internal server error")
         finally:
             self.connections.discard(conn)
-        return ws
 
 
 async def start(server: Server) -> tuple[web.AppRunner, int]:

@@ -10,7 +10,7 @@ root, with a known type, no dot-files, no symlink leading outside the root) and 
 kB, capped). A request names a key of that table or gets 404: no request path ever reaches the file system, so
 `..`, `%2e%2e`, absolute paths, backslashes, NUL bytes and symlinks cannot escape. Every answer carries
 `X-Content-Type-Options: nosniff` and a Content-Security-Policy that lets the page load only its own scripts and
-connect only to this server (no CDN, no third party).
+connect only to this server (no CDN, no third party). `Expect` is answered by server/clients.py's handler.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from aiohttp import web
+
+from streamserve.server.clients import expect
 
 log = logging.getLogger("streamserve.server")
 
@@ -96,7 +98,8 @@ class StaticFiles:
             log.warning("streamserve: %s", MISSING)
 
     def routes(self) -> list[web.RouteDef]:
-        return [web.get("/", self.index), web.get("/web/{path:.+}", self.asset)]
+        return [web.get("/", self.index, expect_handler=expect),
+                web.get("/web/{path:.+}", self.asset, expect_handler=expect)]
 
     async def index(self, request: web.Request) -> web.Response:
         return self.answer(request, INDEX)

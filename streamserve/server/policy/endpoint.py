@@ -1,7 +1,8 @@
 """The policy endpoint's place in `streamserve serve`: the `/v1/policy` route on the main port and, with
 --policy-port, the same endpoint at `/` on a second aiohttp site of the same host (openpi's client connects to
 `ws://host:port` with no path). Both go through the server's WebSocket route (auth, origin check, connection
-limits, transport) and the same session service.
+limits, those per client address included, transport) and the same session service; the second site's routes
+answer `Expect` as the main site's do (server/clients.py).
 
 The codec is the served checkpoint's `policy.json` (robot/codec.py), read once the model has loaded: a model
 without one has no policy, and a client is told so (text frame, close 1011) instead of being sent metadata. So is a
@@ -24,6 +25,7 @@ from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
 from streamserve.robot.codec import PolicyCodec, StateProjector
 from streamserve.server.auth import Grant
+from streamserve.server.clients import answer_unmatched_expectations, expect
 from streamserve.server.policy.connection import PolicyConnection
 from streamserve.server.service import SessionService
 from streamserve.server.transport import Transport
@@ -56,7 +58,7 @@ class PolicyEndpoint:
         self.port: int | None = None  # the policy site's bound port (with --policy-port 0: the one chosen)
         self.codec_of: tuple[object, PolicyCodec | None, str, StateProjector | None] | None = None
         # (engine, codec, refusal, the codec's state projector)
-        server.app.add_routes([web.get(PATH, self.route)])
+        server.app.add_routes([web.get(PATH, self.route, expect_handler=expect)])
         server.app.on_shutdown.append(self.on_shutdown)  # after the server's goodbyes (registered first)
 
     def resolve(self) -> tuple[PolicyCodec | None, str, StateProjector | None]:
@@ -101,7 +103,9 @@ class PolicyEndpoint:
         if port is None:
             return None
         app = web.Application(client_max_size=self.server.config.max_frame_bytes, middlewares=[self.server.guard])
-        app.add_routes([web.get("/", self.route), web.get("/healthz", self.server.healthz)])
+        app.add_routes([web.get("/", self.route, expect_handler=expect),
+                        web.get("/healthz", self.server.healthz, expect_handler=expect)])
+        answer_unmatched_expectations(app)
         self.runner = web.AppRunner(app, handle_signals=False, shutdown_timeout=5.0)
         try:
             await self.runner.setup()

@@ -8,7 +8,12 @@ OpenAI's JSON error shape: {"error": {"message", "type", "code", "param"}}.
     400 invalid_sdp (garbage, not parseable, refused by aiortc), sdp_not_offer (a=setup other than actpass),
         no_audio (no audio m-line), invalid_session (or the session field's own code), invalid_body
     401 invalid_api_key / client_secret_used      413 sdp_too_large      415 unsupported_media_type
-    429 too_many_calls (calls per key)            503 not_ready (model loading) / server_busy (max_connections)
+    429 too_many_calls (calls per key), too_many_connections (max_connections_per_ip: a call is a connection of
+        its client address, server/clients.py, until it ends)
+    503 not_ready (model loading) / server_busy (max_connections)
+
+Calls per key (`max_calls_per_key`): a client secret counts its own calls; the API key, and every caller when no
+key is configured, count per client address, so one address cannot take every call of the key.
 
 DELETE ends the call (204); only the credential that made it may (the API key, or the same client secret);
 another gets 404, as an unknown id does.
@@ -23,6 +28,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import BodyPartReader, web
 
+from streamserve.server.clients import UNKNOWN, TooManyConnectionsError, expect
 from streamserve.server.realtime import events as E
 from streamserve.server.realtime import settings as S
 from streamserve.server.realtime.events import RealtimeError
@@ -32,7 +38,8 @@ from streamserve.server.webrtc.video import MAX_FPS
 if TYPE_CHECKING:
     from streamserve.config import ServerConfig
     from streamserve.server.adapter import ProtocolAdapter
-    from streamserve.server.auth import ClientSecret, Grant
+    from streamserve.server.auth import Grant
+    from streamserve.server.clients import ConnectionCounts
     from streamserve.server.service import SessionService
 
 log = logging.getLogger("streamserve.server")
@@ -94,12 +101,14 @@ class Server(Protocol):
     server_metrics: Any
     load_error: BaseException | None
     connections: set[ProtocolAdapter]
+    per_address: ConnectionCounts  # connections per client address (WebSockets and calls)
 
     def grant(self, request: web.Request) -> Grant | None: ...
 
 
 class Calls:
-    """The server's live calls: by id, counted per credential, all closed at shutdown."""
+    """The server's live calls: by id, counted per credential (an API key's per client address), all closed at
+    shutdown."""
 
     def __init__(self, server: Server) -> None:
         self.server = server
@@ -107,8 +116,12 @@ class Calls:
         self.limit = server.config.max_calls_per_key
         self.metrics: CallMetrics | None = None  # registered with the engine's metrics once it has loaded
 
-    def owned_by(self, secret: ClientSecret | None) -> int:
-        return sum(1 for c in self.live.values() if c.grant.secret is secret)
+    def owned_by(self, grant: Grant) -> int:
+        """The live calls that count against `grant`'s max_calls_per_key: its client secret's, or with the API key
+        (or no key configured) the key's calls from the same client address."""
+        if grant.secret is not None:
+            return sum(1 for c in self.live.values() if c.grant.secret is grant.secret)
+        return sum(1 for c in self.live.values() if c.grant.secret is None and c.grant.address == grant.address)
 
     async def create(self, request: web.Request) -> web.Response:
         srv = self.server
@@ -124,9 +137,10 @@ class Calls:
             sdp = check_offer(offer)
         except BadOffer as e:
             return e.response
-        if self.owned_by(grant.secret) >= self.limit:
-            return error(429, "too_many_calls", f"this key has {self.limit} calls open (the server's limit of calls "
-                         "per key): hang one up first")
+        if self.owned_by(grant) >= self.limit:
+            whose = "this client secret has" if grant.secret is not None else "this key has, from this address,"
+            return error(429, "too_many_calls", f"{whose} {self.limit} calls open (the server's limit of calls per "
+                         "key): hang one up first")
         if len(srv.connections) >= srv.config.max_connections:
             return error(503, "server_busy", "too many connections; retry later")
         service = srv.service
@@ -136,13 +150,22 @@ class Calls:
             return error(400, e.code, e.message, e.param)
         if self.metrics is None:
             self.metrics = CallMetrics(srv.engine.metrics.registry, self)
-        call = Call(new_call_id(), service, grant, srv.server_metrics.messages, fps, self.ended)
+        try:  # the call is a connection of its address from here until `ended` (or the refusal below)
+            srv.per_address.acquire(self.address(grant))
+        except TooManyConnectionsError as e:
+            return error(429, e.code, str(e))
+        try:
+            call = Call(new_call_id(), service, grant, srv.server_metrics.messages, fps, self.ended)
+        except BaseException:
+            srv.per_address.release(self.address(grant))
+            raise
         if session is not None:  # the session configuration, checked whole as session.update checks it
             try:
                 call.conn.settings = S.update(call.conn.settings, {k: v for k, v in session.items()
                                                                    if k not in ("video", "model")},
                                               service.voice is not None, service.config.max_reply_tokens)
             except RealtimeError as e:
+                srv.per_address.release(self.address(grant))  # never live: `ended` will not give it back
                 await call.close()
                 return error(400, e.code, e.message, e.param)
         self.live[call.id] = call
@@ -227,8 +250,13 @@ class Calls:
         await call.close()
         return web.Response(status=204)
 
+    @staticmethod
+    def address(grant: Grant) -> str:
+        return grant.address or UNKNOWN  # the server's grant() always sets it
+
     def ended(self, call: Call) -> None:
-        self.live.pop(call.id, None)
+        if self.live.pop(call.id, None) is not None:  # once per live call: its address's connection goes back
+            self.server.per_address.release(self.address(call.grant))
         self.server.connections.discard(call.conn)
         if self.metrics is not None:
             self.metrics.ended(call)
@@ -259,5 +287,6 @@ class CallMetrics:
 
 
 def routes(calls: Calls) -> list[web.RouteDef]:
-    return [web.post("/v1/realtime/calls", calls.create), web.delete("/v1/realtime/calls/{call_id}", calls.delete)]
+    return [web.post("/v1/realtime/calls", calls.create, expect_handler=expect),
+            web.delete("/v1/realtime/calls/{call_id}", calls.delete, expect_handler=expect)]
 
