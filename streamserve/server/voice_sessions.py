@@ -266,6 +266,8 @@ class VoiceSessions:
             self.spawn(self.watch(session_id, self.chats.extend(session_id, text)))
             return None
         seq = entry.session.next_seq
+        if seq > 0 and not text[0].isspace():  # an utterance's first words (stt strips them) after earlier text
+            text = " " + text
         try:
             fut = entry.session.submit_chunk(text=text, seq=seq, kind="audio")
         except Exception as e:

@@ -219,6 +219,7 @@ async def test_a_cut_in_the_middle_of_an_utterance_neither_loses_nor_repeats_aud
     # only the punctuation at the split differs). Audio lost at the cut (the utterance's unagreed words, as before
     # the cut Listener ended its utterance) drops several words; audio heard twice repeats them.
     assert at_most_one_word_apart(words(want), words(got)), (want, got)
+    assert not re.search(r"[.,!?][A-Za-z]", got), got  # the utterance after the cut is a new word, not glued on
 
     # the cut connection's Listener was freed (the resumed session listens with a new one)
     async def freed() -> None:
