@@ -182,3 +182,35 @@ async def test_close_leaves_nothing_running(runtime: object) -> None:
     assert len(got.events) == before  # nothing emitted after close
     # the media executor is free: a job submitted now starts at once (no pass of this stream ahead of it)
     assert await runtime.run(lambda: 42) == 42
+
+
+async def test_commit_after_the_vad_stopped_waits_for_the_final_pass(runtime: object) -> None:
+    """A cut connection's drain commits and then closes: when the VAD has already ended the utterance, commit has
+    nothing to end but must still return only after the queued final pass, or close would drop its words."""
+    import threading
+
+    got = Collector()
+    listener = L.Listener(runtime, fmt(), vad(), got)
+    hold = threading.Event()
+    held = asyncio.get_running_loop().run_in_executor(runtime.stt_executor, hold.wait)  # no pass runs meanwhile
+    try:
+        for frame in frames(utterance(QUESTION)):
+            await listener.append(frame)
+            await asyncio.sleep(0)
+        stopped = await asyncio.wait_for(_until(got, L.SpeechStopped), WAIT_S)
+        assert isinstance(stopped, L.SpeechStopped) and not got.done.is_set()  # the final pass has not run
+        commit = asyncio.ensure_future(listener.commit())
+        await asyncio.sleep(0.2)
+        assert not commit.done()  # waiting behind the queued final pass
+    finally:
+        hold.set()
+        await held
+    assert await asyncio.wait_for(commit, WAIT_S) is None  # the VAD's utterance: nothing left to end
+    assert got.done.is_set() and heard(got.events[-1].text, QUESTION), got.kinds()
+    await listener.close()
+
+
+async def _until(got: Collector, kind: type) -> L.ListenEvent:
+    while not any(isinstance(e, kind) for e in got.events):
+        await asyncio.sleep(0.01)
+    return next(e for e in got.events if isinstance(e, kind))

@@ -95,7 +95,8 @@ class ListenerClosedError(StreamserveError):
 @dataclass
 class _Work:
     kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset",
-    # "silence" (the VAD scores silence since `ms`: speculate), "resume" (speech again before the stop)
+    # "silence" (the VAD scores silence since `ms`: speculate), "resume" (speech again before the stop),
+    # "barrier" (settled once all work queued before it is done)
     epoch: int
     samples: np.ndarray | None = None
     ms: int = 0  # start or end of speech on the stream's clock
@@ -260,16 +261,19 @@ class Listener:
 
     async def commit(self) -> TranscriptDone | None:
         """End the current utterance now (turn detection off, or the client's decision): -> its TranscriptDone
-        (also emitted), or None when no audio is buffered."""
+        (also emitted), or None when no audio is buffered. Either way it returns once the work queued before it
+        is done: an utterance the VAD already stopped has had its final pass (a cut connection's drain relies on
+        this before it closes the Listener)."""
         self._check_open()
         async with self._lock:
-            if self._utterance_start is None:
-                return None
-            self._utterance_start, self._silent_hint = None, None
-            if self._detector is not None:  # the detector's speech ends here too: no SpeechStopped will follow
-                self._detector.reset()
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._put(_Work("commit", self._epoch, ms=int(self._fed_ms), done=done))
+            if self._utterance_start is None:  # nothing to end: wait only for what is queued
+                self._put(_Work("barrier", self._epoch, done=done))
+            else:
+                self._utterance_start, self._silent_hint = None, None
+                if self._detector is not None:  # the detector's speech ends here too: no SpeechStopped will follow
+                    self._detector.reset()
+                self._put(_Work("commit", self._epoch, ms=int(self._fed_ms), done=done))
         return await done
 
     async def clear(self) -> None:
@@ -277,7 +281,8 @@ class Listener:
         self._check_open()
         async with self._lock:
             self._epoch += 1
-            self._queue.clear()
+            while self._queue:  # a commit or barrier waiting on its work returns (None)
+                self._settle(self._queue.popleft(), None)
             self._queued_s = 0.0
             self._utterance_start, self._silent_hint = None, None
             if self._detector is not None:
@@ -294,7 +299,8 @@ class Listener:
         if self._closed:
             return
         self._closed, self._epoch = True, self._epoch + 1
-        self._queue.clear()
+        while self._queue:  # a commit, clear or barrier waiting on its work returns (None) instead of hanging
+            self._settle(self._queue.popleft(), None)
         self._holding.drop()  # nothing it held is kept: the account has it back now
         self._wake.set()
         try:
@@ -337,6 +343,9 @@ class Listener:
     async def _do(self, w: _Work) -> None:
         if w.samples is not None:
             self._queued_s = max(0.0, self._queued_s - len(w.samples) / RATE)
+        if w.kind == "barrier":  # changes nothing: a trailing silence stays held back
+            self._settle(w, None)
+            return
         if w.kind not in ("audio", "silence"):  # any of these ends a trailing silence (and what it held back)
             self._end_silence(keep=w.kind in ("resume", "commit"))  # commit: the client's end, all audio counts
         if w.kind in ("reset", "start"):
