@@ -165,6 +165,7 @@ class Server:
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),
             Counter("streamserve_messages", "Client messages received, by type", ["type"], registry=reg))
         self.server_metrics.connections.set_function(lambda: len(self.connections))
+        self.service.budget.metrics(reg)  # media bytes held, the limit, refusals by code
         self.engine = engine
         loop = asyncio.get_running_loop()
         engine.loop.on_death(lambda fault: loop.call_soon_threadsafe(self.engine_failed.set))

@@ -88,7 +88,8 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         """Frames are read by the Inbox's task (pings answered at once, inbox.py) and handled here in order."""
         self.transport.start()
         inbox = Inbox(self.parse, self.audio_ms, 1e3 * self.service.config.max_audio_buffer_s, self.error,
-                      self.transport.close)  # closes after MAX_BAD_FRAMES malformed frames, as native does
+                      self.transport.close,  # closes after MAX_BAD_FRAMES malformed frames, as native does
+                      account=self.service.budget.account(self.ctx))  # waiting audio counts as this connection's
         reader = asyncio.create_task(inbox.read(self.transport.frames()), name="streamserve-realtime-reader")
         try:
             await self.greet()

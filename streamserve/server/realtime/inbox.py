@@ -54,7 +54,7 @@ class Inbox:
                  account: MediaAccount | None = None) -> None:
         self.parse, self.measure, self.max_audio_ms, self.refuse = parse, audio_ms, max_audio_ms, refuse
         self.close = close
-        self.media = Holding(account if account is not None else connection_account(refuse), "audio event")
+        self.media = Holding(account, "audio event")  # None: waiting audio is bounded by max_audio_ms only
         self.queue: asyncio.Queue[Waiting | None] = asyncio.Queue()  # None: the client's frames ended
         self.audio_ms = 0.0  # audio waiting in the queue
         self.bytes = 0  # frame bytes of the events waiting in the queue
@@ -133,11 +133,3 @@ class Inbox:
         except StreamserveError as e:
             return RealtimeError(str(e), e.code, "audio", event_id=event_id)
         return None
-
-
-def connection_account(refuse: Callable[..., Awaitable[None]]) -> MediaAccount | None:
-    """The media account of the connection whose bound method `refuse` is (None when it is no such method)."""
-    conn = getattr(refuse, "__self__", None)
-    service, ctx = getattr(conn, "service", None), getattr(conn, "ctx", None)
-    budget = getattr(service, "budget", None)
-    return budget.account(ctx) if budget is not None and ctx is not None else None

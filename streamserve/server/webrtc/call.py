@@ -112,7 +112,7 @@ class Call:
         if self.closing:
             return
         if track.kind == "audio" and self.mic is None:
-            self.mic = MicDrain(track, self.heard)
+            self.mic = MicDrain(track, self.heard, self.conn.error)  # budget refusals: an error event
         elif track.kind == "video" and self.camera is None:
             self.camera = CameraSampler(track, self.video_fps, self.service.vision, self.note)
 

@@ -140,13 +140,13 @@ class ReplyTrack(MediaStreamTrack):
 
 class MicDrain:
     """Drains a microphone track continuously and feeds PCM16 mono 48 kHz to `sink` (bytes -> awaitable).
-    `refused(error)` tells the call of a media budget refusal (default: when `sink` is a call's method, its Realtime
-    connection's `error`, which sends the error event on the data channel)."""
+    `refused(error)` tells the call of a media budget refusal (the call's Realtime `error`: an event on the data
+    channel; None: the refused audio is dropped silently)."""
 
     def __init__(self, track: MediaStreamTrack, sink: Callable[[bytes], Awaitable[None]],
                  refused: Callable[[Exception], Awaitable[None]] | None = None) -> None:
         self.track, self.sink = track, sink
-        self.refused = refused if refused is not None else call_error(sink)
+        self.refused = refused
         self.refusing = False  # the last feed was refused by the media budget (told once per run)
         self.frames: collections.deque[av.AudioFrame] = collections.deque()
         self.ready = asyncio.Event()
@@ -205,9 +205,3 @@ class MicDrain:
         for t in self.tasks:
             t.cancel()
         await asyncio.wait(self.tasks)
-
-
-def call_error(sink: Callable[..., Awaitable[None]]) -> Callable[[Exception], Awaitable[None]] | None:
-    """The `error` of the Realtime connection of the call whose bound method `sink` is, or None."""
-    conn = getattr(getattr(sink, "__self__", None), "conn", None)
-    return getattr(conn, "error", None)
