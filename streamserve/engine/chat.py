@@ -14,21 +14,28 @@ tokens stand for the template's rendering of it, yet only each new turn's text i
 - `rewind(n)` keeps the first n messages: the session goes back to where message n's rendering began.
 - A message streamed in while it is said (`begin_message`, `extend_message`, `end_message`, `abort_message`):
   engine/chat_stream.py.
+- An endless (windowed) session forgets the token ids its window dropped; the transcript then forgets the messages
+  all of whose tokens went (engine/chat_log.py): `messages`, `starts` and `offsets` are `GapList`s
+  numbered as before, `rendered` is the rendering of the messages kept, and a rewind to a forgotten message is
+  refused (`ForgottenMessagesError`, code `tokens_forgotten`). Host memory and each turn's rendering then stay
+  bounded by the window, however long the conversation; a session without a window keeps every message.
 
 Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones the session
-service, one at a time in the order asked (`turns`). A turn renders the whole conversation (templates read
-`loop.first`, `messages[0]`: a suffix alone is not sound) but tokenizes only the new text. The template half
+service, one at a time in the order asked (`turns`). A turn renders the conversation kept (templates read
+`loop.first`, `messages[0]`: a suffix alone is not sound; the head is kept for them) but tokenizes only the new
+text. The template half
 (messages checked, renderings, their tokens, the extension checks) is engine/chat_render.py.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
+from streamserve.engine.chat_log import ForgettingMessages, ForgottenMessagesError, GapList
 from streamserve.engine.chat_render import (
     ROLES,
     ChatMessageError,
@@ -48,8 +55,8 @@ from streamserve.errors import ChatTemplateError, InvalidInputError, ResponseInP
 
 MIN_REWIND_REACH = 16  # the most a reply's end may be cut back (stop token, trimmed whitespace, broken bytes)
 OnDelta = Callable[[ResponseStream, Delta], Awaitable[None]]
-__all__ = ["MIN_REWIND_REACH", "ROLES", "ChatMessageError", "ChatReply", "ChatTranscript", "Message",
-           "MessageNotOpenError", "MessageOpenError", "NoChatTemplateError", "Offload", "OnDelta",
+__all__ = ["MIN_REWIND_REACH", "ROLES", "ChatMessageError", "ChatReply", "ChatTranscript", "ForgottenMessagesError",
+           "Message", "MessageNotOpenError", "MessageOpenError", "NoChatTemplateError", "Offload", "OnDelta",
            "TemplateNotIncrementalError", "Turn", "check_message"]
 
 
@@ -62,7 +69,7 @@ class _Reply:
     stop: tuple[str, ...] = ()
 
 
-class ChatTranscript(StreamedMessages):
+class ChatTranscript(StreamedMessages, ForgettingMessages):
     """A conversation on one persistent, initially empty session (see the module's docstring; a message streamed
     in while it is said: engine/chat_stream.py)."""
 
@@ -77,11 +84,14 @@ class ChatTranscript(StreamedMessages):
             raise InvalidInputError(f"chat on a model with sliding-window layers needs --rewind-reach >= "
                                     f"{MIN_REWIND_REACH}: a reply's end may be cut back by a few tokens")
         self.session, self.tokenizer, self.template = session, tok, ChatTemplate(tok)
-        self.messages: list[Message] = []
-        self.rendered = self.pending = ""  # `messages` rendered (no generation prompt); its tail not in the session
+        self.messages: GapList[Message] = GapList()  # by number; an endless session's forgotten ones not kept
+        self.rendered = self.pending = ""  # the messages kept rendered (no generation prompt); its tail not in the
+        # session
         self.length = 0  # the session's tokens the transcript accounts for
-        self.starts: list[int] = []  # per message: the session position where its rendering begins
-        self.offsets: list[int] = []  # per message: where its rendering begins in `rendered`
+        self.starts: GapList[int] = GapList()  # per message: the session position where its rendering begins
+        self.offsets: GapList[int] = GapList()  # per message: where its rendering begins in `rendered`
+        self.forgot: tuple[int, int] | None = None  # where the forgotten messages begin and end in the session
+        self._forgets = True  # False once the template rendered the messages kept otherwise without the others
         self.end_of_turn_ids = self.template.end_of_turn_ids()
         self.turns = asyncio.Lock()  # asyncio callers: one chat operation at a time, in the order asked
         self._reply: _Reply | None = None  # between a reply's generation prompt and its record
@@ -90,8 +100,8 @@ class ChatTranscript(StreamedMessages):
         self.start_messages()  # no message being streamed in
 
     # ---- rendering (no engine calls: engine/chat_render.py) ---------------------------------------------
-    def render(self, messages: Sequence[Message], generation_prompt: bool = False) -> str:
-        return self.template.render(messages, generation_prompt)
+    def render(self, messages: Iterable[Message], generation_prompt: bool = False) -> str:
+        return self.template.render(list(messages), generation_prompt)
 
     def encode(self, text: str) -> list[int]:
         """Template text -> ids: special tokens written in it become their ids; none are added."""
@@ -109,6 +119,8 @@ class ChatTranscript(StreamedMessages):
             raise ChatTemplateError(f"the session holds {len(self.session.token_ids)} tokens where its chat "
                                     f"transcript accounts for {self.length}: it was changed outside the transcript; "
                                     "open a new chat session")
+        self._forget()  # every operation that renders starts here (off the event loop): the messages rendered
+        # are then those the session still keeps
 
     # ---- planning and recording (the session is read, never waited for, except by `record`) -----------
     def plan_message(self, message: Any) -> Turn:
@@ -188,26 +200,15 @@ class ChatTranscript(StreamedMessages):
 
     def _take(self, messages: Sequence[Message], start: int, rendered: str) -> None:  # appended together: one
         # start for all (a rewind keeps all or none of them); `rendered`: the conversation's rendering with them
-        self.messages += messages
-        self.starts += [start] * len(messages)
-        self.offsets += [len(self.rendered)] * len(messages)
+        self.messages.extend(messages)
+        self.starts.extend([start] * len(messages))
+        self.offsets.extend([len(self.rendered)] * len(messages))
         self.rendered = rendered
 
     def _cut(self, to: int) -> None:  # back to an earlier point of this transcript's own text
         if not self.session.closed and len(self.session.token_ids) > to:
             self.session.rewind(to=to)
         self.length = to
-
-    def messages_within(self, to: int | None = None, to_seq: int | None = None) -> int:
-        """How many messages lie whole in the session's first `to` tokens, or up to the end of chunk `to_seq`."""
-        if to_seq is not None:
-            rec = next((r for r in self.session.timeline if r.kind == "input" and r.seq == to_seq), None)
-            if rec is None:
-                raise RewindError(f"no chunk with seq {to_seq!r} on this session's timeline")
-            to = rec.end
-        if to is None or not 0 <= to <= self.length:
-            raise RewindError(f"cannot rewind to {to!r}: the session holds positions 0..{self.length}")
-        return sum(1 for end in [*self.starts[1:], self.length] if end <= to)
 
     # ---- blocking use (the terminal, tools, tests) -----------------------------------------------------
     def add(self, message: Any, **chunk: Any) -> Ack:
@@ -227,18 +228,23 @@ class ChatTranscript(StreamedMessages):
         return ChatReply(self, self.start_stream(**sampling))
 
     def rewind(self, messages: int) -> int:
-        """Keep the first `messages` messages (a reply must have ended); -> the session's length."""
+        """Keep the first `messages` messages (a reply must have ended); -> the session's length. On an endless
+        session, ForgottenMessagesError when message `messages` was forgotten (no rewind reaches it)."""
         if isinstance(messages, bool) or not isinstance(messages, int) or not 0 <= messages <= len(self.messages):
             raise RewindError(f"cannot keep {messages!r} messages: the chat has {len(self.messages)}")
         self._check_idle()
-        while 0 < messages < len(self.messages) and self.starts[messages - 1] == self.starts[messages]:
-            messages -= 1  # inside messages appended together: back to the first of them
         if messages < len(self.messages):
-            to = self.starts[messages]
+            to = self.starts[messages]  # ForgottenMessagesError for a forgotten message
+            gap = self.messages.gap  # (forgotten messages go whole groups at a time: none of them shares `to`)
+            while messages > 0 and (gap is None or not gap[0] < messages <= gap[1]) \
+                    and self.starts[messages - 1] == to:
+                messages -= 1  # inside messages appended together: back to the first of them
             self.session.rewind(to=to)
             del self.messages[messages:], self.starts[messages:]
             self.rendered, self.pending, self.length = self.rendered[:self.offsets[messages]], "", to
             del self.offsets[messages:]
+            if self.messages.gap is None:  # back into the head: nothing is forgotten any more
+                self.forgot = None
         return self.length
 
     def settle(self) -> None:
