@@ -8,6 +8,9 @@ appended while a reply runs goes in after it, as a chunk would. A reply runs as 
 connection's, so that it is recorded even when the connection goes (its output is then dropped).
 A message may also be streamed in while it is said (`begin`, `extend`..., then `end` or `abort`: speech
 transcribed as the person speaks); the chat's other operations asked meanwhile wait for its end.
+A chat session with a window (an endless one) keeps a bounded transcript: the messages whose tokens the session
+forgot are forgotten too (engine/chat_log.py), still counted (`message_count`, `to_message`), and a rewind to one
+is refused with `tokens_forgotten`.
 (Split from service.py, which calls this and owns the rest of the service.)
 """
 
@@ -137,7 +140,8 @@ class ChatSessions:
         return asyncio.ensure_future(chat.abort_message_async(self.offload))
 
     def message_count(self, session_id: str) -> int:
-        """The chat's recorded messages (a streamed one counts from its end): `rewind(to_message=n)` keeps n."""
+        """The chat's recorded messages (a streamed one counts from its end; an endless session's forgotten ones
+        too): `rewind(to_message=n)` keeps n."""
         return len(self.chat(session_id).messages)
 
     def open_message(self, session_id: str) -> Message | None:
@@ -181,7 +185,8 @@ class ChatSessions:
 
     async def rewind(self, session_id: str, to: int | None, to_seq: int | None, to_message: int | None) -> int | None:
         """A chat session's rewind (whole messages: a point inside one goes back to where it began); None for a
-        plain session, which `to_message` cannot rewind."""
+        plain session, which `to_message` cannot rewind. ForgottenMessagesError (`tokens_forgotten`) for a message,
+        or a point among the tokens of messages, that an endless chat forgot."""
         chat = self.transcripts.get(session_id)
         if chat is None:
             if to_message is not None:
