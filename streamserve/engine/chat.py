@@ -23,8 +23,8 @@ tokens stand for the template's rendering of it, yet only each new turn's text i
 Blocking methods (`add`, `reply`, `rewind`, `settle`) serve the terminal and tools; asyncio ones the session
 service, one at a time in the order asked (`turns`). A turn renders the conversation kept (templates read
 `loop.first`, `messages[0]`: a suffix alone is not sound; the head is kept for them) but tokenizes only the new
-text. The template half
-(messages checked, renderings, their tokens, the extension checks) is engine/chat_render.py.
+text. The template half (messages checked, renderings, their tokens, the extension checks) is
+engine/chat_render.py.
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ class ChatTranscript(StreamedMessages, ForgettingMessages):
                                     f"{MIN_REWIND_REACH}: a reply's end may be cut back by a few tokens")
         self.session, self.tokenizer, self.template = session, tok, ChatTemplate(tok)
         self.messages: GapList[Message] = GapList()  # by number; an endless session's forgotten ones not kept
-        self.rendered = self.pending = ""  # the messages kept rendered (no generation prompt); its tail not in the
-        # session
+        self.rendered = self.pending = ""  # the messages kept, rendered (no generation prompt); its tail not in
+        # the session yet
         self.length = 0  # the session's tokens the transcript accounts for
         self.starts: GapList[int] = GapList()  # per message: the session position where its rendering begins
         self.offsets: GapList[int] = GapList()  # per message: where its rendering begins in `rendered`
