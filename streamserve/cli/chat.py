@@ -119,7 +119,7 @@ class Terminal:
                      "tokens_per_s": (tokens - 1) / after_first if tokens > 1 and after_first > 0 else 0.0}
 
     def rewind(self) -> str:
-        users = [i for i, m in enumerate(self.chat.messages) if m["role"] == "user"]
+        users = [i for i, m in self.chat.messages.items() if m["role"] == "user"]  # numbers: some may be forgotten
         if not users:
             return "nothing to undo"
         self.chat.rewind(users[-1])

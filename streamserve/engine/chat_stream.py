@@ -33,6 +33,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from streamserve.engine.chat_log import GapList
 from streamserve.engine.chat_render import ChatMessageError, ChatTemplate, Message, check_role
 from streamserve.engine.session import Session
 from streamserve.engine.work import Ack
@@ -98,7 +99,7 @@ class StreamedMessages:
 
     session: Session
     template: ChatTemplate
-    messages: list[Message]
+    messages: GapList[Message]  # numbered from the first message; a windowed chat forgets old ones
     rendered: str
     pending: str
     length: int
