@@ -32,6 +32,14 @@ def needs(module: str) -> ModuleType:
                                               f"{VOICE_EXTRA}")
 
 
+def needs_voice() -> None:
+    """Skip (naming what is missing) unless the voice extra's modules and the three voice models are here."""
+    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
+        needs(module)
+    for name in ("whisper-base", "piper-joe", "silero-vad"):
+        voice_model(name)
+
+
 @functools.lru_cache(maxsize=8)
 def _spoken(text: str, rate: int) -> np.ndarray:
     from streamserve.media.audio import Resampler

@@ -21,7 +21,7 @@ import websockets
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from serving import RunningServer, default_engine
-from voice_assets import needs, voice_model
+from voice_assets import needs_voice
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
@@ -67,10 +67,7 @@ def voice_frames(draw: st.DrawFn) -> dict:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def voiced() -> AsyncIterator[RunningServer]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     srv = await RunningServer.start(ServerConfig(messages_per_second=1000.0), default_engine, voice=True)
     yield srv
     await srv.stop()

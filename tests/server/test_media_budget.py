@@ -20,7 +20,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from serving import RunningServer, default_engine
-from voice_assets import needs, voice_model
+from voice_assets import needs_voice
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
@@ -308,10 +308,7 @@ async def test_call_microphone_refusals_are_dropped_and_told_once_per_run() -> N
 # ---- through a real server ---------------------------------------------------------------------------------
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def voiced() -> AsyncIterator[RunningServer]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     config = ServerConfig(messages_per_second=2000.0, max_media_bytes=GLOBAL,
                           max_media_bytes_per_connection=PER_CONNECTION)
     srv = await RunningServer.start(config, default_engine, voice=True)

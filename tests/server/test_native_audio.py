@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import pytest_asyncio
 from serving import RunningServer, default_engine, engine_paused, serve
-from voice_assets import needs, speech, voice_model
+from voice_assets import needs_voice, speech
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
@@ -34,10 +34,7 @@ VOICE = {"turn_detection": {"type": "server_vad", "create_response": True, "inte
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def voiced() -> AsyncIterator[RunningServer]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     srv = await RunningServer.start(CONFIG, default_engine, voice=True)
     yield srv
     await srv.stop()
@@ -213,10 +210,7 @@ async def test_without_voice_audio_is_refused_naming_the_extra() -> None:
 async def test_a_model_with_an_audio_encoder_hears_audio_as_embeddings(tmp_path: Path) -> None:
     """A checkpoint shipping an audio projector takes audio natively: appends become embeds chunks (one vector per
     40 ms), with no speech to text; hello says so."""
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     from streamserve.engine import Engine
     from streamserve.engine.loading import DEFAULT_MODEL_DIR
     from streamserve.media.encoder import N_MELS, save_audio_projector

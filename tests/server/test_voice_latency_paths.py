@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import pytest_asyncio
-from voice_assets import needs, speech, voice_model
+from voice_assets import needs_voice, speech
 
 from streamserve.server.voice import listen as L
 
@@ -49,10 +49,7 @@ class CountingWhisper:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def models() -> AsyncIterator[Any]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     from streamserve.server.voice.runtime import VoiceRuntime
 
     rt = await asyncio.to_thread(VoiceRuntime.load)

@@ -13,7 +13,7 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 import pytest_asyncio
-from voice_assets import needs, speech, voice_model
+from voice_assets import needs_voice, speech
 
 from streamserve.server.voice import listen as L
 
@@ -27,10 +27,7 @@ WAIT_S = 300  # a hang guard only: a pass takes ~1 s on a 2-core CPU
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runtime() -> AsyncIterator[object]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     from streamserve.server.voice.runtime import VoiceRuntime
 
     rt = await asyncio.to_thread(VoiceRuntime.load)

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 from serving import default_engine, engine_paused
-from voice_assets import needs, voice_model
+from voice_assets import needs_voice
 
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
@@ -62,10 +62,7 @@ class Collector:
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def parts() -> AsyncIterator[tuple[Engine, Any]]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     from streamserve.server.voice.runtime import VoiceRuntime
 
     engine = await asyncio.to_thread(default_engine)
@@ -180,10 +177,7 @@ async def test_voice_settings_left_out_keep_their_value_and_g711_needs_no_rate(p
 async def test_shutdown_mid_reply_and_mid_speech_leaves_nothing_running() -> None:
     """The server stops (SIGTERM) while a session is spoken to and its reply is being spoken: shutdown returns, no
     Listener or Speaker is left, nor any of their tasks, and the media executor is shut."""
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     import numpy as np
 
     from streamserve.server.voice.runtime import VoiceRuntime

@@ -11,7 +11,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 import pytest_asyncio
-from voice_assets import needs, voice_model
+from voice_assets import needs_voice
 
 from streamserve.server.voice.speak import CHUNK_MS, Speaker
 
@@ -24,10 +24,7 @@ WAIT_S = 300  # a hang guard only
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runtime() -> AsyncIterator[object]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     from streamserve.server.voice.runtime import VoiceRuntime
 
     rt = await asyncio.to_thread(VoiceRuntime.load)

@@ -220,16 +220,6 @@ class Browser:
         return page
 
 
-def needs_voice() -> None:
-    """Skips (naming what to install or pull) unless the voice extra and the voice models are there."""
-    from voice_assets import needs, voice_model
-
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
-
-
 def question_wav(path: Path, text: str, rate: int = 48000, lead_s: float = 0.6, tail_s: float = 9.0) -> Path:
     """`text` spoken by the Piper voice with silence around it: Chromium's fake microphone loops the file, so the
     question comes again every len(file) seconds (the second time while the reply plays: a barge-in)."""

@@ -19,10 +19,10 @@ from browser import (
     camera_frames,
     chromium,
     demo,
-    needs_voice,
     question_wav,
     write_y4m,
 )
+from voice_assets import needs_voice
 
 pytestmark = [pytest.mark.slow, pytest.mark.models]
 

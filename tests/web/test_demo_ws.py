@@ -17,10 +17,10 @@ from browser import (
     artifacts,
     camera_frames,
     chromium,
-    needs_voice,
     question_wav,
     write_y4m,
 )
+from voice_assets import needs_voice
 
 pytestmark = [pytest.mark.slow, pytest.mark.models]
 

@@ -27,7 +27,7 @@ import pytest_asyncio
 import websockets
 from serving import RunningServer, default_engine
 from test_cut_connection import connect, idle_pool, raw, recv_type, reference, reply
-from voice_assets import needs, speech, voice_model
+from voice_assets import needs_voice, speech
 
 from streamserve.config import ServerConfig
 
@@ -47,10 +47,7 @@ WAIT_S = 120  # a hang guard only
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def voiced() -> AsyncIterator[RunningServer]:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
     srv = await RunningServer.start(CONFIG, default_engine, voice=True)
     yield srv
     await srv.stop()

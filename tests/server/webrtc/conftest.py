@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 from rtc import is_loopback
-from voice_assets import needs, voice_model
+from voice_assets import needs_voice
 
 pytest.importorskip("aiortc", reason="aiortc is not installed: it comes with the webrtc extra")
 
@@ -37,9 +37,6 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
 
 @pytest.fixture(scope="module")
 def voiced() -> None:
-    for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
-        needs(module)
-    for name in ("whisper-base", "piper-joe", "silero-vad"):
-        voice_model(name)
+    needs_voice()
 
 
