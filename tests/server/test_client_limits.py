@@ -1,16 +1,13 @@
 """Limits per client address (server/clients.py, server/registry.py) and the `Expect` handler, on loopback: the
 X-Forwarded-For rules on their own; then real servers, where two client addresses are 127.0.0.1 and 127.0.0.2
 (the client socket bound to either; all of 127.0.0.0/8 is loopback) or, behind a trusted proxy at 127.0.0.1, the
-addresses its X-Forwarded-For names. WebRTC calls' share of these limits: webrtc/test_call_limits.py."""
+addresses its X-Forwarded-For names. WebRTC calls' share of these limits: webrtc/test_call_limits.py; the
+registry's count of sessions per address on its own: test_registry.py."""
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import threading
-import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import msgpack
@@ -28,7 +25,6 @@ from streamserve.server.clients import (
     forwarded_client,
     parse_trusted_proxies,
 )
-from streamserve.server.registry import SessionRegistry, TooManySessionsError
 
 KEY = "limits-key-0123456789"
 A, B = "127.0.0.1", "127.0.0.2"
@@ -85,82 +81,6 @@ def test_connection_counts_refuse_an_address_at_its_limit_only() -> None:
     for address in (A, A, B):
         counts.release(address)
     assert not counts.open
-
-
-# ---- sessions per address in the registry -------------------------------------------------------------------------
-class Session:
-    ids = itertools.count()
-
-    def __init__(self) -> None:
-        self.id, self.closed, self.max_chunk_tokens = f"s{next(self.ids)}", False, None
-
-    def close(self) -> None:
-        self.closed = True
-
-    def cancel(self) -> None:
-        pass
-
-
-class Engine:
-    def open_session(self, **kw: Any) -> Session:
-        time.sleep(0.05)  # opens overlap when run in several threads, as the engine lock makes them
-        return Session()
-
-
-class Owner:  # a connection, as the registry sees a ClientContext
-    def __init__(self, address: str | None) -> None:
-        self.address = address
-
-
-def registry(max_total: int, max_per_address: int) -> SessionRegistry:
-    return SessionRegistry(Engine(), resume_ttl=60.0, max_per_owner=8, max_chunk_tokens=64,  # type: ignore[arg-type]
-                           max_total=max_total, max_per_address=max_per_address)
-
-
-def test_opens_in_flight_count_against_their_address() -> None:
-    reg = registry(max_total=100, max_per_address=2)
-    owners = [Owner(A) for _ in range(4)] + [Owner(B)]
-    lock, refused = threading.Lock(), []
-
-    def one(owner: Owner) -> None:
-        try:
-            reg.open(owner, None)
-        except TooManySessionsError as e:
-            with lock:
-                refused.append((owner.address, str(e)))
-
-    with ThreadPoolExecutor(len(owners)) as pool:
-        list(pool.map(one, owners))
-    assert len(refused) == 2 and all(a == A and "per address" in m for a, m in refused)
-    assert sorted(e.address for e in reg.all()) == [A, A, B]
-
-
-def test_a_full_table_evicts_the_openers_own_detached_session_first() -> None:
-    reg = registry(max_total=3, max_per_address=3)
-    b, a1, a2 = Owner(B), Owner(A), Owner(A)
-    theirs = reg.open(b, None)
-    reg.detach_all(b)  # B's session is detached first: the oldest
-    mine = reg.open(a1, None)
-    reg.detach_all(a1)
-    reg.open(a2, None)  # full
-    reg.open(a2, None)  # makes room with A's own detached session, not B's older one
-    assert mine.session.closed and not theirs.session.closed
-    assert reg.resume(Owner(B), theirs.session.id, theirs.resume_token)[0] is theirs
-
-
-def test_a_resume_from_another_address_counts_there() -> None:
-    reg = registry(max_total=10, max_per_address=1)
-    a = Owner(A)
-    entry = reg.open(a, None)
-    reg.detach_all(a)
-    with pytest.raises(TooManySessionsError):  # detached, it still counts for A
-        reg.open(Owner(A), None)
-    reg.open(Owner(B), None)
-    with pytest.raises(TooManySessionsError):  # B holds its one
-        reg.resume(Owner(B), entry.session.id, entry.resume_token)
-    c = Owner("127.0.0.3")
-    assert reg.resume(c, entry.session.id, entry.resume_token)[0].address == "127.0.0.3"
-    reg.open(Owner(A), None)  # A's count went with the session
 
 
 # ---- the real server ------------------------------------------------------------------------------------------------
