@@ -60,9 +60,22 @@ def _trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
+def _forget_aiohttp_handlers() -> None:
+    """aiohttp keeps the last 1024 (handler, apps) pairs it built middleware chains for
+    (`web_app._cached_build_middleware`, an lru_cache): a handler is a bound method of a test's Server, so every
+    server a test started, its engine and KV pool with it, stayed alive for the rest of the run (the whole suite
+    reached 20 GiB and was killed). One server per process, as in production, holds only its own."""
+    from aiohttp import web_app
+
+    cached = getattr(web_app, "_cached_build_middleware", None)
+    if cached is not None and hasattr(cached, "cache_clear"):
+        cached.cache_clear()
+
+
 @pytest.fixture(autouse=True)
 def _collect_dropped_engines() -> Any:
     yield
+    _forget_aiohttp_handlers()
     if _rss_kib() > GC_ABOVE_KIB:
         import gc
 
