@@ -7,18 +7,15 @@ frame, never queued behind a Whisper pass) and returns; Whisper passes (on the r
 in ONE worker task per stream, so never two passes of one stream at once. The worker runs a pass only when the
 transcriber is `ready()` and nothing is queued: a slow machine transcribes less often, never falls further behind.
 SpeechStopped goes out from `append` as soon as the VAD ends the turn (not behind a pass, whose words then go in
-the final delta: the events keep their order).
-The end of speech is transcribed speculatively: when the VAD first scores silence during speech (the person may
-have stopped: TurnDetector.silent_since_ms), the worker runs a pass over the utterance so far at once and holds
-back the audio after it. If the stop follows, that audio was the VAD's hangover and is dropped, so finish() needs
-no pass (the transcript is final max(silence_duration_ms, one pass) after the speech, not their sum); if speech
-resumes, the held audio goes to the transcriber and the pass was an ordinary step.
+the final delta: the events keep their order). The end of speech is transcribed speculatively: when the VAD
+first scores silence during speech (the person may have stopped: TurnDetector.silent_since_ms), the worker runs a
+pass over the utterance so far at once and holds back the audio after it. If the stop follows, that audio was the
+VAD's hangover and is dropped, so finish() needs no pass (the transcript is final max(silence_duration_ms, one
+pass) after the speech, not their sum); if speech resumes, the held audio goes to the transcriber.
 What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
-(`audio_buffer_full`) instead of holding it. Its bytes (16 kHz float32: 64 kB a second) also count against the
-connection's media account (server/media_budget.py): an append past the connection's or the server's media budget
-is refused (`quota_exceeded`, `server_busy`), nothing taken.
-
-Events, in order for one utterance:
+(`audio_buffer_full`); its bytes (16 kHz float32: 64 kB a second) count against the connection's media account
+(server/media_budget.py): past its or the server's budget an append is refused (`quota_exceeded`, `server_busy`).
+Events (server/voice/listen_events.py, importable from here too), in order for one utterance:
     SpeechStarted, (TranscriptDelta | TranscriptPartial)*, SpeechStopped, TranscriptDelta?, TranscriptDone
 With turn detection off there are no speech events: all audio is one utterance until `commit()`.
 """
@@ -35,8 +32,17 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from streamserve.errors import StreamserveError
 from streamserve.server import media_budget
+from streamserve.server.voice.listen_events import (
+    AudioBufferFullError,
+    ListenerClosedError,
+    ListenEvent,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptDelta,
+    TranscriptDone,
+    TranscriptPartial,
+)
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat, AudioInput
@@ -50,46 +56,6 @@ log = logging.getLogger("streamserve.voice")
 RATE = 16000  # what VAD and Whisper take
 SAMPLE_BYTES = 4  # float32: what the backlog holds, per 16 kHz sample
 _UNSET: Any = object()
-
-
-@dataclass(frozen=True)
-class SpeechStarted:
-    audio_start_ms: int
-
-
-@dataclass(frozen=True)
-class SpeechStopped:
-    audio_end_ms: int
-
-
-@dataclass(frozen=True)
-class TranscriptDelta:
-    text: str  # newly agreed words, append-only: the text to append to the session now
-
-
-@dataclass(frozen=True)
-class TranscriptPartial:
-    text: str  # the unagreed tail after all agreed text (may change; for display only)
-
-
-@dataclass(frozen=True)
-class TranscriptDone:
-    text: str  # the utterance's whole transcript
-    audio_start_ms: int
-    audio_end_ms: int
-
-
-ListenEvent = SpeechStarted | SpeechStopped | TranscriptDelta | TranscriptPartial | TranscriptDone
-
-
-class AudioBufferFullError(StreamserveError):
-    """Audio arrives faster than this server transcribes it: more than the stream's limit is waiting."""
-
-    code = "audio_buffer_full"
-
-
-class ListenerClosedError(StreamserveError):
-    code = "session_closed"
 
 
 @dataclass
