@@ -115,7 +115,7 @@ class GapList(Generic[T]):
     def __eq__(self, other: object) -> bool:
         """Another gap list: the same length, gap and rows. A list: the kept rows."""
         if isinstance(other, GapList):
-            return (len(self), self.gap, self._rows) == (len(other), other.gap, other._rows)
+            return (len(self), self.gap, self._rows) == (len(other), other.gap, list(other))
         if isinstance(other, list):
             return self._rows == other
         return NotImplemented
