@@ -47,6 +47,20 @@ class EngineConfig:
                 "session by acceptance); greedy output is identical either way"})
     max_draft: int = field(default=7, metadata={
         "help": "the most tokens drafted per verification (1 to 7); each session drafts fewer when that pays"})
+    cpu_compile: str = field(default="off", metadata={
+        "help": "on a CPU, compile the fixed-shape decode step with torch.compile (Inductor): steps run eagerly "
+                "while each shape compiles in a background thread, then from the compiled code; greedy output is "
+                "identical (docs/quantization.md)", "choices": ("off", "on")})
+    backend: str = field(default="engine", metadata={
+        "help": "what runs the model: engine (this process, one accelerator) or sglang (an SGLang server's "
+                "streaming sessions, for tensor/expert parallelism; --sglang-url or --sglang-launch; docs/scale.md)",
+        "choices": ("engine", "sglang")})
+    sglang_url: str | None = field(default=None, metadata={
+        "help": "with --backend sglang: the URL of an SGLang server you launched with --enable-streaming-session "
+                "and the same checkpoint as --model, e.g. http://127.0.0.1:30000"})
+    sglang_launch: str | None = field(default=None, metadata={
+        "help": "with --backend sglang: start SGLang as a child process with these extra arguments (quoted, e.g. "
+                "\"--tp 2\"); it serves --model and stops with this server"})
 
 
 @dataclass(frozen=True)
@@ -129,6 +143,10 @@ class ServerConfig:
     policy_port: int | None = field(default=None, metadata={
         "help": "also serve the robot policy endpoint (WS /v1/policy) at / on this port: openpi clients connect to a "
                 "bare host and port (needs a model with a policy codec, e.g. --model default-policy; same host)"})
+    snapshot_store: str | None = field(default=None, metadata={
+        "help": "a directory shared by the instances behind one proxy: a draining instance (SIGUSR1 or POST "
+                "/admin/drain) writes its sessions' snapshots there and tells clients to reconnect, and an instance "
+                "asked to resume a session it does not hold restores it from there (docs/scale.md)"})
     min_deadline_ms: float = field(default=20.0, metadata={
         "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
                 "client cannot jump the queue by claiming a 0 ms deadline"})

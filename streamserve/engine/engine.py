@@ -48,7 +48,7 @@ from streamserve.engine.metrics import EngineMetrics
 from streamserve.engine.runner import Runner
 from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.session import Session
-from streamserve.engine.snapshot import Snapshot
+from streamserve.engine.snapshot import Snapshot, snapshot_vectors
 from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.table import SessionTable
 from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
@@ -73,6 +73,9 @@ def placeholder_id(tokenizer: Tokenizer, vocab_size: int) -> int:
 
 class Engine:
     """Holds the model, tokenizer and KV pool; sessions share them. Thread-safe: one forward at a time."""
+
+    # what sessions can do beyond append/reply/cancel/close, as `hello` says (docs/scale.md: per backend)
+    capabilities: tuple[str, ...] = ("window", "rewind", "snapshot", "park", "drafter", "embeds")
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...],
                  kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None,
@@ -245,7 +248,7 @@ class Engine:
                 raise SnapshotError(f"damaged snapshot: {e}") from None
             if not snap.kv_length <= len(snap.token_ids) <= snap.kv_length + 1:
                 raise SnapshotError(f"damaged snapshot: {len(snap.token_ids)} tokens for a KV of {snap.kv_length}")
-            vectors = self._snapshot_vectors(snap)
+            vectors = snapshot_vectors(snap, self.config.hidden_size, self.device, self.dtype)
             self.admission.admit(s.core, lambda: s.kv.load_host(pages), [len(g) for g in pages.logical])
             # copies: the caller keeps the Snapshot and may change or reuse its tensors
             s.core.load(snap.token_ids, snap.timeline, snap.kv_length, snap.next_seq,
@@ -255,21 +258,6 @@ class Engine:
             s.close()  # a failed restore leaves nothing behind
             raise
         return s
-
-    def _snapshot_vectors(self, snap: Snapshot) -> dict[int, torch.Tensor]:
-        """The snapshot's embedding vectors by position, on this engine (SnapshotError when they do not fit)."""
-        pos, vec = snap.vector_positions, snap.vectors
-        if not pos:
-            return {}
-        hidden = self.config.hidden_size
-        if (not isinstance(vec, torch.Tensor) or not vec.is_floating_point() or tuple(vec.shape) != (len(pos), hidden)
-                or len(set(pos)) != len(pos) or not all(0 <= p < len(snap.token_ids) for p in pos)):
-            raise SnapshotError(f"damaged snapshot: vectors for positions {pos[:4]}... do not fit "
-                                f"[{len(pos)}, {hidden}] in a session of {len(snap.token_ids)} tokens")
-        rows = vec.to(device=self.device, dtype=self.dtype, copy=True)  # never the caller's tensor
-        if not bool(torch.isfinite(rows).all()):
-            raise SnapshotError("damaged snapshot: its vectors hold NaN or infinite values")
-        return {p: rows[i] for i, p in enumerate(pos)}
 
     def get_session(self, session_id: str) -> Session:
         """The open session with this id (SessionNotFoundError otherwise)."""

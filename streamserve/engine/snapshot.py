@@ -137,3 +137,19 @@ def _read_gap(gap: object) -> tuple[int, int] | None:
     if not isinstance(gap, (list, tuple)) or len(gap) != 2:
         raise ValueError(f"token_gap must be [lo, hi], got {gap!r}")
     return int(gap[0]), int(gap[1])
+
+
+def snapshot_vectors(snap: Snapshot, hidden: int, device: torch.device, dtype: torch.dtype) -> dict[int, torch.Tensor]:
+    """The snapshot's embedding vectors by position, as rows [hidden] on `device` (SnapshotError when they do not
+    fit a session of its tokens)."""
+    pos, vec = snap.vector_positions, snap.vectors
+    if not pos:
+        return {}
+    if (not isinstance(vec, torch.Tensor) or not vec.is_floating_point() or tuple(vec.shape) != (len(pos), hidden)
+            or len(set(pos)) != len(pos) or not all(0 <= p < len(snap.token_ids) for p in pos)):
+        raise SnapshotError(f"damaged snapshot: vectors for positions {pos[:4]}... do not fit "
+                            f"[{len(pos)}, {hidden}] in a session of {len(snap.token_ids)} tokens")
+    rows = vec.to(device=device, dtype=dtype, copy=True)  # never the caller's tensor
+    if not bool(torch.isfinite(rows).all()):
+        raise SnapshotError("damaged snapshot: its vectors hold NaN or infinite values")
+    return {p: rows[i] for i, p in enumerate(pos)}

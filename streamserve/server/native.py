@@ -56,7 +56,7 @@ def render_hello(info: ServerInfo) -> dict[str, Any]:
     lim = info.limits
     return {"type": "hello", "protocol": P.PROTOCOL_VERSION, "server": f"streamserve {__version__}",
             "model": info.model, "architecture": info.architecture, "modalities": list(info.modalities),
-            "chat_template": info.chat_template,
+            "chat_template": info.chat_template, "capabilities": list(info.capabilities),
             "vocab_size": info.vocab_size, "max_context": info.max_context,
             "limits": {"max_frame_bytes": lim.max_frame_bytes, "max_chunk_tokens": lim.max_chunk_tokens,
                        "max_sessions": lim.max_sessions, "messages_per_second": lim.messages_per_second,

@@ -79,6 +79,7 @@ class ServerInfo:
     chat_template: bool = False  # whether the model has one: sessions may be opened with `chat`
     audio: AudioInfo | None = None  # None: no voice on this server (audio is refused)
     image: ImageInfo | None = None  # None: no image input on this server (images are refused)
+    capabilities: tuple[str, ...] = ()  # what sessions can do besides append/reply/cancel/close (engine.CAPABILITIES)
 
 
 @dataclass(frozen=True)

@@ -97,7 +97,7 @@ class SessionService:
                               c.max_frame_bytes, c.max_chunk_tokens, c.max_sessions_per_connection,
                               c.messages_per_second, c.bytes_per_second, c.resume_ttl, c.max_reply_tokens,
                               self.max_window(), c.max_pages_per_connection, c.max_queued_tokens_per_connection,
-                              c.min_deadline_ms), self.chats.available, audio, image)
+                              c.min_deadline_ms), self.chats.available, audio, image, tuple(e.capabilities))
 
     def max_window(self) -> int:
         """The largest window + sinks a session may ask for."""
