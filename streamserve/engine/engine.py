@@ -203,7 +203,8 @@ class Engine:
     def open_session(self, window: int | None = SESSION_DEFAULTS.window, sinks: int = SESSION_DEFAULTS.sinks,
                      positions: str | None = SESSION_DEFAULTS.positions, seed: int | None = None,
                      page_cap: int | None = SESSION_DEFAULTS.page_cap,
-                     chunk_budget: float = SESSION_DEFAULTS.chunk_budget, drafter: str | None = None) -> Session:
+                     chunk_budget: float = SESSION_DEFAULTS.chunk_budget, drafter: str | None = None,
+                     session_id: str | None = None) -> Session:
         """A new persistent session.
 
         window/sinks: keep the first `sinks` and the last `window` tokens (None: everything, up to the
@@ -211,8 +212,11 @@ class Engine:
         absolute). seed: seeds the session's sampling. page_cap: the most KV pages it may hold in each layer group.
         chunk_budget: seconds from a chunk's capture to its default deadline. drafter: this session's
         drafter for speculative decoding (default: the engine's; "none", "ngram", "draft:PATH", "auto").
+        session_id: keep this id (a session handed over from another instance); default: a new random one.
         """
         self.expire_idle()
+        if session_id is not None and self.table.get(session_id) is not None:
+            raise InvalidInputError(f"a session with id {session_id!r} is already open here")
         if page_cap is not None and (isinstance(page_cap, bool) or not isinstance(page_cap, int) or page_cap < 1):
             raise InvalidInputError(f"page_cap must be an integer >= 1, got {page_cap!r}")
         policy = WindowPolicy(window=window, sinks=sinks, mode=positions)  # type: ignore[arg-type]
@@ -225,14 +229,15 @@ class Engine:
             raise InvalidInputError(f"chunk_budget must be a number of seconds > 0, got {chunk_budget!r}")
         spec = self.drafters.controller(drafter)
         kv = PagedSessionKV(self.pool, policy, context, page_cap)
-        state = SessionState(Session.new_id(), kv, context, self.device, seed, self.placeholder_id)
+        state = SessionState(session_id or Session.new_id(), kv, context, self.device, seed, self.placeholder_id)
         state.spec = spec
         s = Session(self, state, float(chunk_budget))
         self.table.add(s)
         return s
 
-    def restore(self, snapshot: Snapshot | str | Path) -> Session:
-        """A new session equal to the snapshot (a `Snapshot` or a file written by `Session.snapshot`)."""
+    def restore(self, snapshot: Snapshot | str | Path, session_id: str | None = None) -> Session:
+        """A new session equal to the snapshot (a `Snapshot` or a file written by `Session.snapshot`), with a new id
+        or `session_id` (a hand-off keeps the id the client resumes with)."""
         snap = snapshot if isinstance(snapshot, Snapshot) else Snapshot.load(snapshot)
         if snap.model != self.fingerprint:
             raise SnapshotError(f"the snapshot was taken on model {snap.model_name!r} (fingerprint {snap.model}); "
@@ -240,7 +245,8 @@ class Engine:
         if snap.page_size != self.pool.page_size:
             raise SnapshotError(f"the snapshot has pages of {snap.page_size} tokens, this pool "
                                 f"{self.pool.page_size}; start the engine with page_size={snap.page_size}")
-        s = self.open_session(snap.policy.window, snap.policy.sinks, snap.policy.mode, page_cap=snap.page_cap)
+        s = self.open_session(snap.policy.window, snap.policy.sinks, snap.policy.mode, page_cap=snap.page_cap,
+                              session_id=session_id)
         try:
             try:
                 pages = s.kv.regrouped(snap.pages)  # checked; a file from before layer groups fits them all
