@@ -7,12 +7,12 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from streamserve.cli import bench, chat, generate, info, models, serve
+from streamserve.cli import bench, chat, generate, info, models, proxy, serve
 from streamserve.errors import StreamserveError
 from streamserve.version import __version__
 
 # the sub-commands, in the order `streamserve --help` lists them
-COMMANDS = (serve, generate, chat, info, models, bench)
+COMMANDS = (serve, generate, chat, info, models, bench, proxy)
 
 DESCRIPTION = """\
 streamserve: a real-time streaming interaction server for large language models.
@@ -42,6 +42,7 @@ examples:
   streamserve serve --model smollm2-135m-instruct --offline   # a pulled model; never download
   streamserve chat --model ./model.gguf --system "Be brief."  # any GGUF file with a chat template
   streamserve models list                    # the catalog and the cache (pull, list, remove)
+  streamserve proxy-config --instances 2     # nginx in front of many servers, session-affine (docs/scale.md)
 """
 
 
