@@ -7,6 +7,7 @@ loop: operations that take the engine lock (open, rewind, close) run on a small 
 are tokenized on another, so a burst of long texts can never delay an open or a close.
 
 Per connection: a `ClientContext` (server/context.py). Audio: server/voice_sessions.py. Images: server/vision.py.
+Reaping, shutdown and the drain: server/lifecycle.py.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from streamserve.server.acks import Acks
 from streamserve.server.auth import Grant
 from streamserve.server.chat import ChatSessions
 from streamserve.server.context import ClientContext, page_reservation
+from streamserve.server.lifecycle import ServiceLifecycle
 from streamserve.server.media_budget import MediaBudget, charging
 from streamserve.server.registry import Entry, SessionRegistry
 from streamserve.server.results import (
@@ -64,7 +66,7 @@ STATS_KEYS = ("model", "sessions_open", "sessions_parked", "kv_pages_used", "kv_
               "queued_chunks", "queued_tokens", "responding", "chunks_shed", "decode_tokens_per_s")
 
 
-class SessionService:
+class SessionService(ServiceLifecycle):
     def __init__(self, engine: Engine, config: ServerConfig, session_defaults: SessionConfig = SESSION_DEFAULTS,
                  step_tokens: int = ACCELERATOR_STEP_TOKENS, voice: VoiceRuntime | None = None,
                  vision: VisionRuntime | None = None) -> None:
@@ -368,33 +370,3 @@ class SessionService:
         keys = STATS_KEYS if ctx.grant.secret is None else ("model",)
         return Stats({k: st[k] for k in keys}, len(self.registry.owned(ctx)), self.reserved_pages(ctx),
                      ctx.queued_tokens)
-
-    # ---- lifecycle -----------------------------------------------------------------------------------
-    async def reap(self) -> None:
-        """Close detached sessions past their resume TTL, and forget sessions the engine closed."""
-        for entry in self.registry.expired():
-            self.chats.forget(entry.session.id)
-            self.audio.forget(entry.session.id)
-            self.images.forget(entry.session.id)
-            await self.run_engine(entry.session.close)
-
-    def announce_shutdown(self, ctx: ClientContext) -> None:
-        for entry in self.registry.owned(ctx):
-            ctx.listener.push_nowait(Closed(entry.session.id, "shutdown"))
-
-    async def shutdown(self) -> None:
-        """Close every session, stop the engine and the executors (the server's cleanup)."""
-        for t in list(self.tasks):
-            t.cancel()
-        for entry in self.registry.all():
-            self.registry.remove(entry.session.id)
-            await self.audio.free_all(entry.session.id)
-            await self.run_engine(entry.session.close)
-        await self.run_engine(self.engine.shutdown)
-        self.engine_executor.shutdown(wait=False)
-        self.tokenize_executor.shutdown(wait=False)
-        if self.voice is not None:
-            self.voice.close()
-        self.images.close()
-        if self.vision is not None:
-            self.vision.close()
