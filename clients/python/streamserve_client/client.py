@@ -8,23 +8,47 @@
 
 The connection (socket, request ids, routing, reconnects and resumes) is the `Channel` (channel.py);
 the client opens sessions on it.
+
+Affinity (docs/protocol.md, Affinity): the URL carries `affinity=KEY` as a query parameter, which a proxy in front
+of many servers (`streamserve proxy-config`, docs/scale.md) hashes to choose the server. The key is random per
+Client unless given (or already in the URL), so a client's sessions, its reconnects and its resumes all reach the
+server that holds them; a server ignores the parameter.
 """
 
 from __future__ import annotations
 
+import secrets
 from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from streamserve_client.channel import Channel
 from streamserve_client.errors import StreamserveClientError
 from streamserve_client.session import Session
 
 PATH = "/v1/stream"
+AFFINITY_PARAM = "affinity"  # the query parameter a session-affine proxy hashes (docs/protocol.md, Affinity)
+
+
+def stream_url(url: str, affinity: str | None = None) -> tuple[str, str]:
+    """(the /v1/stream URL with `affinity=KEY` in its query, the key): /v1/stream is added to a URL without it; the
+    key is `affinity`, else the one already in the URL, else a new random one. Other query parameters stay."""
+    if affinity is not None and (not isinstance(affinity, str) or not affinity):
+        raise ValueError(f"affinity must be a non-empty string, got {affinity!r}")
+    parts = urlsplit(url)
+    path = parts.path if parts.path.rstrip("/").endswith(PATH) else parts.path.rstrip("/") + PATH
+    query = parse_qsl(parts.query, keep_blank_values=True)
+    given = [v for k, v in query if k == AFFINITY_PARAM and v]
+    key = affinity if affinity is not None else given[-1] if given else secrets.token_urlsafe(12)  # 96 random bits
+    query = [(k, v) for k, v in query if k != AFFINITY_PARAM] + [(AFFINITY_PARAM, key)]
+    return urlunsplit((parts.scheme, parts.netloc, path, urlencode(query), parts.fragment)), key
 
 
 class Client:
     def __init__(self, url: str, api_key: str | None = None, reconnect: bool = True, retries: int = 5,
-                 max_frame_bytes: int = 1 << 22) -> None:
-        self.url = url if url.rstrip("/").endswith(PATH) else url.rstrip("/") + PATH
+                 max_frame_bytes: int = 1 << 22, affinity: str | None = None) -> None:
+        """`affinity`: the key a session-affine proxy routes this client by (default: random per Client, or the
+        URL's own `affinity` parameter); `self.affinity` is the key in use."""
+        self.url, self.affinity = stream_url(url, affinity)
         self.channel = Channel(self.url, api_key=api_key, reconnect=reconnect, retries=retries,
                                max_frame_bytes=max_frame_bytes)
         self._sessions: dict[str, Session] = {}
@@ -107,7 +131,8 @@ class Client:
         return session
 
 
-def connect(url: str, api_key: str | None = None, reconnect: bool = True) -> Client:
-    """`async with connect("ws://127.0.0.1:8000") as client:` (the /v1/stream path is added if missing)."""
-    return Client(url, api_key=api_key, reconnect=reconnect)
+def connect(url: str, api_key: str | None = None, reconnect: bool = True, affinity: str | None = None) -> Client:
+    """`async with connect("ws://127.0.0.1:8000") as client:` (the /v1/stream path is added if missing);
+    `affinity`: the key a session-affine proxy routes by (default: random per Client)."""
+    return Client(url, api_key=api_key, reconnect=reconnect, affinity=affinity)
 
