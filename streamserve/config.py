@@ -60,7 +60,9 @@ class EngineConfig:
                 "and the same checkpoint as --model, e.g. http://127.0.0.1:30000"})
     sglang_launch: str | None = field(default=None, metadata={
         "help": "with --backend sglang: start SGLang as a child process with these extra arguments (quoted, e.g. "
-                "\"--tp 2\"); it serves --model and stops with this server"})
+                "\"--tp 2\"); it serves --model on a free loopback port and stops with this server"})
+    sglang_python: str | None = field(default=None, metadata={
+        "help": "with --sglang-launch: the Python that has SGLang installed (default: this one)"})
 
 
 @dataclass(frozen=True)

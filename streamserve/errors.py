@@ -130,3 +130,10 @@ class NonFiniteInputError(InvalidInputError):
     """Input values hold NaN or infinity (or overflow the engine's dtype)."""
 
     code = "non_finite_input"
+
+
+class NotSupportedError(InvalidInputError):
+    """An operation this server's backend cannot do (`hello.capabilities` lists what it can): e.g. a window, a
+    snapshot or embedding chunks on the SGLang backend. Never silently approximated."""
+
+    code = "not_supported"

@@ -29,12 +29,12 @@ def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamserve.server.app import Server, run
-    from streamserve.server.loaders import engine_loader
+    from streamserve.server.backends import backend_loader
 
     server_cfg: ServerConfig = config_from_args(ServerConfig, args)
     # a named model is pulled (and its licence asked for) here, in the foreground, before the port opens
     engine_cfg: EngineConfig = resolve_named_model(config_from_args(EngineConfig, args))
     scheduler_cfg: SchedulerConfig = config_from_args(SchedulerConfig, args)
-    server = Server(server_cfg, engine_loader(engine_cfg, scheduler_cfg), config_from_args(SessionConfig, args))
+    server = Server(server_cfg, backend_loader(engine_cfg, scheduler_cfg), config_from_args(SessionConfig, args))
     run(server, announce=lambda line: print(line, file=sys.stderr, flush=True))
     return 0
