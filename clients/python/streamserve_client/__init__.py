@@ -15,6 +15,7 @@ from streamserve_client.errors import (
     ConnectionLostError,
     EngineFailedError,
     InvalidInputError,
+    NotSupportedError,
     ProtocolViolationError,
     ServerBusyError,
     StepFailedError,
@@ -43,9 +44,9 @@ from streamserve_client.sync import SyncClient, SyncSession
 __version__ = "0.1.0"
 
 __all__ = ["Ack", "CallTimeoutError", "CapacityError", "Channel", "Client", "ConnectionLostError", "Delta",
-           "EngineFailedError", "Event", "InvalidInputError", "ProtocolViolationError", "ReplyAudio",
-           "ReplyAudioDone", "ReplyDone", "ReplyText", "Response", "ServerBusyError", "Session", "SpeechStarted",
-           "SpeechStopped", "StepFailedError", "StreamserveClientError", "SyncClient", "SyncSession",
+           "EngineFailedError", "Event", "InvalidInputError", "NotSupportedError", "ProtocolViolationError",
+           "ReplyAudio", "ReplyAudioDone", "ReplyDone", "ReplyText", "Response", "ServerBusyError", "Session",
+           "SpeechStarted", "SpeechStopped", "StepFailedError", "StreamserveClientError", "SyncClient", "SyncSession",
            "TranscriptDelta", "TranscriptFinal", "TranscriptPartial", "UnauthorizedError", "UnknownSessionError",
            "UnsupportedModalityError", "connect"]
 __all__ += ["PolicyClient", "SyncPolicyClient"]  # the robot policy endpoint (policy.py)

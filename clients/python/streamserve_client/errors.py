@@ -25,6 +25,12 @@ class InvalidInputError(StreamserveClientError):
     code = "invalid_input"
 
 
+class NotSupportedError(InvalidInputError):
+    """An operation the server's backend cannot do (`hello["capabilities"]` lists what it can)."""
+
+    code = "not_supported"
+
+
 class UnknownSessionError(StreamserveClientError):
     """The session is not (or no longer) held by this connection: closed, expired, or moved."""
 
@@ -102,8 +108,9 @@ _FAMILIES: dict[str, type[StreamserveClientError]] = {
                      "vision_busy", "server_busy"),
                     CapacityError),
     "unsupported_modality": UnsupportedModalityError,
-    "step_failed": StepFailedError,
-    "engine_failed": EngineFailedError,
+    "not_supported": NotSupportedError,
+    **dict.fromkeys(("step_failed", "backend_error"), StepFailedError),
+    **dict.fromkeys(("engine_failed", "backend_unavailable"), EngineFailedError),
     "too_many_connections": ServerBusyError,
     **dict.fromkeys(("unauthorized", "client_secret_used"), UnauthorizedError),
 }

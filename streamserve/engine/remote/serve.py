@@ -66,17 +66,23 @@ async def serve(s: RemoteSession) -> None:
 async def run_append(s: RemoteSession, a: _Append) -> None:
     e, t0 = s.engine, time.monotonic()
     try:
-        await e.http.prefill(s.backend_id, a.ids, f"{s.id}-p{next(_rids)}")
+        meta = await e.http.prefill(s.backend_id, a.ids, f"{s.id}-p{next(_rids)}")
     except BackendRequestError as err:  # SGLang refused it: its context is unchanged
         a.ticket.set_exception(err)
         return
     t1 = time.monotonic()
+    s.cache = reuse(meta)
     with s.lock:
         start = len(s.token_ids)
         s.token_ids.extend(a.ids)
         s.timeline.append(ChunkRecord("input", a.seq, start, start + len(a.ids), a.capture, a.deadline))
     e.stats_.appended(len(a.ids), t0 - a.arrival, t1 - t0, t1 > a.deadline)
     a.ticket.set_result(Ack(a.seq, len(a.ids), (t0 - a.arrival) * 1e3, (t1 - t0) * 1e3, t1 > a.deadline))
+
+
+def reuse(meta: dict[str, Any]) -> tuple[int, int]:
+    """(context tokens, of which served from SGLang's cache) of a request, from its meta_info."""
+    return int(meta.get("prompt_tokens") or 0), int(meta.get("cached_tokens") or 0)
 
 
 def sampling_params(r: Any, max_new: int, seed: int | None) -> dict[str, Any]:
@@ -122,9 +128,10 @@ async def run_reply(s: RemoteSession, item: _Reply) -> None:
                 if not stopped:  # past a stop string, tokens join the session (as SGLang has them) but not the text
                     r.outbox.put(Delta(text, [t]))
                 stopped = stopped or hit
-            reason = (chunk.get("meta_info") or {}).get("finish_reason")
-            if reason:
+            meta = chunk.get("meta_info") or {}
+            if reason := meta.get("finish_reason"):
                 finish = reason.get("type")
+                s.cache = reuse(meta)
             elif (r.cancelled or stopped) and not item.abort_sent:
                 await s._abort(item)
         e.stats_.decoded(received, time.monotonic() - r.first_token_at if r.first_token_at is not None else 0.0)

@@ -93,6 +93,9 @@ class RemoteSession:
         self.seed, self.seeded = seed, seed is not None
         self.closed = False
         self.backend_id = session_id  # the SGLang session now holding the context (a rewind makes a new one)
+        # SGLang's (context tokens, of them served from its cache) for this session's latest request: each turn
+        # reuses the session's KV, so the second is the previous context less one (the last token runs again)
+        self.cache = (0, 0)
         self.revisions = 0  # rewinds so far (each made a new SGLang session)
         self.lock = threading.Lock()  # the queue, the seq numbers, the state flags
         self._queue: deque[_Append | _Reply | _Rewind] = deque()
