@@ -73,12 +73,14 @@ class ChatTranscript(StreamedMessages, ForgettingMessages):
     """A conversation on one persistent, initially empty session (see the module's docstring; a message streamed
     in while it is said: engine/chat_stream.py)."""
 
-    def __init__(self, session: Session) -> None:
+    def __init__(self, session: Session, state: Mapping[str, Any] | None = None) -> None:
+        """`state`: a conversation `export_state` wrote, on a session restored from the same snapshot (a hand-off
+        between servers); default: a new conversation on an empty session."""
         tok = session.engine.tokenizer
         if not tok.chat_template:
             raise NoChatTemplateError(f"model {session.engine.name!r} has no chat template (its tokenizer_config.json "
                                       "has no chat_template): use `streamserve generate`, or append plain text")
-        if session.token_ids:
+        if session.token_ids and state is None:
             raise InvalidInputError("a chat transcript starts on an empty session; open a new session for it")
         if any(g.window is not None and g.reach < MIN_REWIND_REACH for g in session.engine.pool.groups):
             raise InvalidInputError(f"chat on a model with sliding-window layers needs --rewind-reach >= "
@@ -98,6 +100,45 @@ class ChatTranscript(StreamedMessages, ForgettingMessages):
         self._asked = self._cancelled = 0  # reply tickets handed out; the latest one cancelled
         self._waiting = 0  # replies asked for (async) and not recorded yet
         self.start_messages()  # no message being streamed in
+        if state is not None:
+            self._load(state)
+
+    # ---- hand-off (server/handoff.py): the conversation as plain data, between operations -------------
+    def export_state(self) -> dict[str, Any]:
+        """The conversation as plain data (str, int, lists, dicts), between operations: InvalidInputError while a
+        message is streamed in or a reply runs. Blocking (it may render): off the event loop."""
+        self._check_idle()
+        if self._waiting:
+            raise ResponseInProgressError("a reply was asked for on this chat and has not been recorded")
+
+        def rows(g: GapList[Any]) -> dict[str, Any]:
+            return {"rows": g.kept(), "gap": None if g.gap is None else list(g.gap)}
+
+        return {"messages": rows(self.messages), "starts": rows(self.starts), "offsets": rows(self.offsets),
+                "rendered": self.rendered, "pending": self.pending, "length": self.length,
+                "forgot": None if self.forgot is None else list(self.forgot), "forgets": self._forgets}
+
+    def _load(self, st: Mapping[str, Any]) -> None:
+        """`export_state`'s data -> this transcript (ValueError when it does not fit the session)."""
+        def rows(d: Any, kind: type) -> GapList[Any]:
+            gap = d["gap"]
+            if not all(isinstance(r, kind) for r in d["rows"]):
+                raise ValueError(f"chat state rows are not all {kind.__name__}")
+            return GapList(d["rows"], None if gap is None else (int(gap[0]), int(gap[1])))
+
+        try:
+            msgs = rows(st["messages"], dict)
+            self.messages = GapList([check_message(m) for m in msgs.kept()], msgs.gap)
+            self.starts, self.offsets = rows(st["starts"], int), rows(st["offsets"], int)
+            self.rendered, self.pending, self.length = str(st["rendered"]), str(st["pending"]), int(st["length"])
+            self.forgot = None if st["forgot"] is None else (int(st["forgot"][0]), int(st["forgot"][1]))
+            self._forgets = bool(st["forgets"])
+        except (KeyError, TypeError, IndexError, ChatMessageError) as e:
+            raise ValueError(f"damaged chat state: {e}") from None
+        if not len(self.messages) == len(self.starts) == len(self.offsets) \
+                or self.length != len(self.session.token_ids):
+            raise ValueError(f"damaged chat state: {len(self.messages)} messages for {len(self.starts)} starts, "
+                             f"{self.length} tokens for a session of {len(self.session.token_ids)}")
 
     # ---- rendering (no engine calls: engine/chat_render.py) ---------------------------------------------
     def render(self, messages: Iterable[Message], generation_prompt: bool = False) -> str:

@@ -12,6 +12,7 @@ the transport's (server/transport.py).
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
     POST /v1/realtime/calls          a WebRTC call (SDP offer in, answer out; server/webrtc/, docs/webrtc.md);
     DELETE /v1/realtime/calls/{id}   hangs it up (only when aiortc, the webrtc extra, is installed)
+    POST /admin/drain                drain, as SIGUSR1 (server/drain.py; the API key, or a loopback peer)
     GET  /                           the browser voice/video demo (clients/web/, installed as streamserve.web)
     GET  /web/{path}                 its modules, worklets and styles (server/static.py: listed at start, in memory)
 
@@ -24,7 +25,8 @@ With an API key, /v1/stream, /v1/realtime, /v1/policy and calls need it or a liv
 page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an unexpected
 failure is answered with `internal_error` and a request id that the server log also has.
 SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed
-with 1001, replies end, pages come back. If the engine thread dies (engine/loop.py), /healthz says `failed`, new
+with 1001, replies end, pages come back. SIGUSR1 (or POST /admin/drain) drains (server/drain.py), then stops.
+If the engine thread dies (engine/loop.py), /healthz says `failed`, new
 connections are closed with 1011, work on open sessions is refused (`engine_failed`), and `run` shuts down the same
 way and exits with status 1, so that a supervisor restarts the server rather than keep a process that cannot serve.
 """
@@ -39,6 +41,7 @@ import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 
 from aiohttp import web
@@ -64,6 +67,7 @@ from streamserve.server.clients import (
     expect,
     parse_trusted_proxies,
 )
+from streamserve.server.drain import drain_route, start_drain
 from streamserve.server.http_replies import error_response, openai_error, unauthorized, utf8
 from streamserve.server.loaders import load_vision, load_voice, webrtc_calls
 from streamserve.server.native import NativeConnection
@@ -122,6 +126,7 @@ class Server:
         self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
         self.app.add_routes([web.get("/healthz", self.healthz, expect_handler=expect),
+                             web.post("/admin/drain", partial(drain_route, self), expect_handler=expect),
                              web.get("/metrics", self.metrics, expect_handler=expect),
                              web.get("/v1/stream", self.stream, expect_handler=expect),
                              web.get("/v1/realtime", self.realtime, expect_handler=expect),
@@ -134,6 +139,8 @@ class Server:
         self.background: list[asyncio.Task] = []
         self.ready = asyncio.Event()
         self.engine_failed = asyncio.Event()  # set (on the event loop) when the engine thread dies
+        self.draining: asyncio.Task | None = None  # the drain (server/drain.py), once asked for
+        self.drained = asyncio.Event()  # set when the drain is done: `run` then stops the server
         self.calls = webrtc_calls(self)
         self.policy = PolicyEndpoint(self)  # WS /v1/policy, and its own site with --policy-port
 
@@ -234,6 +241,9 @@ class Server:
         if not origin_allowed(request.headers.get("Origin"), request.host, self.origins, self.config.host):
             return error_response(403, "origin_not_allowed", "this origin may not use this server "
                                   "(the server's --allowed-origins)")
+        if self.draining is not None and (request.path.startswith("/v1/")
+                                          or request.headers.get("Upgrade", "").lower() == "websocket"):
+            return web.json_response({"status": "draining"}, status=503)  # before any upgrade: a proxy retries
         try:
             return await handler(request)
         except web.HTTPException:
@@ -246,8 +256,8 @@ class Server:
     async def healthz(self, request: web.Request) -> web.Response:
         if self.load_error is not None or self.engine_died is not None:
             return web.json_response({"status": "failed"}, status=503)
-        if self.engine is None:
-            return web.json_response({"status": "loading"}, status=503)
+        if self.engine is None or self.draining is not None:
+            return web.json_response({"status": "loading" if self.engine is None else "draining"}, status=503)
         if self.operator(request):
             st = self.engine.stats()
             return web.json_response({"status": "ok", "model": st["model"], "device": st["device"],
@@ -355,7 +365,7 @@ async def start(server: Server) -> tuple[web.AppRunner, int]:
 
 
 def run(server: Server, announce: Callable[[str], None] = print) -> None:
-    """Serve until SIGINT or SIGTERM, then shut down gracefully."""
+    """Serve until SIGINT or SIGTERM, then shut down gracefully; on SIGUSR1 drain, then stop (exit 0)."""
 
     async def main() -> None:
         runner, port = await start(server)
@@ -365,9 +375,11 @@ def run(server: Server, announce: Callable[[str], None] = print) -> None:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
+        loop.add_signal_handler(signal.SIGUSR1, start_drain, server)
         ready = asyncio.create_task(server.ready.wait())
         stopped = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({ready, stopped}, return_when=asyncio.FIRST_COMPLETED)
+        drained = asyncio.create_task(server.drained.wait())
+        done, _ = await asyncio.wait({ready, stopped, drained}, return_when=asyncio.FIRST_COMPLETED)
         if ready in done and server.load_error is not None:
             announce(f"streamserve: the model failed to load: {server.load_error}")
             await runner.cleanup()
@@ -375,14 +387,14 @@ def run(server: Server, announce: Callable[[str], None] = print) -> None:
         if ready in done and server.engine is not None:
             announce(f"streamserve: ready: {server.engine.name} on {server.engine.device}")
         failed = asyncio.create_task(server.engine_failed.wait())
-        await asyncio.wait({stopped, failed}, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait({stopped, failed, drained}, return_when=asyncio.FIRST_COMPLETED)
         if server.engine_died is not None:
             announce(f"streamserve: the engine thread died ({type(server.engine_died).__name__}: see the log); "
                      "shutting down")
             await runner.cleanup()
             raise SystemExit(1)
         failed.cancel()
-        announce("streamserve: shutting down")
+        announce("streamserve: drained; stopping" if server.drained.is_set() else "streamserve: shutting down")
         await runner.cleanup()
 
     asyncio.run(main())

@@ -64,6 +64,18 @@ class ChatSessions:
         if chat:
             self.transcripts[session.id] = ChatTranscript(session)
 
+    def export(self, session_id: str) -> dict[str, Any] | None:
+        """A chat session's conversation as plain data for a hand-off (server/handoff.py; between operations,
+        blocking); None for a plain session."""
+        chat = self.transcripts.get(session_id)
+        return None if chat is None else chat.export_state()
+
+    def adopt(self, session: Session, state: dict[str, Any] | None) -> None:
+        """`session` (restored from a hand-off record) continues the conversation `state` (None: a plain session);
+        ValueError when the state does not fit the session."""
+        if state is not None:
+            self.transcripts[session.id] = ChatTranscript(session, state)
+
     def get(self, session_id: str) -> ChatTranscript | None:
         return self.transcripts.get(session_id)
 

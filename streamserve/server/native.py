@@ -138,6 +138,8 @@ def render(result: Any, request_id: Any = None) -> dict[str, Any]:
 class NativeConnection(ProtocolAdapter):
     """One native-protocol connection: frames decoded and dispatched to the service, results rendered."""
 
+    hands_off = True  # its clients resume: a drain hands its sessions over to another instance (server/lifecycle.py)
+
     def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter) -> None:
         super().__init__(service, transport, grant)
         self.messages = messages
@@ -163,12 +165,25 @@ class NativeConnection(ProtocolAdapter):
                 await self.transport.close(P.CLOSE_BAD_CLIENT, f"{self.bad} malformed messages")
             return
         self.messages.labels(m.type).inc()
+        if self.service.draining and m.type not in P.DRAIN_TYPES:  # the client sends it again after its resume
+            return
+        self.service.operations += 1  # a drain waits for it
         try:
             answer = await getattr(self, f"on_{m.type}")(m)
             if answer is not None:
                 await self.send(render(answer, m.id))
         except Exception as e:  # typed errors keep their message; anything else is internal_error + request id
             await self.send(render(service_error(e, m.session, m.fields.get("seq")), m.id))
+        finally:
+            self.service.operations -= 1
+
+    async def move_out(self, moved: list[str], closed: list[str]) -> None:
+        """The drain handed this connection's sessions `moved` over (and closes `closed`): say so, then close with
+        1012, so that the client reconnects at once (through the proxy, to another instance) and resumes them."""
+        for sid in closed:
+            await self.push(Closed(sid, "shutdown"))
+        await self.send({"type": "reconnect", "reason": "drain", "sessions": moved})
+        await self.transport.close(P.CLOSE_SERVICE_RESTART, "server draining: reconnect and resume")
 
     # ---- one handler per client message type: fields -> service call ----------------------------------
     async def on_open(self, m: P.ClientMessage) -> Opened:

@@ -31,9 +31,11 @@ CLOSE_GOING_AWAY = 1001  # the server is shutting down
 CLOSE_POLICY = 1008  # a permanent error: too many malformed messages, a protocol the server cannot serve
 CLOSE_TOO_BIG = 1009  # a frame over max_frame_bytes
 CLOSE_INTERNAL = 1011
+CLOSE_SERVICE_RESTART = 1012  # the server drains: its sessions moved; reconnect at once and resume them
 CLOSE_TRY_LATER = 1013  # overload: too many connections; retry after a pause
 CLOSE_BAD_CLIENT = 4400  # the client keeps sending what the protocol does not allow
 
+DRAIN_TYPES = ("cancel", "close", "stats")  # what a draining server still carries out (it ignores the rest)
 CLIENT_TYPES = ("open", "resume", "append", "respond", "cancel", "rewind", "configure", "close", "stats", "commit")
 SAMPLING_KEYS = ("max_tokens", "temperature", "top_p", "top_k", "seed", "stop")
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # engine/chat.py's ROLES (this module imports no engine)

@@ -52,6 +52,7 @@ class Entry:
     detached_at: float | None = None
     sampling: dict[str, Any] = field(default_factory=dict)  # reply defaults from open / configure
     reserved_pages: int = 0  # counted against the owner's page quota (the session's page_cap)
+    portable: bool = False  # opened by a protocol whose clients resume (native): a drain hands it over
     # the latest chunk results, neutral: whichever protocol resumes the session renders them
     recent: deque[ChunkResult] = field(default_factory=lambda: deque(maxlen=RECENT_RESULTS))
 
@@ -104,12 +105,31 @@ class SessionRegistry:
             s = self.engine.open_session(**session_kw)
             s.max_chunk_tokens = self.max_chunk_tokens
             entry = Entry(s, secrets.token_urlsafe(32), owner, address, sampling=dict(sampling or {}),
-                          reserved_pages=reserved_pages)
+                          reserved_pages=reserved_pages, portable=bool(getattr(owner_listener(owner), "hands_off",
+                                                                                  False)))
         finally:
             with self._lock:
                 self._opening.remove(owner)
                 if entry is not None:
                     self._entries[entry.session.id] = entry
+        return entry
+
+    def adopt(self, owner: Any, session: Session, token: str, sampling: dict[str, Any], reserved_pages: int,
+              recent: list[ChunkResult]) -> Entry:
+        """A session restored from another instance's hand-off record, held by `owner` under its resume token: the
+        limits of an open apply (TooManySessionsError, the caller then closes the session); nothing is evicted."""
+        address = address_of(owner)
+        with self._lock:
+            if self._held(owner) >= self.max_per_owner:
+                raise TooManySessionsError(f"this connection holds {self.max_per_owner} sessions (the limit)")
+            self._check_address(address)
+            if len(self._entries) + len(self._opening) >= self.max_total:
+                raise TooManySessionsError(f"the server holds {self.max_total} sessions (its limit); retry later")
+            session.max_chunk_tokens = self.max_chunk_tokens
+            entry = Entry(session, token, owner, address, sampling=dict(sampling), reserved_pages=reserved_pages,
+                          portable=True)
+            entry.recent.extend(recent)
+            self._entries[session.id] = entry
         return entry
 
     def _held(self, owner: Any) -> int:
@@ -197,6 +217,11 @@ class SessionRegistry:
             gone = [sid for sid, e in self._entries.items() if e.session.closed or
                     (e.detached_at is not None and now - e.detached_at > self.resume_ttl)]
             return [self._entries.pop(sid) for sid in gone]
+
+
+def owner_listener(owner: Any) -> Any:
+    """The protocol adapter of an owner (a ClientContext's listener), or None."""
+    return getattr(owner, "listener", None)
 
 
 def address_of(owner: Any) -> str | None:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 from streamserve.config import ACCELERATOR_STEP_TOKENS, SAMPLING_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
 from streamserve.engine import Engine, Session
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
-from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError
+from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError, SessionNotFoundError
 from streamserve.server.acks import Acks
 from streamserve.server.auth import Grant
 from streamserve.server.chat import ChatSessions
@@ -88,6 +88,7 @@ class SessionService(ServiceLifecycle):
         self.budget = MediaBudget(config.max_media_bytes, config.max_media_bytes_per_connection)  # media_budget.py
         self.acks = Acks(self.registry, self.audio.seqs)  # chunk results to their session's connection (acks.py)
         self.deliver, self.finish_chunk = self.acks.deliver, self.acks.finish
+        self.start_lifecycle()  # the snapshot store and the drain (server/lifecycle.py)
 
     # ---- what the server is --------------------------------------------------------------------------
     def info(self) -> ServerInfo:
@@ -160,6 +161,7 @@ class SessionService(ServiceLifecycle):
     # ---- session operations -----------------------------------------------------------------------------
     async def open(self, ctx: ClientContext, req: OpenRequest, chat: bool = False) -> Opened:
         """A new session; `chat`: one whose appends are chat messages, rendered by the model's chat template."""
+        self.check_accepting()  # not while draining
         self.chats.check_open(chat)
         self.audio.configure("", req.voice, store=False)  # checked before anything is taken
         d = self.defaults
@@ -224,9 +226,15 @@ class SessionService(ServiceLifecycle):
                       self.audio.configure(s.id, None))
 
     async def resume(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:
-        """-> (the session, the results of its latest chunks, sent again for the client to pick from)."""
+        """-> (the session, the results of its latest chunks, sent again for the client to pick from). A session
+        another instance handed over is taken from the snapshot store (server/lifecycle.py)."""
         ctx.grant.check_resume(session_id)
-        found = self.registry.verified(session_id, token)  # the token first: without it, nothing about the session
+        try:
+            found = self.registry.verified(session_id, token)  # the token first: nothing about the session without it
+        except SessionNotFoundError:
+            if self.store is None or self.draining or self.registry.find(session_id) is not None:
+                raise
+            return await self.take_over(ctx, session_id, token)
         quota = self.config.max_pages_per_connection
         if found.owner is not ctx and quota is not None \
                 and self.reserved_pages(ctx) + found.reserved_pages > quota:

@@ -287,3 +287,31 @@ def test_a_blocking_call_that_times_out_is_cancelled_and_raises_a_typed_error(
         time.sleep(0.05)
         # the timed-out append no longer waits: its seq is free, nothing is pending on the loop
         assert s.append(text="y", seq=0).seq == 0
+
+
+@pytest.mark.asyncio
+@pytest.mark.parametrize("code", [1012, 1001])
+async def test_a_draining_server_closing_with_1012_is_reconnected_without_backoff_and_resumed(
+        fake_server: FakeServer, monkeypatch: pytest.MonkeyPatch, code: int) -> None:
+    """1012 (a drain: docs/protocol.md): the first reconnect has no backoff; any other close keeps it (the control).
+    The drain's `reconnect` message, sent first, changes nothing on the client."""
+    delays: list[float] = []
+    real_sleep = asyncio.sleep
+
+    async def sleep(delay: float, *args: Any) -> Any:
+        delays.append(delay)
+        return await real_sleep(delay, *args)
+
+    monkeypatch.setattr(channel.asyncio, "sleep", sleep)
+    async with sc.connect(fake_server.url) as client:
+        s = await client.open_session()
+        assert (await s.append(text="before")).seq == 0
+        assert fake_server._ws is not None
+        await fake_server.send_raw(msgpack.packb({"type": "reconnect", "reason": "drain", "sessions": [s.id]}))
+        await fake_server._ws.close(code, "server draining")
+        while fake_server.resumes != [s.id]:
+            await real_sleep(0.01)
+        assert (await asyncio.wait_for(s.append(text="after"), BOUND_S)).seq == 1
+        assert client.channel.generation == 2 and fake_server.sessions[s.id].seqs == [0, 1]
+    first_backoff = min(2.0, 0.1 * 2 ** 0)
+    assert (first_backoff in delays) == (code != 1012), delays

@@ -16,6 +16,9 @@ One reader task per connection routes its messages; one supervisor task per chan
   fails every pending call, chunks awaiting their ack included, with `ProtocolViolationError`, closes
   the connection (1002) and takes the same reconnect path. Nothing is left waiting on a stream that can
   no longer be trusted.
+- The server drains (close 1012, after a `reconnect` message naming the sessions it handed over): the channel
+  reconnects at once, without the first backoff, and resumes as above; the proxy takes the new connection to
+  another instance, which restores the sessions (docs/protocol.md, Drain and hand-off).
 - With `reconnect=False`, after the last failed attempt, or when the server closed the connection for
   good (1008, 1009, 4400), the channel is dead: every pending and later call raises its error.
 """
@@ -45,6 +48,7 @@ from streamserve_client.protocol import Ack, decode, pack
 from streamserve_client.routes import Deliver, PendingChunk, RunningReply, SessionRoute, fail
 
 PERMANENT_CLOSE_CODES = (1008, 1009, 4400)  # the server closed the connection for good: no resume
+SERVICE_RESTART = 1012  # the server drains: its sessions wait on another instance; reconnect at once
 MAX_KEPT_ERRORS = 32
 RESUME_TIMEOUT_S = 10.0  # a resume unanswered this long counts as a broken connection
 STALE_REPLY_WAIT_S = 5.0  # how long a new reply waits for the server to end one that failed (its `done`)
@@ -155,7 +159,7 @@ class Channel:
                 if self._closing or not self.reconnect or self._ws_close_code() in PERMANENT_CLOSE_CODES:
                     self._fail_all(error)
                     return
-                if not await self._reconnect():
+                if not await self._reconnect(at_once=self._ws_close_code() == SERVICE_RESTART):
                     return
         except BaseException as e:  # a bug or a cancel while reconnecting: no call may wait for ever
             if self._dead is None:
@@ -167,11 +171,13 @@ class Channel:
     def _ws_close_code(self) -> int | None:
         return None if self._ws is None else self._ws.close_code
 
-    async def _reconnect(self) -> bool:
-        """Reconnect with backoff and resume every session; -> False when the channel is dead."""
+    async def _reconnect(self, at_once: bool = False) -> bool:
+        """Reconnect with backoff (`at_once`: the first attempt without) and resume every session; -> False when
+        the channel is dead."""
         failures = 0
         while failures < self.retries:
-            await asyncio.sleep(min(2.0, 0.1 * 2 ** failures))
+            if failures or not at_once:
+                await asyncio.sleep(min(2.0, 0.1 * 2 ** failures))
             if self._closing:
                 break
             try:
