@@ -23,7 +23,8 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve demo test models voice-models wheel-check bench install install-dev openpi-venv llamacpp-venv clean
+.PHONY: serve demo test test-sglang models voice-models wheel-check bench install install-dev openpi-venv llamacpp-venv \
+	clean
 
 serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
@@ -104,6 +105,17 @@ $(LLAMACPP_VENV)/.installed:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip --disable-pip-version-check -q install \
 		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)"
+	touch $@
+
+# The SGLang backend's tests against a real SGLang (tests/sglang; not part of `make test` or CI: SGLang's own
+# environment is 2.6 GB and ~3 minutes to build, and each SGLang server takes ~40 s to start on 2 cores, which does
+# not fit the CI run beside the rest of the suite). SGLang 0.5.21 on this CPU: tests/support/sglang/README.md.
+SGLANG_VENV := .venv-sglang
+test-sglang: $(VENV)/.installed-dev $(SGLANG_VENV)/.installed
+	STREAMSERVE_SGLANG_PYTHON=$(abspath $(SGLANG_VENV))/bin/python $(PY) -m pytest -q tests/sglang
+
+$(SGLANG_VENV)/.installed: tests/support/sglang/install.sh tests/support/sglang/requirements.txt
+	tests/support/sglang/install.sh $(SGLANG_VENV)
 	touch $@
 
 bench: $(VENV)/.installed-dev

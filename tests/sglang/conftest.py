@@ -10,20 +10,14 @@ greedy tokens equal streamserve's own engine's.
 
 from __future__ import annotations
 
-import os
-import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from chat_checkpoints import chat_checkpoint
+from sglang_support import SGLANG_PYTHON, launch
 
 from streamserve.engine.remote.launch import LaunchedSGLang
-
-SGLANG_PYTHON = os.environ.get("STREAMSERVE_SGLANG_PYTHON")
-# the recipe of tests/support/sglang/README.md (streamserve adds the host, port and streaming sessions)
-CPU_ARGS = ("--device cpu --attention-backend torch_native --disable-overlap-schedule --max-total-tokens 16384 "
-            "--dtype float32 --sleep-on-idle")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -40,15 +34,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 @pytest.fixture(scope="session")
 def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return chat_checkpoint(tmp_path_factory.mktemp("sglang") / "qwen3-chat", "chatml")
-
-
-def launch(model: Path) -> LaunchedSGLang:
-    """An SGLang server for `model`, started by the backend's own launcher (as `--sglang-launch` does)."""
-    assert SGLANG_PYTHON
-    os.environ["SGLANG_USE_CPU_ENGINE"] = "1"  # SGLang's CPU engine: without it `--device cpu` takes GPU paths
-    child = LaunchedSGLang(model, CPU_ARGS, SGLANG_PYTHON)
-    child.start(lambda code: print(f"SGLang exited with status {code}", file=sys.stderr))
-    return child
 
 
 @pytest.fixture(scope="session")
