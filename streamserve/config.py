@@ -48,9 +48,11 @@ class EngineConfig:
     max_draft: int = field(default=7, metadata={
         "help": "the most tokens drafted per verification (1 to 7); each session drafts fewer when that pays"})
     cpu_compile: str = field(default="off", metadata={
-        "help": "on a CPU, compile the fixed-shape decode step with torch.compile (Inductor): steps run eagerly "
-                "while each shape compiles in a background thread, then from the compiled code; greedy output is "
-                "identical (docs/quantization.md)", "choices": ("off", "on")})
+        "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code torch.compile "
+                "(Inductor) generates: each shape runs eagerly while it compiles in a background thread (about a "
+                "minute cold for a 135M model, seconds from the cache under the streamserve cache home), then "
+                "compiled; greedy output is the same. No effect on CUDA or with triton kernels (docs/quantization.md)",
+        "choices": ("off", "on")})
     backend: str = field(default="engine", metadata={
         "help": "what runs the model: engine (this process, one accelerator) or sglang (an SGLang server's "
                 "streaming sessions, for tensor/expert parallelism; --sglang-url or --sglang-launch; docs/scale.md)",

@@ -30,6 +30,7 @@ import torch
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
 from streamserve.engine.admission import Admission
 from streamserve.engine.batch import BatchForward, Job
+from streamserve.engine.compiled import decode_graphs
 from streamserve.engine.counters import Counters
 from streamserve.engine.drafters import MAX_DRAFT, DrafterCatalog
 from streamserve.engine.graphs import DecodeGraphs
@@ -141,6 +142,8 @@ class Engine:
         """Stop the engine thread: queued chunks fail, running replies end ("closed"). Sessions stay
         usable for snapshots; new work is refused."""
         self.loop.stop()
+        if self.graphs is not None:  # cpu_compile's thread ends too
+            self.graphs.close()
 
     @classmethod
     def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model,
@@ -149,6 +152,7 @@ class Engine:
                         quantize: str = ENGINE_DEFAULTS.quantize,
                         kernels: str = ENGINE_DEFAULTS.kernels,
                         cuda_graphs: str = ENGINE_DEFAULTS.cuda_graphs,
+                        cpu_compile: str = ENGINE_DEFAULTS.cpu_compile,
                         drafter: str = ENGINE_DEFAULTS.drafter,
                         max_draft: int = ENGINE_DEFAULTS.max_draft,
                         kv_memory: int | float | str | None = ENGINE_DEFAULTS.kv_memory,
@@ -163,7 +167,8 @@ class Engine:
 
         quantize: "auto" (a GGUF file keeps its quantized weights), "none", "int8" or "int4" (models/quantize.py).
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
-        CUDA + Triton), "on" or "off".
+        CUDA + Triton), "on" or "off". cpu_compile: "on" = on a CPU with torch kernels, decode steps take the
+        fixed shapes and run compiled by torch.compile once compiled in the background (engine/compiled.py).
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
         session is closed (None: never). scheduler: the engine loop's step budget and queue bounds.
@@ -186,10 +191,9 @@ class Engine:
         eos_ids = resolve_eos_ids(path, cfg.eos_token_ids, tokenizer.eos_token_ids, cfg.vocab_size)
         engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, scheduler,
                      rewind_reach)
-        if cuda_graphs not in ("auto", "on", "off"):
-            raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
-        if cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops.name == "triton"):
-            engine.graphs = DecodeGraphs.start(net, engine.pool, engine.scheduler.limits.max_batch, dev.type == "cuda")
+        # cuda_graphs / cpu_compile: the fixed-shape decode steps, captured (CUDA) or compiled (CPU), or None
+        engine.graphs = decode_graphs(net, engine.pool, engine.scheduler.limits.max_batch, ops.name, cuda_graphs,
+                                      cpu_compile, engine.batch.wide)
         engine.set_drafter(drafter, max_draft)
         return engine
 

@@ -47,26 +47,39 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
-from streamserve.kernels.reference import PagedKeys
+from streamserve.engine.static_step import (
+    PAD_POSITION,
+    Entry,
+    GraphKey,
+    Part,
+    PolicyKey,
+    StaticPart,
+    StaticReads,
+    StaticStepKV,
+    build_entry,
+)
 from streamserve.models import CausalLM
 from streamserve.sessions import KVPool, PagedSessionKV, WindowPolicy
-from streamserve.sessions.group_kv import GroupKV
+
+if TYPE_CHECKING:
+    from streamserve.engine.compiled import CompiledSteps
+
+__all__ = ["PAD_POSITION", "DecodeGraphs", "GraphKey", "Part", "PolicyKey", "StaticPart", "StaticReads",
+           "StaticStepKV", "batch_bucket", "batch_buckets", "bucket_for", "graphable", "policy_key", "rows_of"]
 
 log = logging.getLogger("streamserve")
 
 MIN_BUCKET = 64
 MAX_GRAPH_TOKENS = 8  # the widest per-session step replayed from a graph (a draft of 7 plus the bonus token)
-PAD_POSITION = 1 << 62  # a key position no query reaches: masked as a future key
 MAX_GRAPHS = 64  # captured graphs kept (least recently used dropped first)
 MAX_GRAPH_POLICIES = 4  # distinct window policies served from graphs at a time; others run eagerly
 POLICY_IDLE_RUNS = 1000  # graphable steps without an admitted policy before a new one may take its place
 WARM_UP_SECONDS = 120.0  # start-up captures stop after this long; the rest are captured when first needed
 
-PolicyKey = tuple[str | None, int | None, int]
 
 
 def bucket_for(n_keys: int) -> int:
@@ -92,109 +105,6 @@ def _policy_order(p: PolicyKey) -> tuple[str, int, int]:
     return (p[0] or "", -1 if p[1] is None else p[1], p[2])
 
 
-@dataclass(frozen=True)
-class Part:
-    """The sessions of one window policy in a step: their slots (a batch bucket) and key buckets (per group)."""
-
-    policy: PolicyKey
-    batch: int
-    keys: tuple[int, ...]
-
-
-GraphKey = tuple[int, bool, tuple[Part, ...]]  # (width W, any all-rows session, the parts in policy order)
-
-
-class StaticReads:
-    """The keys one layer group reads in a step, in fixed-size buffers (rows of its part's): positions and
-    slots [bucket], and the slots [W] the step writes."""
-
-    def __init__(self, k_pos: torch.Tensor, read_slots: torch.Tensor, write: torch.Tensor) -> None:
-        self.k_pos, self.read_slots, self.write = k_pos, read_slots, write
-
-    def load(self, grp: GroupKV, w: int) -> None:
-        n = grp.k_pos.shape[0]
-        self.k_pos[:n].copy_(grp.k_pos)
-        self.k_pos[n:].fill_(PAD_POSITION)
-        self.read_slots[:n].copy_(grp.read_slots)
-        self.read_slots[n:].zero_()
-        self.write[:w].copy_(grp.write)
-        if w < self.write.shape[0]:  # padding rows write their copy of the last row to the last row's slot
-            self.write[w:].copy_(grp.write[w - 1:w].expand(self.write.shape[0] - w))
-
-
-class StaticStepKV:
-    """A W-token step of some session of one policy, in fixed-size buffers (the `LayerKV` the model reads)."""
-
-    def __init__(self, pool: KVPool, policy: WindowPolicy, srcs: torch.Tensor, q_pos: torch.Tensor,
-                 src: torch.Tensor, groups: list[StaticReads]) -> None:
-        self.pool, self.policy, self.rolling = pool, policy, policy.rolling
-        self.layer_group = pool.layer_group
-        self.tokens, self.srcs = q_pos.shape[0], srcs  # srcs [W, W]: row w-1 maps each row to its source row
-        self.q_pos, self.src, self.groups = q_pos, src, groups  # [W], [W], per layer group
-
-    @property
-    def k_pos(self) -> torch.Tensor:
-        return self.groups[0].k_pos
-
-    def load(self, kv: PagedSessionKV, w: int) -> None:
-        """Copy a planned step of w tokens (after `kv.begin(w)`) into the buffers; the rest stays padding."""
-        self.q_pos[:w].copy_(kv.q_pos)
-        if w < self.tokens:  # padding rows sit at the last token's position
-            self.q_pos[w:].copy_(kv.q_pos[w - 1:w].expand(self.tokens - w))
-        if self.tokens > 1:
-            self.src.copy_(self.srcs[w - 1])
-        for static, grp in zip(self.groups, kv.groups, strict=True):
-            static.load(grp, w)
-
-    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> PagedKeys:
-        grp = self.groups[self.layer_group[layer]]
-        kf = self.pool.k[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        vf = self.pool.v[layer].view(-1, self.pool.num_kv_heads, self.pool.head_dim)
-        if self.tokens > 1:  # padding rows take the last real row's key/value: duplicate writes are identical
-            k, v = k.index_select(0, self.src), v.index_select(0, self.src)
-        kf.index_copy_(0, grp.write, k.to(kf.dtype))
-        vf.index_copy_(0, grp.write, v.to(vf.dtype))
-        return PagedKeys(kf, vf, grp.read_slots, grp.k_pos)
-
-
-class StaticPart:
-    """The buffers of one part's B slots, each field one [B, ...] tensor (a slot's are its rows), so that the
-    padding slots copy the first real one with one copy per field."""
-
-    def __init__(self, pool: KVPool, policy: WindowPolicy, part: Part, width: int, srcs: torch.Tensor) -> None:
-        dev, b = pool.device, part.batch
-        self.q_pos = torch.zeros(b, width, dtype=torch.long, device=dev)
-        self.src = srcs[width - 1].repeat(b, 1)  # [B, W] the row each row's key/value is written from
-        self.k_pos = [torch.full((b, n), PAD_POSITION, dtype=torch.long, device=dev) for n in part.keys]
-        for k_pos in self.k_pos:  # warm-up (no session loaded): read the key the step writes to slot 0, not none
-            k_pos[:, 0] = 0
-        self.read_slots = [torch.zeros(b, n, dtype=torch.long, device=dev) for n in part.keys]
-        self.write = [torch.zeros(b, width, dtype=torch.long, device=dev) for _ in part.keys]
-        self.slots = [StaticStepKV(pool, policy, srcs, self.q_pos[j], self.src[j],
-                                   [StaticReads(k[j], r[j], w[j])
-                                    for k, r, w in zip(self.k_pos, self.read_slots, self.write, strict=True)])
-                      for j in range(b)]
-
-    def pad(self, n: int) -> None:
-        """Slots [0, n) become copies of slot n (a loaded real session)."""
-        for t in (self.q_pos, self.src, *self.k_pos, *self.read_slots, *self.write):
-            t[:n].copy_(t[n:n + 1].expand(n, -1))
-
-
-@dataclass
-class _Entry:
-    parts: list[StaticPart]
-    kvs: list[StaticStepKV]  # [S] the slots, part after part
-    ids: torch.Tensor  # [S * W] the slots' tokens, concatenated
-    rows: torch.Tensor | None  # [S] the row whose logits each slot wants (None: every row)
-    logits: torch.Tensor | None = None  # [S, V] or [S * W, V], written by each replay
-    graph: torch.cuda.CUDAGraph | None = None
-    failed: bool = False  # capture failed once: this step shape runs eagerly from now on
-
-    def forward(self, model: CausalLM) -> torch.Tensor:
-        return model.forward_batch(self.ids, self.kvs, self.rows)  # type: ignore[arg-type]
-
-
 def rows_of(widths: list[int], all_rows: list[bool]) -> list[int]:
     """The rows of a batched step whose logits are wanted: every token of a session with `all_rows`, else
     its last."""
@@ -215,10 +125,11 @@ class DecodeGraphs:
     def __init__(self, model: CausalLM, capture: bool, max_batch: int = 64) -> None:
         self.model, self.capture, self.max_batch = model, capture, max_batch
         self.ladder = batch_buckets(max_batch)
-        self._entries: OrderedDict[GraphKey, _Entry] = OrderedDict()  # LRU first
+        self._entries: OrderedDict[GraphKey, Entry] = OrderedDict()  # LRU first
         self._policies: OrderedDict[PolicyKey, int] = OrderedDict()  # admitted policy -> last run, LRU first
         self.runs = 0  # graphable steps seen (served from graphs, or refused for their policies)
         self.created = 0  # entries built: graphs captured, or on a CPU what would have been captured
+        self.compiled: CompiledSteps | None = None  # on a CPU with cpu_compile="on": the compiled steps
 
     @classmethod
     def start(cls, model: CausalLM, pool: KVPool, max_batch: int, capture: bool) -> DecodeGraphs:
@@ -227,6 +138,11 @@ class DecodeGraphs:
         if capture:
             graphs.warm_up(pool)
         return graphs
+
+    def close(self) -> None:
+        """Stop compiling (engine shutdown): the compile thread ends after the compile in progress, if any."""
+        if self.compiled is not None:
+            self.compiled.close()
 
     @property
     def captured(self) -> int:
@@ -256,20 +172,14 @@ class DecodeGraphs:
             self._policies.move_to_end(p)
         return True
 
-    def _entry(self, key: GraphKey, pool: KVPool, policies: dict[PolicyKey, WindowPolicy]) -> _Entry:
+    def _entry(self, key: GraphKey, pool: KVPool, policies: dict[PolicyKey, WindowPolicy]) -> Entry:
         """The cached entry of `key` (now the most recently used), or a new one (the LRU entry dropped if full)."""
         entry = self._entries.pop(key, None)
         if entry is None:
             while len(self._entries) >= MAX_GRAPHS:
                 self._entries.popitem(last=False)
             self.created += 1
-            width, all_logits, parts = key
-            dev = pool.device
-            srcs = torch.tensor([[min(j, w) for j in range(width)] for w in range(width)], device=dev)  # [W, W]
-            statics = [StaticPart(pool, policies[p.policy], p, width, srcs) for p in parts]
-            kvs = [slot for part in statics for slot in part.slots]
-            entry = _Entry(statics, kvs, torch.zeros(len(kvs) * width, dtype=torch.long, device=dev),
-                           None if all_logits else torch.arange(len(kvs), device=dev) * width + width - 1)
+            entry = build_entry(key, pool, policies)
         self._entries[key] = entry
         return entry
 
@@ -330,7 +240,7 @@ class DecodeGraphs:
         return logits.index_select(0, pick)  # [R, V] in the sessions' order (a copy: the buffers are reused)
 
     @staticmethod
-    def _load(entry: _Entry, parts: tuple[Part, ...], by_policy: dict[PolicyKey, list[int]],
+    def _load(entry: Entry, parts: tuple[Part, ...], by_policy: dict[PolicyKey, list[int]],
               kvs: list[PagedSessionKV], ids: list[list[int]], all_rows: list[bool]) -> list[list[int]]:
         """Copy the step into the entry's buffers -> per session its rows of the replay's logits."""
         width, all_logits = entry.ids.shape[0] // len(entry.kvs), entry.rows is None
@@ -359,10 +269,12 @@ class DecodeGraphs:
             entry.rows.copy_(torch.tensor(slot_rows, dtype=torch.long))
         return wanted
 
-    def _replay(self, entry: _Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
-        """Run the loaded entry: eagerly (a CPU, or a shape whose capture failed), or from its graph (captured
-        now the first time) -> its logits (the graph's output buffer)."""
+    def _replay(self, entry: Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
+        """Run the loaded entry: eagerly (a CPU, or a shape whose capture failed) or compiled (a CPU with
+        `compiled`), or from its graph (captured now the first time) -> its logits (the graph's output buffer)."""
         if not self.capture or entry.failed:
+            if self.compiled is not None:  # a CPU: the shape's compiled step once it is ready, else eagerly
+                return self.compiled.run(entry, key, reload)
             return entry.forward(self.model)
         if entry.graph is None:
             try:
@@ -376,7 +288,7 @@ class DecodeGraphs:
         entry.graph.replay()
         return entry.logits
 
-    def _capture(self, entry: _Entry) -> None:
+    def _capture(self, entry: Entry) -> None:
         # warm up on a side stream (Triton compiles, allocator settles), then capture; the warm-up writes
         # this step's own key/value slots, which the replay writes again
         side = torch.cuda.Stream()

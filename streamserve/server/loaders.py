@@ -60,7 +60,8 @@ def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None
     def load() -> Engine:
         return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, quantize=engine.quantize,
                                       kernels=engine.kernels,
-                                      cuda_graphs=engine.cuda_graphs, kv_memory=engine.kv_memory,
+                                      cuda_graphs=engine.cuda_graphs, cpu_compile=engine.cpu_compile,
+                                      kv_memory=engine.kv_memory,
                                       drafter=engine.drafter, max_draft=engine.max_draft,
                                       page_size=engine.page_size, idle_ttl=engine.idle_ttl, scheduler=scheduler,
                                       rewind_reach=engine.rewind_reach, offline=engine.offline)

@@ -1,0 +1,295 @@
+"""Compiled CPU decode steps (`cpu_compile="on"`): the fixed-shape steps of engine/graphs.py run from code that
+`torch.compile` (Inductor) generated, compiled in a background thread while the same steps run eagerly.
+
+What is compiled: `CausalLM.forward_batch` over a step's static buffers (engine/static_step.py), one graph with no
+breaks (`fullgraph=True`), attention as matmul + masked softmax (engine/compiled_ops.py). One compiled callable
+per `CompileKey` = (width W, any all-rows session, per part its window policy and batch bucket, intra-op threads):
+the key-read lengths are marked dynamic, so one graph serves every key bucket of a shape (a long chat crosses
+64, 128, 256, ... keys without a new compile). Threads are part of the key because Inductor bakes the thread
+count into its OpenMP kernels: each shape is compiled on a thread set to the count its steps run with
+(`threads_for`). Every callable has its own code object, so Dynamo's per-code cache holds exactly its one graph.
+
+Bounded: a shape is queued after it ran `COMPILE_AFTER_STEPS` times (the start-up shape, W 1 batch 1 of the
+default policy, at once), and at most `MAX_COMPILED` shapes are ever compiled per engine (ready or failed);
+the rest run eagerly. Graph keys are bucketed already (graphs.py), so no client can grow either number.
+
+Never waits, never wrong: a step whose shape is not ready runs eagerly. The compile thread never takes the
+engine's step guard: it compiles against scratch buffers over a scratch KV pool (same tensor shapes as the
+engine's, allocated lazily: only the page its warm-up writes is touched), checks the compiled logits against
+the eager ones on those buffers, then publishes the callable; the engine thread switches on its next step of
+that shape. A compile that raises (or disagrees) is logged once and its shape stays eager. The backend refuses
+to compile anywhere but the compile thread: a guard that failed on a real step would otherwise recompile on
+the engine thread for a minute; such a step runs eagerly and its shape stays eager. Inductor's on-disk cache
+lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set): a restart compiles in
+seconds. `close()` (engine shutdown) ends the thread after the compile in progress.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import os
+import threading
+import time
+import types
+from collections import deque
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from streamserve.engine.batch import threads_for
+from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
+from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
+from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey, build_entry
+from streamserve.errors import InvalidInputError
+from streamserve.models import CausalLM
+from streamserve.models.store import default_home
+from streamserve.sessions import KVPool, WindowPolicy
+
+log = logging.getLogger("streamserve")
+
+MAX_COMPILED = 8  # step shapes compiled per engine (ready or failed); others always run eagerly
+COMPILE_AFTER_STEPS = 16  # a shape is queued for compiling once it ran this many steps
+SEEN_LIMIT = 256  # shapes whose steps are counted at a time (the count restarts when full)
+CLOSE_TIMEOUT = 600.0  # seconds close() waits for a compile in progress
+CHECK_TOLERANCE = 0.05  # compiled vs eager logits on the scratch step: max |diff| <= this * (1 + max |logit|)
+
+CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
+
+
+def compile_key(key: GraphKey, threads: int) -> CompileKey:
+    width, all_rows, parts = key
+    return width, all_rows, tuple((p.policy, p.batch) for p in parts), threads
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache: the user's TORCHINDUCTOR_CACHE_DIR, else <streamserve home>/inductor (set now,
+    before the first compile reads it). Importing torch._dynamo writes Inductor's default (/tmp/torchinductor_USER)
+    into the variable: that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = current = str(default_home() / "inductor")
+    return current
+
+
+class CompileRefused(RuntimeError):
+    """A compile outside the compile thread (a guard failed on a real step): that step runs eagerly."""
+
+
+def scratch_pool(pool: KVPool) -> KVPool:
+    """A pool of the same tensor shapes as `pool` (so compiled guards hold for both) that shares nothing with it:
+    uninitialized, so the system maps only what is touched; page 0, which a scratch step writes and reads, is
+    zeroed (freed heap memory may hold NaNs)."""
+    scratch = copy.copy(pool)
+    scratch.k = [torch.empty_like(t) for t in pool.k]
+    scratch.v = [torch.empty_like(t) for t in pool.v]
+    for t in (*scratch.k, *scratch.v):
+        t[0].zero_()
+    scratch.k_slots = [t.view(-1, pool.num_kv_heads, pool.head_dim) for t in scratch.k]
+    scratch.v_slots = [t.view(-1, pool.num_kv_heads, pool.head_dim) for t in scratch.v]
+    return scratch
+
+
+def decode_graphs(model: CausalLM, pool: KVPool, max_batch: int, ops: str, cuda_graphs: str, cpu_compile: str,
+                  wide: bool) -> DecodeGraphs | None:
+    """The engine's fixed-shape decode steps (`Engine.from_pretrained`): CUDA graphs with `cuda_graphs` "on"
+    (or "auto" on CUDA with Triton kernels); on a CPU with torch kernels `cpu_compile="on"` runs the same steps
+    compiled (elsewhere it has no effect). None: every step runs eagerly. `wide`: `BatchForward.wide`."""
+    if cuda_graphs not in ("auto", "on", "off"):
+        raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
+    if cpu_compile not in ("off", "on"):
+        raise InvalidInputError(f"cpu_compile must be off or on, got {cpu_compile!r}")
+    dev = pool.device
+    compiled = cpu_compile == "on" and dev.type == "cpu" and ops == "torch"
+    if not (compiled or cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops == "triton")):
+        return None
+    graphs = DecodeGraphs.start(model, pool, max_batch, dev.type == "cuda")
+    if compiled:
+        start_compiled_steps(graphs, pool, wide)
+    return graphs
+
+
+def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool) -> CompiledSteps:
+    """Compile `graphs`' CPU steps from now on (`wide`: the model's steps use every thread, `BatchForward.wide`);
+    the start-up shape (W 1, batch 1, the default policy) is queued at once."""
+    compiled = graphs.compiled = CompiledSteps(graphs.model, pool)
+    with threads_for(pool.device, 1, wide):  # the count a one-token step runs with
+        threads = torch.get_num_threads()
+    policy = WindowPolicy()
+    pk = policy_key(policy)
+    compiled.request((1, False, (Part(pk, 1, (MIN_BUCKET,) * len(pool.groups)),)), {pk: policy}, threads)
+    return compiled
+
+
+class CompiledSteps:
+    def __init__(self, model: CausalLM, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        # the same layers and weights, its own op table: the compiled graph's attention is matmul + softmax
+        self.traced = copy.copy(model)
+        self.traced.ops = COMPILED_CPU_OPS
+        self._fns: dict[CompileKey, Callable[..., torch.Tensor]] = {}  # ready
+        self.failed: dict[CompileKey, str] = {}  # shape -> why it stays eager
+        self.compile_seconds: dict[CompileKey, float] = {}
+        self._queued: set[CompileKey] = set()  # queued, compiling, ready or failed: never queued again
+        self._seen: dict[CompileKey, int] = {}  # steps run per shape not queued yet
+        self._queue: deque[tuple[CompileKey, GraphKey, dict[PolicyKey, WindowPolicy]]] = deque()
+        self._cv = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+        self._scratch: KVPool | None = None
+        self.idle = threading.Event()  # set while nothing is queued or compiling
+        self.idle.set()
+        self.steps = 0  # steps served from compiled code
+        self.eager_steps = 0  # steps of these shapes that ran eagerly (not ready, failed, refused)
+
+    # ---- the engine thread ----------------------------------------------------------------------------------
+    def run(self, entry: Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
+        """The logits of the loaded entry: compiled when its shape is ready, else eagerly (queuing its compile)."""
+        ck = compile_key(key, torch.get_num_threads())
+        fn = self._fns.get(ck)
+        if fn is None:
+            self._count(ck, key, entry)
+            self.eager_steps += 1
+            return entry.forward(self.model)
+        try:
+            with torch.inference_mode():
+                out = fn(entry.ids, entry.kvs, entry.rows)
+        except Exception as e:  # a recompile refused, or a fault: this shape runs eagerly for good
+            self._fail(ck, e)
+            reload()  # the buffers are only read by a step, but the step is run again from scratch
+            self.eager_steps += 1
+            return entry.forward(self.model)
+        self.steps += 1
+        return out
+
+    def request(self, key: GraphKey, policies: dict[PolicyKey, WindowPolicy], threads: int) -> None:
+        """Queue shape `key` (run on `threads` intra-op threads) for compiling now (start-up)."""
+        self._enqueue(compile_key(key, threads), key, policies)
+
+    def _count(self, ck: CompileKey, key: GraphKey, entry: Entry) -> None:
+        if ck in self._queued:
+            return
+        n = self._seen.get(ck, 0) + 1
+        if n < COMPILE_AFTER_STEPS:
+            if n == 1 and len(self._seen) >= SEEN_LIMIT:
+                self._seen.clear()
+            self._seen[ck] = n
+            return
+        self._seen.pop(ck, None)
+        self._enqueue(ck, key, {part.policy: static.slots[0].policy
+                                for part, static in zip(key[2], entry.parts, strict=True)})
+
+    def _enqueue(self, ck: CompileKey, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]) -> None:
+        with self._cv:
+            if self._closed or ck in self._queued:
+                return
+            self._queued.add(ck)
+            if len(self._queued) > MAX_COMPILED:
+                self.failed[ck] = f"over the limit of {MAX_COMPILED} compiled shapes"
+                return
+            self._queue.append((ck, key, policies))
+            self.idle.clear()
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._work, name="streamserve-compile", daemon=True)
+                self._thread.start()
+            self._cv.notify()
+
+    def _fail(self, ck: CompileKey, e: BaseException) -> None:
+        self._fns.pop(ck, None)
+        if ck not in self.failed:
+            self.failed[ck] = f"{type(e).__name__}: {e}"
+            log.warning("cpu_compile: the step shape %s runs eagerly: %s", ck, self.failed[ck][:500])
+
+    @property
+    def ready(self) -> int:
+        return len(self._fns)
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Wait until nothing is queued or compiling -> whether that happened within `timeout`."""
+        return self.idle.wait(timeout)
+
+    def close(self) -> None:
+        """Stop: nothing more is compiled; the thread ends after the compile in progress (waited for)."""
+        with self._cv:
+            self._closed = True
+            self._queue.clear()
+            self._cv.notify()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(CLOSE_TIMEOUT)
+            if thread.is_alive():
+                log.warning("cpu_compile: a compile still runs %.0fs after shutdown", CLOSE_TIMEOUT)
+        self.idle.set()
+
+    # ---- the compile thread ---------------------------------------------------------------------------------
+    def _work(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self.idle.set()
+                    self._cv.wait()
+                if self._closed:
+                    return
+                ck, key, policies = self._queue.popleft()
+            try:
+                t0 = time.perf_counter()
+                fn = self._compile(ck, key, policies)
+                self.compile_seconds[ck] = time.perf_counter() - t0
+                log.info("cpu_compile: step shape %s compiled in %.1fs", ck, self.compile_seconds[ck])
+                with self._cv:
+                    if not self._closed:
+                        self._fns[ck] = fn
+            except Exception as e:  # logged once; the shape stays eager
+                self._fail(ck, e)
+
+    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+        if threading.current_thread() is not self._thread:
+            raise CompileRefused("a compile was asked for outside the compile thread (a guard failed)")
+        from torch._inductor.compile_fx import compile_fx
+
+        return compile_fx(gm, example_inputs)
+
+    def _compile(self, ck: CompileKey, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]
+                 ) -> Callable[..., torch.Tensor]:
+        """Compile shape `ck` on scratch buffers and check it against eager -> the compiled callable."""
+        inductor_cache_dir()
+        import torch._dynamo
+
+        torch.set_num_threads(ck[3])  # this thread's own setting: Inductor's kernels are generated for it
+        if self._scratch is None:
+            self._scratch = scratch_pool(self.pool)
+        # distinct key buckets per (part, layer group): equal sizes would be unified into one symbol, and a real
+        # step whose buckets differ would then fail the guard
+        n_groups = len(key[2][0].keys)
+        parts = tuple(Part(p.policy, p.batch, tuple(64 << (i * n_groups + g) for g in range(n_groups)))
+                      for i, p in enumerate(key[2]))
+        entry = build_entry((key[0], key[1], parts), self._scratch, policies)
+        for static in entry.parts:  # one graph for every key bucket: the read length is symbolic
+            for t in (*static.k_pos, *static.read_slots):
+                torch._dynamo.mark_dynamic(t, 1)
+            for slot in static.slots:
+                for grp in slot.groups:
+                    torch._dynamo.mark_dynamic(grp.k_pos, 0)
+                    torch._dynamo.mark_dynamic(grp.read_slots, 0)
+        expect = entry.forward(self.model)  # eagerly: also packs quantized weights before tracing reads them
+        fn = torch.compile(self._step_function(len(self.compile_seconds) + len(self.failed)),
+                           backend=self._backend, fullgraph=True, dynamic=False)
+        with torch.inference_mode():
+            got = fn(entry.ids, entry.kvs, entry.rows)
+        diff = (got - expect).abs().max().item()
+        if not diff <= CHECK_TOLERANCE * (1 + expect.abs().max().item()):  # NaN fails too
+            raise RuntimeError(f"compiled logits differ from eager ones by {diff:.3g}")
+        return fn
+
+    def _step_function(self, n: int) -> Callable[..., torch.Tensor]:
+        """forward_batch on the traced model, as a function with its own code object (Dynamo caches per code)."""
+        traced, raw = self.traced, CausalLM.forward_batch.__wrapped__  # type: ignore[attr-defined]
+
+        def step(ids: torch.Tensor, kvs: list[Any], rows: torch.Tensor | None) -> torch.Tensor:
+            return raw(traced, ids, kvs, rows)
+
+        code = step.__code__.replace(co_name=f"decode_step_{n}")
+        return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
