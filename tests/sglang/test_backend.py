@@ -178,3 +178,27 @@ def generate_status(url: str, session_id: str) -> int:
             return r.status
     except urllib.error.HTTPError as e:
         return e.code
+
+
+async def test_openai_realtime_sdk_works_unchanged(on_sglang: RunningServer, on_engine: RunningServer) -> None:
+    """/v1/realtime on the SGLang backend: the openai SDK's text conversation, the same words as the engine's."""
+    from openai import AsyncOpenAI
+
+    async def talk(http: str) -> list[str]:
+        client = AsyncOpenAI(api_key="unused", base_url=f"{http}/v1")
+        out = []
+        async with client.realtime.connect(model="any") as conn:
+            assert (await conn.recv()).type == "session.created"
+            for text in ("In the beginning", "And then"):
+                await conn.conversation.item.create(item={"type": "message", "role": "user",
+                                                          "content": [{"type": "input_text", "text": text}]})
+                await conn.response.create(response={"max_output_tokens": 8})
+                async for ev in conn:
+                    if ev.type == "error":
+                        raise AssertionError(ev.error)
+                    if ev.type == "response.done":
+                        assert ev.response.status in ("completed", "incomplete"), ev.response
+                        out.append(ev.response.output[0].content[0].text)
+                        break
+        return out
+    assert await talk(on_sglang.http) == await talk(on_engine.http)
