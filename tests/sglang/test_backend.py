@@ -202,3 +202,18 @@ async def test_openai_realtime_sdk_works_unchanged(on_sglang: RunningServer, on_
                         break
         return out
     assert await talk(on_sglang.http) == await talk(on_engine.http)
+
+
+async def test_metrics_show_the_backend_and_sglangs_own(on_sglang: RunningServer) -> None:
+    import aiohttp
+
+    await conversation(on_sglang.url, TURNS[:1])
+    async with aiohttp.ClientSession() as http:
+        for _ in range(60):  # SGLang's are scraped every few seconds
+            async with http.get(on_sglang.http + "/metrics") as r:
+                text = await r.text()
+            if "sglang:" in text:
+                break
+            await asyncio.sleep(0.5)
+    assert 'streamserve_tokens_total{kind="decode"}' in text and "streamserve_connections" in text
+    assert "sglang:" in text
