@@ -133,7 +133,7 @@ async def run_reply(s: RemoteSession, item: _Reply) -> None:
                 finish = reason.get("type")
                 s.cache = reuse(meta)
             elif (r.cancelled or stopped) and not item.abort_sent:
-                await s._abort(item)
+                await s.abort(item)
         e.stats_.decoded(received, time.monotonic() - r.first_token_at if r.first_token_at is not None else 0.0)
         if finish == "abort" and received and not s.closed:  # SGLang dropped the turn: give it back what it made
             await e.http.prefill(s.backend_id, list(s.token_ids[start:start + received]), f"{s.id}-p{next(_rids)}")

@@ -25,12 +25,13 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
-from streamserve.config import SESSION_DEFAULTS
+from streamserve.config import SESSION_DEFAULTS, SchedulerConfig
 from streamserve.engine.inputs import check_ids, check_time
-from streamserve.engine.remote.http import BackendUnavailableError
+from streamserve.engine.remote.http import BackendUnavailableError, SGLangHTTP
+from streamserve.engine.remote.worker import BackendLoop
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.engine.snapshot import ChunkRecord
 from streamserve.engine.state import SessionStatus
@@ -48,10 +49,8 @@ from streamserve.errors import (
     RewindError,
     SessionClosedError,
 )
+from streamserve.models import ModelConfig, Tokenizer
 from streamserve.sessions import WindowPolicy
-
-if TYPE_CHECKING:
-    from streamserve.engine.remote.engine import SGLangEngine
 
 DETOK_CONTEXT = 8  # ids before a reply its detokenizer sees (leading spaces), as the engine's runner does
 
@@ -80,8 +79,25 @@ class _Rewind:
     done: Future[int]
 
 
+class RemoteHost(Protocol):
+    """What a remote session uses of its backend (`remote.engine.SGLangEngine` is one)."""
+
+    tokenizer: Tokenizer
+    config: ModelConfig
+    eos_token_ids: tuple[int, ...]
+    max_context: int
+    limits: SchedulerConfig
+    loop: BackendLoop
+    http: SGLangHTTP
+    stats_: Any  # remote.engine.BackendStats
+
+    def forget(self, session_id: str) -> None: ...
+
+    def backend_failed(self, error: BaseException) -> None: ...
+
+
 class RemoteSession:
-    def __init__(self, engine: SGLangEngine, session_id: str, chunk_budget: float = SESSION_DEFAULTS.chunk_budget,
+    def __init__(self, engine: RemoteHost, session_id: str, chunk_budget: float = SESSION_DEFAULTS.chunk_budget,
                  seed: int | None = None) -> None:
         self.id, self.engine, self.chunk_budget = session_id, engine, chunk_budget
         self.max_chunk_tokens: int | None = None  # set by servers: a longer chunk is refused at the call
@@ -255,9 +271,10 @@ class RemoteSession:
         for w in dropped:
             _end(w.response, "cancelled")
         if running is not None:
-            self.engine.loop.call(self.engine.loop.spawn, self._abort(running))
+            self.engine.loop.call(self.engine.loop.spawn, self.abort(running))
 
-    async def _abort(self, item: _Reply) -> None:  # on the backend loop
+    async def abort(self, item: _Reply) -> None:
+        """On the backend loop: ask SGLang to abort the reply (once)."""
         if not item.abort_sent and not item.response.finished:
             item.abort_sent = True
             await self.engine.http.abort(item.rid)
@@ -310,7 +327,7 @@ class RemoteSession:
         self.engine.loop.call(self._poke)  # its server task ends, and closes SGLang's session
         if running is not None:
             running.response.cancelled = True
-            self.engine.loop.call(self.engine.loop.spawn, self._abort(running))
+            self.engine.loop.call(self.engine.loop.spawn, self.abort(running))
 
     def fail(self, error: BaseException) -> None:
         """The backend died: everything queued or running ends with `error`, and the session is closed."""
