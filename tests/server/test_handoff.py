@@ -280,6 +280,22 @@ async def test_a_draining_server_refuses_new_connections_with_503_before_the_upg
 
 
 @pytest.mark.asyncio
+async def test_without_a_store_a_drain_is_a_graceful_shutdown_and_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    async with serve(ServerConfig(max_chunk_tokens=64)) as a:
+        c = await Raw.connect(a)
+        sid = (await c.request({"type": "open"}))["session"]
+        with caplog.at_level("WARNING", logger="streamserve.server"):
+            await drain(a)
+            closed = await c.until("closed")
+            assert closed["session"] == sid and closed["reason"] == "shutdown"
+            with pytest.raises(websockets.ConnectionClosed):
+                await c.recv()
+            await asyncio.wait_for(a.server.drained.wait(), WAIT_S)
+        assert c.ws.close_code == 1001
+        assert "graceful shutdown" in caplog.text
+
+
+@pytest.mark.asyncio
 async def test_admin_drain_needs_the_api_key_when_one_is_configured(tmp_path: Path) -> None:
     async with serve(config(tmp_path, api_key="k" * 32)) as a:
         def post(key: str | None) -> int:
@@ -392,3 +408,44 @@ async def test_the_sdk_resumes_on_the_other_instance_transparently(tmp_path: Pat
             assert pages(b) == 0
         finally:
             await fwd.stop()
+
+
+def test_sigusr1_drains_the_serve_process_into_the_store_and_it_exits_0(tmp_path: Path) -> None:
+    """`streamserve serve` handles SIGUSR1 where it handles SIGINT and SIGTERM: a drain, then exit status 0; the
+    session of a connected client is in the store afterwards, and the client got `reconnect` and 1012."""
+    import re
+    import signal
+    import subprocess
+    import sys
+
+    store = tmp_path / "store"
+    proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--kv-memory", "64MiB",
+                             "--no-voice", "--no-vision", "--snapshot-store", str(store)],
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        assert proc.stderr is not None
+        port = None
+        for line in proc.stderr:
+            m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+            port = int(m.group(1)) if m else port
+            if "ready:" in line:
+                break
+        assert port is not None
+
+        async def client() -> str:
+            ws = await websockets.connect(f"ws://127.0.0.1:{port}/v1/stream")
+            c = Raw(ws)
+            await c.recv()
+            sid = (await c.request({"type": "open"}))["session"]
+            await c.append(sid, 0, text=TURNS[0])
+            proc.send_signal(signal.SIGUSR1)
+            await moved_out(c, sid)
+            return sid
+
+        sid = asyncio.run(client())
+        rest = proc.stderr.read()
+        assert proc.wait(60) == 0 and "drained" in rest, rest
+        assert [p.name for p in store.iterdir()] == [f"{sid}.rec"]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
