@@ -13,7 +13,9 @@ sessions, open and detached together: when full, the oldest detached session mak
 address's first), and when none is detached, `open` is refused. Each client address (the owner's `address`,
 server/clients.py) holds at most `max_per_address` of them, open, detached and opening together, so that one
 address cannot fill the table and so evict other addresses' detached sessions; a session keeps its address while
-detached and takes its new holder's on a resume. Thread-safe: `open` runs in a worker thread. Owned by the session
+detached and takes its new holder's on a resume. A session another instance handed over (server/lifecycle.py) joins
+with `adopt`, under its id and resume token; only native sessions (`portable`) are handed over by a drain.
+Thread-safe: `open` runs in a worker thread. Owned by the session
 service (server/service.py); an owner is whatever object stands for one connection there (an owner without an
 `address` is counted per connection and in the total only).
 """
