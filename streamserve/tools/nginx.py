@@ -17,6 +17,7 @@ checks only, which is what this uses. docs/scale.md ("Scale-out behind nginx") e
   (`--max-frame-bytes`; WebSocket frames after the upgrade are not bodies and nginx does not limit them).
 - Client address: `X-Forwarded-For` is appended to, so the instances count per-address limits against the real
   client when started with `--trusted-proxies <nginx's address>`.
+- `/admin/` (POST /admin/drain) is not proxied: it concerns one instance, which the operator addresses directly.
 
 Variable, upstream and log-format names start with `streamserve` so that the http-level snippet can sit in
 /etc/nginx/conf.d next to other sites: many define their own `map $http_upgrade $connection_upgrade` (often with
@@ -208,6 +209,12 @@ server {{
         # no non_idempotent: a POST that timed out may already have made a call or a secret there
         proxy_next_upstream error timeout http_502 http_503;
         proxy_next_upstream_tries {tries};
+    }}
+
+    # an instance's admin routes (POST /admin/drain) name that instance: send them to it, not through a proxy that
+    # picks one by affinity key
+    location /admin/ {{
+        return 404;
     }}
 }}
 """

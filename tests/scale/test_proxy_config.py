@@ -106,6 +106,7 @@ def test_the_snippet_routes_by_the_affinity_key_with_passive_health_and_long_soc
         "proxy_buffering": ["off"],
         "proxy_next_upstream": ["error", "timeout", "http_502", "http_503"],  # no non_idempotent: POSTs not retried
         "proxy_next_upstream_tries": ["3"]}
+    assert children(one(server, "location", "/admin/")) == [("return", ["404"], None)]  # drain names its instance
     headers = {d[1][0]: d[1][1] for d in loc if d[0] == "proxy_set_header"}
     assert headers == {"Upgrade": "$http_upgrade", "Connection": "$streamserve_connection_upgrade",
                        "Host": "$http_host", "X-Forwarded-For": "$proxy_add_x_forwarded_for",
