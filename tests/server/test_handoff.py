@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import threading
 import urllib.error
 import urllib.request
@@ -257,6 +258,24 @@ async def test_a_detached_session_is_handed_over_and_its_latest_acks_come_with_i
         assert again["resumed"] and again["session"] == sid
         await other.ws.close()
         await c2.ws.close()
+
+
+@pytest.mark.asyncio
+async def test_connection_bound_sessions_are_closed_not_stored_and_native_ones_move(tmp_path: Path) -> None:
+    async with serve(config(tmp_path)) as a:
+        rt = await websockets.connect(a.url + "/v1/realtime?model=default")
+        assert json.loads(await asyncio.wait_for(rt.recv(), WAIT_S))["type"] == "session.created"
+        c = await Raw.connect(a)
+        sid = (await c.request({"type": "open"}))["session"]
+        assert len(a.server.service.registry) == 2
+        await drain(a)
+        await moved_out(c, sid)
+        with pytest.raises(websockets.ConnectionClosed):
+            while True:
+                await asyncio.wait_for(rt.recv(), WAIT_S)
+        assert rt.close_code == 1001  # the Realtime connection closes as at a shutdown
+        await asyncio.wait_for(a.server.drained.wait(), WAIT_S)
+        assert [p.name for p in tmp_path.iterdir()] == [f"{sid}.rec"]  # only the native session was stored
 
 
 @pytest.mark.asyncio
