@@ -23,6 +23,7 @@ a directory that every instance behind one proxy mounts. Its rules:
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import io
@@ -189,10 +190,14 @@ class DirectoryStore:
 
     def __init__(self, path: str | Path) -> None:
         self.root = Path(path)
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
-        if self.root.stat().st_mode & 0o077:
-            log.warning("streamserve: the snapshot store %s is readable or writable by other users than its owner "
-                        "(chmod 700 it): its records hold whole conversations", self.root)
+        try:  # a store that cannot be made is said in the log; each put then fails typed (the session closes)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if self.root.stat().st_mode & 0o077:
+                log.warning("streamserve: the snapshot store %s is readable or writable by other users than its "
+                            "owner (chmod 700 it): its records hold whole conversations", self.root)
+        except OSError as e:
+            log.error("streamserve: cannot use the snapshot store %s (%s): a drain cannot hand sessions over",
+                      self.root, e.strerror or e)
 
     def path_of(self, session_id: str) -> Path:
         return self.root / (check_id(session_id) + SUFFIX)
@@ -209,7 +214,8 @@ class DirectoryStore:
                 os.fsync(f.fileno())
             os.replace(tmp, target)
         except OSError as e:
-            tmp.unlink(missing_ok=True)
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
             raise SnapshotError(f"cannot write hand-off record {target.name} to {self.root}: {e.strerror or e}") \
                 from None
 
@@ -218,7 +224,9 @@ class DirectoryStore:
         try:
             with open(path, "rb") as f:
                 line = f.readline(MAX_HEADER_BYTES)
-        except FileNotFoundError:
+        except OSError as e:  # none; or a store this server cannot read (the log says why)
+            if not isinstance(e, FileNotFoundError):
+                log.error("streamserve: cannot read the snapshot store %s: %s", self.root, e.strerror or e)
             raise SessionNotFoundError(f"no session {session_id!r} to resume: it was closed, expired, or never "
                                        "existed; open a new one") from None
         try:
@@ -261,7 +269,11 @@ class DirectoryStore:
     def expire(self, now: float | None = None) -> int:
         now = time.time() if now is None else now
         gone = 0
-        for p in self.root.iterdir():
+        try:
+            paths = list(self.root.iterdir())
+        except OSError:  # a store that cannot be read: said at start, and at each claim
+            return 0
+        for p in paths:
             try:
                 if p.name.endswith(SUFFIX):
                     with open(p, "rb") as f:
@@ -276,6 +288,6 @@ class DirectoryStore:
                 if stale:
                     p.unlink(missing_ok=True)
                     gone += 1
-            except FileNotFoundError:  # claimed or replaced meanwhile
+            except OSError:  # claimed or replaced meanwhile (or unreadable: left alone)
                 continue
         return gone

@@ -16,7 +16,7 @@ from serving import default_engine
 
 from streamserve.engine import Engine
 from streamserve.engine.snapshot import Snapshot
-from streamserve.errors import SessionNotFoundError
+from streamserve.errors import SessionNotFoundError, SnapshotError
 from streamserve.server.handoff import (
     BadSessionIdError,
     DamagedRecordError,
@@ -163,3 +163,13 @@ def test_records_past_the_resume_ttl_are_discarded(tmp_path: Path, snap: Snapsho
     assert store.expire(now=time.time() + 2 * 3600) == 3 and files(tmp_path) == []
     store.put(record(snap, "fresh"))
     assert store.discard("fresh") and not store.discard("fresh")
+
+
+def test_a_store_that_cannot_be_made_fails_each_put_typed(tmp_path: Path, snap: Snapshot) -> None:
+    (tmp_path / "file").write_text("not a directory")
+    store = DirectoryStore(tmp_path / "file" / "store")  # said in the log; the server still starts
+    with pytest.raises(SnapshotError):
+        store.put(record(snap))
+    with pytest.raises(SessionNotFoundError):
+        store.claim("abcDEF123_-x", TOKEN, snap.model)
+    assert store.expire() == 0
