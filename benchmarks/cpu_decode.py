@@ -1,12 +1,16 @@
 """Batch-1 CPU decode against memory bandwidth: the engine's weight formats, transformers and llama.cpp.
 
-    python benchmarks/cpu_decode.py [--new 96] [--reps 5] [--with-llamacpp] [--quick]
+    python benchmarks/cpu_decode.py [--new 96] [--reps 5] [--with-llamacpp] [--no-compile] [--quick]
 
 Batch-1 decode reads every weight once per token, so its speed is bounded by bytes read per token over the
 memory's read rate. In one run, on torch's threads, for SmolLM2-135M-Instruct (its pulled GGUF file: Q4_1
 linears, a Q8_0 embedding; left out and said so when not pulled) and the embedded default model:
 - the engine with each weight format (`quantize`: "none" float32, "int8", "int4", and on the GGUF "auto", the
   file's own quantization), activations float32;
+- the engine with `cpu_compile="on"` in int8 and int4 (`engine_int8_compiled`, `engine_int4_compiled`: the
+  fixed-shape decode step compiled by torch.compile, engine/compiled.py), side by side with the eager engines;
+  the run waits until their background compiles are done before any rep (their seconds are reported, and the
+  steps served compiled and eagerly: a timed rep must run compiled); --no-compile (and --quick) leaves them out;
 - transformers float32 on the same weights (the GGUF through `gguf_file=`, the default model's safetensors);
 - with --with-llamacpp, llama.cpp on the same GGUF file (benchmarks/llamacpp_peer.py in the virtual environment
   of `make llamacpp-venv`, as a subprocess that answers one rep per line asked).
@@ -161,9 +165,39 @@ class Contender:
         self.tokens: list[int] = []
 
 
-def load_engine(path: Path, quantize: str) -> Engine:
-    """float32 activations whatever the weights' format; a small KV pool (a 32-token prompt and --new tokens)."""
-    return Engine.from_pretrained(path, device="cpu", dtype="float32", quantize=quantize, kv_memory="256MiB")
+COMPILED = "_compiled"  # a mode's suffix: the engine with cpu_compile="on"
+COMPILE_TIMEOUT = 900.0  # seconds the run waits for an engine's background compiles
+
+
+def load_engine(path: Path, mode: str) -> Engine:
+    """float32 activations whatever the weights' format; a small KV pool (a 32-token prompt and --new tokens).
+    `mode`: a quantize mode, with COMPILED appended for cpu_compile="on"."""
+    return Engine.from_pretrained(path, device="cpu", dtype="float32", quantize=mode.removesuffix(COMPILED),
+                                  kv_memory="256MiB", cpu_compile="on" if mode.endswith(COMPILED) else "off")
+
+
+def wait_compiled(engines: list[Engine], modes: list[str]) -> dict[str, dict[str, Any]]:
+    """Wait for the compiled engines' background compiles -> per mode the seconds each compile took (one shape:
+    one-token steps of one session, any key count), the wait since the call, and what failed."""
+    out: dict[str, dict[str, Any]] = {}
+    t0 = time.perf_counter()
+    for mode, engine in zip(modes, engines, strict=True):
+        compiled = engine.graphs.compiled if engine.graphs is not None else None
+        if compiled is None:
+            continue
+        if not compiled.wait_idle(COMPILE_TIMEOUT):
+            raise SystemExit(f"engine_{mode}: still compiling after {COMPILE_TIMEOUT:.0f}s")
+        out[mode] = {"compile_s": [round(v, 1) for v in compiled.compile_seconds.values()],
+                     "waited_s": round(time.perf_counter() - t0, 1), "failed": list(compiled.failed.values())}
+        print(f"engine_{mode}: compiled in {out[mode]['compile_s']} s, failed: {out[mode]['failed']}",
+              file=sys.stderr)
+    return out
+
+
+def compiled_steps(engine: Engine) -> tuple[int, int]:
+    """(steps served compiled, steps of compiled shapes run eagerly) so far; (0, 0) for an eager engine."""
+    compiled = engine.graphs.compiled if engine.graphs is not None else None
+    return (compiled.steps, compiled.eager_steps) if compiled is not None else (0, 0)
 
 
 def engine_contender(mode: str, engine: Engine, prompt: list[int], new: int, fraction: float) -> Contender:
@@ -247,7 +281,11 @@ def matching_prefix(a: list[int], b: list[int]) -> int:
 
 def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespace, rate: ReadRate
                 ) -> dict[str, Any]:
-    engines = [load_engine(path, m) for m in modes]
+    engines: list[Engine] = []
+    compile_info: dict[str, dict[str, Any]] = {}
+    for m in modes:  # a compiled engine's compile is waited for before the next loads: each compiles alone
+        engines.append(load_engine(path, m))
+        compile_info.update(wait_compiled(engines[-1:], [m]))
     prompt = engines[0].tokenizer.encode(real_models.TEXT)[:PROMPT_TOKENS]
     moe = engines[0].config.moe
     fraction = 1.0 if moe is None else moe.top_k / moe.num_experts  # the share of expert weights a token reads
@@ -259,6 +297,7 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
         for c in contenders:  # warm-up: first touch of pools and caches, the CPU kernels' packing
             c.rep()
         since = len(rate.copy_s)
+        steps_before = [compiled_steps(e) for e in engines]
         for _ in range(args.reps):  # interleaved: all, and the read rate, see the same load on the machine
             rate.sample(2)
             for c in contenders:
@@ -271,6 +310,10 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
         gb_s, sum_gb_s = res["read_rate"]["copy_read_gb_s"], res["read_rate"]["sum_read_gb_s"]
         print(f"{name} read rate during its reps: {res['read_rate']}", file=sys.stderr)
         reference = contenders[0].tokens  # the float32 engine's greedy tokens ("none" comes first)
+        for mode, engine, before in zip(modes, engines, steps_before, strict=True):
+            if mode in compile_info:  # the timed reps' steps, compiled and eager (0: every one compiled)
+                done, eager = (a - b for a, b in zip(compiled_steps(engine), before, strict=True))
+                compile_info[mode].update(timed_steps_compiled=done, timed_steps_eager=eager)
         for c in contenders:
             tok_s, nbytes = statistics.median(c.tok_s), c.bytes_per_token()
             res[c.name] = {"tok_s": round(tok_s, 1), "tok_s_reps": [round(t, 1) for t in c.tok_s],
@@ -278,6 +321,11 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
                            "bandwidth_fraction": round(nbytes * tok_s / 1e9 / gb_s, 3),  # of the copy's rate
                            "read_only_fraction": round(nbytes * tok_s / 1e9 / sum_gb_s, 3),  # of the sum's
                            "matching_prefix": matching_prefix(c.tokens, reference), "tokens": len(c.tokens)}
+            mode = c.name.removeprefix("engine_")
+            if mode in compile_info:  # and its greedy tokens against the eager engine of the same weights
+                res[c.name]["compile"] = compile_info[mode]
+                res[c.name]["same_tokens_as_eager"] = c.tokens == next(
+                    d.tokens for d in contenders if d.name == c.name.removesuffix(COMPILED))
             print(f"{name} {c.name}: {tok_s:.1f} tok/s, {nbytes / 2**20:.2f} MiB/token, "
                   f"{nbytes * tok_s / 1e9:.2f} GB/s = {res[c.name]['bandwidth_fraction']:.0%} of the copy's read rate "
                   f"({res[c.name]['read_only_fraction']:.0%} of the sum's), "
@@ -289,6 +337,8 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
     peers = [n for n in ("transformers_fp32", "llamacpp") if n in names]
     res["ratios"] = {f"{a}_over_{b}": round(res[a]["tok_s"] / res[b]["tok_s"], 3)
                      for a in names if a.startswith("engine_") for b in [*peers, "engine_none"] if a != b}
+    res["ratios"].update({f"{a}_over_{a.removesuffix(COMPILED)}": round(  # compiled over eager, same weights
+        res[a]["tok_s"] / res[a.removesuffix(COMPILED)]["tok_s"], 3) for a in names if a.endswith(COMPILED)})
     print(f"{name} ratios: " + ", ".join(f"{k} x{v}" for k, v in res["ratios"].items()), file=sys.stderr)
     return res
 
@@ -304,10 +354,13 @@ def main() -> None:
                    help=f"torch's threads and llama.cpp's (default: torch's, {torch.get_num_threads()} here); "
                         "1 where other work shares the cores (see load_average in the JSON)")
     p.add_argument("--with-llamacpp", action="store_true", help="llama.cpp on the GGUF too (make llamacpp-venv)")
-    p.add_argument("--quick", action="store_true", help="a small run to check the script works (no llama.cpp)")
+    p.add_argument("--no-compile", action="store_true",
+                   help="leave out the compiled engines (cpu_compile; a cold compile takes about a minute each)")
+    p.add_argument("--quick", action="store_true",
+                   help="a small run to check the script works (no llama.cpp, no compiled engines)")
     args = p.parse_args()
     if args.quick:
-        args.new, args.reps, args.bandwidth_mib, args.with_llamacpp = 4, 1, 64, False
+        args.new, args.reps, args.bandwidth_mib, args.with_llamacpp, args.no_compile = 4, 1, 64, False, True
     torch.set_num_threads(args.threads)
     from transformers.utils import logging as hf_logging
 
@@ -328,6 +381,7 @@ def main() -> None:
         models.insert(0, (SMOLLM2, resolve_model_path(SMOLLM2, offline=True)))
     for name, path in models:
         modes = ["none", "int8", "int4", *(["auto"] if path.is_file() else [])]  # "auto" only changes a GGUF
+        modes += [] if args.no_compile else [f"int8{COMPILED}", f"int4{COMPILED}"]
         res[name] = bench_model(name, path, modes, args, rate)
     res["read_rate"] = rate.figures()  # every sample of the run
     res["load_average_after"] = [round(x, 2) for x in os.getloadavg()]

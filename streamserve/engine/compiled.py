@@ -37,6 +37,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
 
 from streamserve.engine.batch import threads_for
 from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
@@ -56,6 +57,37 @@ CLOSE_TIMEOUT = 600.0  # seconds close() waits for a compile in progress
 CHECK_TOLERANCE = 0.05  # compiled vs eager logits on the scratch step: max |diff| <= this * (1 + max |logit|)
 
 CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
+# an int8 lm_head as a reduction Inductor generates, instead of aten's `_weight_int8pack_mm` (which reads the 28 MB
+# head of SmolLM2 at ~3 GB/s where Inductor's loop reads ~18: the issue 16 spike); see `Int8Reduction`
+INT8_HEAD_REDUCTION = False
+
+
+class Int8Reduction(nn.Module):
+    """An int8 `QuantLinear` as Inductor code (the compiled path only; same tensors, nothing copied): the input
+    rounded to bfloat16 as the aten kernel takes it, int8 x bf16 products exact in fp32, an fp32 sum, the bf16
+    scale, the result rounded to bfloat16 as the kernel returns it. Only the summation order differs from aten."""
+
+    def __init__(self, lin: nn.Module) -> None:
+        super().__init__()
+        self.lin = lin  # QuantLinear(bits=8): qweight int8 [N, K], scale fp32 [N, 1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [R, K] -> [R, N]
+        lin = self.lin
+        xb = x.to(torch.bfloat16).to(torch.float32)
+        y = (xb[:, None, :] * lin.qweight.to(torch.float32)[None]).sum(-1)  # [R, N]
+        y = (y * lin.scale[:, 0].to(torch.bfloat16).to(torch.float32)).to(torch.bfloat16).to(x.dtype)
+        return y if lin.bias is None else y + lin.bias.to(y.dtype)
+
+
+def traced_model(model: CausalLM) -> CausalLM:
+    """The model the compiled steps trace: the same layers and weights (shallow copies), its own op table (attention
+    as matmul + softmax) and, with INT8_HEAD_REDUCTION, an int8 lm_head as `Int8Reduction`."""
+    traced = copy.copy(model)
+    traced.ops = COMPILED_CPU_OPS
+    head = getattr(model, "lm_head", None)
+    if INT8_HEAD_REDUCTION and getattr(head, "bits", None) == 8:
+        traced.__dict__["_modules"] = {**model._modules, "lm_head": Int8Reduction(head)}
+    return traced
 
 
 def compile_key(key: GraphKey, threads: int) -> CompileKey:
@@ -73,6 +105,13 @@ def inductor_cache_dir() -> str:
     if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = current = str(default_home() / "inductor")
     return current
+
+
+def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The compile backend: Inductor with its default options (C++/OpenMP kernels on a CPU)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)
 
 
 class CompileRefused(RuntimeError):
@@ -127,9 +166,7 @@ def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool) -> Comp
 class CompiledSteps:
     def __init__(self, model: CausalLM, pool: KVPool) -> None:
         self.model, self.pool = model, pool
-        # the same layers and weights, its own op table: the compiled graph's attention is matmul + softmax
-        self.traced = copy.copy(model)
-        self.traced.ops = COMPILED_CPU_OPS
+        self.traced = traced_model(model)
         self._fns: dict[CompileKey, Callable[..., torch.Tensor]] = {}  # ready
         self.failed: dict[CompileKey, str] = {}  # shape -> why it stays eager
         self.compile_seconds: dict[CompileKey, float] = {}
@@ -199,9 +236,9 @@ class CompiledSteps:
 
     def _fail(self, ck: CompileKey, e: BaseException) -> None:
         self._fns.pop(ck, None)
-        if ck not in self.failed:
-            self.failed[ck] = f"{type(e).__name__}: {e}"
-            log.warning("cpu_compile: the step shape %s runs eagerly: %s", ck, self.failed[ck][:500])
+        if ck not in self.failed:  # the first line says what (Dynamo's messages run to pages)
+            self.failed[ck] = f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:300]
+            log.warning("cpu_compile: the step shape %s runs eagerly: %s", ck, self.failed[ck])
 
     @property
     def ready(self) -> int:
@@ -248,9 +285,7 @@ class CompiledSteps:
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if threading.current_thread() is not self._thread:
             raise CompileRefused("a compile was asked for outside the compile thread (a guard failed)")
-        from torch._inductor.compile_fx import compile_fx
-
-        return compile_fx(gm, example_inputs)
+        return inductor(gm, example_inputs)
 
     def _compile(self, ck: CompileKey, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]
                  ) -> Callable[..., torch.Tensor]:
