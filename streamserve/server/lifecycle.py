@@ -127,13 +127,17 @@ class ServiceLifecycle:
 
     # ---- drain: hand the sessions over to the instance that receives their resume ---------------------
     def portable(self, e: Entry) -> bool:
-        """Whether a drain hands the session over: a native session (open or detached) that takes no audio."""
-        return e.portable and not e.session.closed and e.session.id not in self.audio.states
+        """Whether a drain hands the session over: a native session (open or detached) that takes no audio, on a
+        backend that can snapshot it (not SGLang's: its sessions close as at a shutdown)."""
+        return e.portable and not e.session.closed and e.session.id not in self.audio.states \
+            and "snapshot" in self.engine.capabilities
 
     def quiet(self, entries: list[Entry]) -> bool:
         """Nothing runs on these sessions any more, and every result of theirs was delivered."""
         if self.operations or self.tasks:  # an operation being carried out; an ack, a chat reply, audio
             return False
+        if not entries:
+            return True
         loop = self.engine.loop
         with loop.cv:
             busy = loop.scheduler.busy_sessions()

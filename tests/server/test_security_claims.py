@@ -25,7 +25,7 @@ REVIEW = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 # (method, path) of every route, as docs/security.md's route table lists them (aiohttp adds HEAD to each GET)
 ROUTES = {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/stream"), ("GET", "/v1/realtime"),
           ("POST", "/v1/realtime/client_secrets"), ("GET", "/"), ("GET", "/web/{path}"), ("GET", "/v1/policy"),
-          ("POST", "/v1/realtime/calls"), ("DELETE", "/v1/realtime/calls/{call_id}")}
+          ("POST", "/v1/realtime/calls"), ("DELETE", "/v1/realtime/calls/{call_id}"), ("POST", "/admin/drain")}
 WEBSOCKETS = ("/v1/stream", "/v1/realtime", "/v1/policy")
 
 

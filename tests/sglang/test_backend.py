@@ -217,3 +217,22 @@ async def test_metrics_show_the_backend_and_sglangs_own(on_sglang: RunningServer
             await asyncio.sleep(0.5)
     assert 'streamserve_tokens_total{kind="decode"}' in text and "streamserve_connections" in text
     assert "sglang:" in text
+
+
+async def test_a_drain_on_the_sglang_backend_closes_its_sessions_and_stores_nothing(
+        sglang: LaunchedSGLang, checkpoint: Path, tmp_path: Path) -> None:
+    """SGLang's sessions cannot be snapshot: a drain closes them as a shutdown does (the client hears `closed`)."""
+    import aiohttp
+    from serving import serve
+
+    cfg = EngineConfig(model=str(checkpoint), backend="sglang", sglang_url=sglang.url)
+    async with serve(ServerConfig(snapshot_store=str(tmp_path)), backend_loader(cfg)) as srv:
+        async with sc.connect(srv.url, reconnect=False) as client:
+            s = await client.open_session()
+            await s.append(token_ids=[1, 2, 3])
+            async with aiohttp.ClientSession() as http, http.post(srv.http + "/admin/drain") as r:
+                assert r.status == 202, await r.text()
+            await asyncio.wait_for(srv.server.drained.wait(), 60)
+        assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
+        engine = srv.engine
+    assert engine.sessions() == []  # closed with the server
