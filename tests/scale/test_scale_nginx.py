@@ -198,3 +198,31 @@ async def passes(nginx: Nginx, key: str) -> tuple[int, str]:
     """POST /v1/realtime/client_secrets through nginx with this key."""
     async with aiohttp.ClientSession() as http:
         return await status_of(http, "POST", f"{nginx.http}/v1/realtime/client_secrets?affinity={key}", json={})
+
+
+async def hello_or_close(url: str, local: str, kept: list[Any]) -> int | None:
+    """Connect from the loopback address `local`: None once served (its hello came; the connection is kept open in
+    `kept`), else the close code."""
+    ws = await websockets.connect(url, local_addr=(local, 0))
+    try:
+        msgpack.unpackb(await asyncio.wait_for(ws.recv(), 30))
+    except websockets.ConnectionClosed as e:
+        return e.rcvd.code if e.rcvd else -1
+    kept.append(ws)
+    return None
+
+
+@pytest.mark.asyncio
+async def test_instances_count_each_client_behind_nginx_by_its_own_address(pair: list[Instance],
+                                                                           proxy: Nginx) -> None:
+    """nginx appends the client's address to X-Forwarded-For and the instances trust it from nginx
+    (--trusted-proxies 127.0.0.1): one client at its --max-connections-per-ip (64) is refused more, another client
+    is not (without the header every client would be nginx's one address)."""
+    url = f"{proxy.url}/v1/stream?affinity=xff"  # one key: every connection reaches the same instance
+    kept: list[Any] = []
+    try:
+        assert [await hello_or_close(url, "127.0.0.2", kept) for _ in range(64)] == [None] * 64
+        assert await hello_or_close(url, "127.0.0.2", kept) == 1013  # too_many_connections, for this client only
+        assert await hello_or_close(url, "127.0.0.3", kept) is None
+    finally:
+        await asyncio.gather(*(ws.close() for ws in kept))
