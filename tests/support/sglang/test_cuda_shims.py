@@ -1,6 +1,7 @@
 """The SGLang CUDA test shims (cuda_shims/, used by benchmarks/sglang_gpu_check.sh) against their reference
 formulas, on the CPU: the sgl_kernel norms, gated activations and top-k/top-p renormalisations, FlashInfer's two
-samplers, the torch clamp that replaces a JIT kernel, and the import hook that patches SGLang's modules.
+samplers, the torch clamp that replaces a JIT kernel, the session-request backport, the zstandard stand-in, and the
+import hook that patches SGLang's modules.
 
 Needs only torch (the dev environment): SGLang itself is not imported here. The shims are loaded from their folder
 for this module and unloaded after it, so nothing else in the test run sees an ``sgl_kernel`` or ``flashinfer``.
@@ -9,6 +10,7 @@ for this module and unloaded after it, so nothing else in the test run sees an `
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -155,3 +157,31 @@ def test_the_import_hook_patches_a_module_right_after_it_runs(shims: SimpleNames
         assert module.can_use_store_cache(256) is False and "fake_jit_kvcache" in shims.hooks.applied
     finally:
         sys.modules.pop("fake_jit_kvcache", None)
+
+
+def test_a_session_turn_without_new_ids_is_accepted(shims: SimpleNamespace) -> None:
+    class GenerateReqInput:  # SGLang 0.5.15's check, reduced to the branch the backport changes
+        def __init__(self, input_ids: list[int], session_params: dict | None = None) -> None:
+            self.text, self.input_ids, self.session_params, self.input_embeds = None, input_ids, session_params, 0
+
+        def _determine_batch_size(self) -> None:
+            if len(self.input_ids) == 0:
+                raise ValueError("input_ids cannot be empty.")
+            self.is_single, self.batch_size, self.input_embeds = True, 1, None
+
+    shims.hooks._session_turn_without_new_ids(SimpleNamespace(GenerateReqInput=GenerateReqInput))
+    r = GenerateReqInput([], {"id": "s1"})
+    r._determine_batch_size()
+    assert (r.is_single, r.batch_size, r.input_embeds) == (True, 1, None)
+    with pytest.raises(ValueError, match="cannot be empty"):
+        GenerateReqInput([], None)._determine_batch_size()  # without a session: refused, as before
+    GenerateReqInput([4, 5], {"id": "s1"})._determine_batch_size()
+
+
+def test_zstandard_stand_in_imports_and_refuses_to_decompress() -> None:
+    spec = importlib.util.spec_from_file_location("zstandard_stand_in", SHIMS / "zstandard" / "__init__.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # under its own name: a real zstandard elsewhere in the run is untouched
+    with pytest.raises(module.ZstdError):
+        module.ZstdDecompressor().stream_reader(b"")

@@ -16,6 +16,9 @@ check tests):
 * ``sglang.jit_kernel.kvcache.can_use_store_cache`` -> False: KV writes take SGLang's torch indexing fallback.
 * ``sglang.jit_kernel.clamp_position.clamp_position_cuda`` -> ``clamp(seq_lens - 1, min=0)`` in torch.
 
+And one behaviour backported from SGLang 0.5.18+ (not a kernel): a streaming-session request with no new input ids
+is accepted (``_session_turn_without_new_ids``); streamserve's backend relies on it.
+
 Nothing here is part of streamserve. Environment the GPU check sets beside it: ``SGLANG_IS_FLASHINFER_AVAILABLE=
 false`` (no FlashInfer path is chosen), ``SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1`` (SGLang checks the installed
 ``sglang-kernel`` version on CUDA; this stand-in has none).
@@ -69,7 +72,26 @@ def _patch_clamp(module: ModuleType) -> None:
     module.clamp_position_cuda = clamp_position
 
 
+def _session_turn_without_new_ids(module: ModuleType) -> None:
+    """SGLang 0.5.14-0.5.17 refuse ``input_ids: []`` ("input_ids cannot be empty"), also in a streaming session,
+    where the session's history supplies the prompt; streamserve's backend sends exactly that for a reply after
+    appends. SGLang 0.5.18+ accept it for a request with a session id (io_struct's ``_determine_batch_size``: the
+    scheduler still refuses a request that is empty after the history is prepended). This backports that check."""
+    cls = module.GenerateReqInput
+    original = cls._determine_batch_size
+
+    def _determine_batch_size(self: Any) -> None:
+        session = self.session_params.get("id") if isinstance(self.session_params, dict) else None
+        if self.text is None and self.input_ids is not None and len(self.input_ids) == 0 and session:
+            self.is_single, self.batch_size, self.input_embeds = True, 1, None
+            return
+        original(self)
+
+    cls._determine_batch_size = _determine_batch_size
+
+
 PATCHES: dict[str, Callable[[ModuleType], None]] = {
+    "sglang.srt.managers.io_struct": _session_turn_without_new_ids,
     "sglang.srt.layers.utils.multi_platform": _native_dispatch,
     "sglang.jit_kernel.norm": _patch_norm,
     "sglang.jit_kernel.kvcache": _patch_kvcache,
