@@ -44,7 +44,8 @@ say "SGLang GPU check: budget ${BUDGET_S}s, out $OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || say "no nvidia-smi"
 ldd --version | head -1   # the sglang wheel is manylinux_2_34: glibc >= 2.34
 "$PY" -c 'import sys, torch, triton; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda",
-torch.version.cuda, torch.cuda.is_available(), "triton", triton.__version__)' || finish "torch"
+torch.version.cuda, torch.cuda.is_available(), "triton", triton.__version__); assert torch.cuda.is_available()' \
+    || finish "torch with CUDA"
 
 # 1. the carried wheels, exactly those of wheels.txt, into /tmp/site (ahead of the image's packages on the path)
 want=$(grep -v '^#' benchmarks/sglang_gpu/wheels.txt | awk 'NF >= 3' | wc -l)

@@ -43,7 +43,7 @@ CUDA_SHIMS = ROOT / "tests/support/sglang/cuda_shims"
 CPU_ARGS = ["--device", "cpu", "--attention-backend", "torch_native", "--disable-overlap-schedule",
             "--sleep-on-idle"]  # the CPU recipe of tests/support/sglang/README.md
 GPU_ARGS = ["--attention-backend", "triton", "--sampling-backend", "pytorch", "--cuda-graph-max-bs", "8",
-            "--mem-fraction-static", "0.2"]
+            "--mem-fraction-static", "0.2", "--disable-flashinfer-autotune"]  # no FlashInfer here (cuda_shims)
 COMMON_ARGS = ["--dtype", "float32", "--max-total-tokens", "16384", "--grammar-backend", "none",
                "--enable-streaming-session", "--host", "127.0.0.1"]
 TURNS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30],
