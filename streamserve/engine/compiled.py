@@ -22,6 +22,10 @@ to compile anywhere but the compile thread: a guard that failed on a real step w
 the engine thread for a minute; such a step runs eagerly and its shape stays eager. Inductor's on-disk cache
 lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set): a restart compiles in
 seconds. `close()` (engine shutdown) ends the thread after the compile in progress.
+
+Not compiled: MoE layers (their expert loop is data-dependent: the compile fails at once and the engine stays
+eager). INT8_HEAD_REDUCTION (off) computes an int8 lm_head as an Inductor reduction instead of aten's kernel:
+measured on SmolLM2 without a gain (docs/benchmarks.md), kept for the next attempt.
 """
 
 from __future__ import annotations
