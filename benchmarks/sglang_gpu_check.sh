@@ -35,7 +35,8 @@ try:
 except (OSError, ValueError):
     result = {"ok": False}
 result = {k: v for k, v in result.items() if k not in ("probe", "parity")}
-print(json.dumps({**result, "failed_stage": stage or None, "script_s": seconds}))
+ok = bool(result.get("ok")) and not stage
+print(json.dumps({**result, "ok": ok, "failed_stage": stage or None, "script_s": seconds}))
 PY
     exit 0
 }

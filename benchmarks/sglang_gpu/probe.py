@@ -112,6 +112,9 @@ class SGLang:
             if str(CUDA_SHIMS) not in paths:
                 env["PYTHONPATH"] = os.pathsep.join([str(CUDA_SHIMS), *[p for p in paths if p]])
             env.update(SGLANG_IS_FLASHINFER_AVAILABLE="false", SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK="1")
+            # float32 dots in SGLang's Triton attention exact (Triton's default on Hopper is TF32, ~1e-3 relative),
+            # as streamserve's own float32 kernels are: the parity check compares greedy tokens
+            env.setdefault("TRITON_F32_DEFAULT", "ieee")
         self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--port", str(self.port),
                     *COMMON_ARGS, *args]
         self.out = log_path.open("ab")
@@ -300,6 +303,7 @@ def main() -> None:
         server.stop()
         server = None
     log.check("SGLang serves", server is not None)
+    save(result, log, args.out)
     try:
         if server is not None:
             for name, step in (("probe", lambda: probe(server.url, log)),
@@ -318,14 +322,21 @@ def main() -> None:
 
                     log(traceback.format_exc())
                 result[f"{name}_s"] = round(time.monotonic() - t, 1)
+                save(result, log, args.out)
     finally:
         if server is not None:
             server.stop()
             log("SGLang stopped")
-    result.update(ok=bool(log.checks) and all(log.checks.values()), checks=log.checks,
-                  seconds=round(time.monotonic() - T0, 1))
-    (args.out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
+    save(result, log, args.out, final=True)
     print(json.dumps({k: v for k, v in result.items() if k not in ("probe", "parity")}))
+
+
+def save(result: dict[str, Any], log: Log, out: Path, final: bool = False) -> None:
+    """DIR/result.json as it stands (written after each step, so a run stopped from outside still leaves one; `ok`
+    only once every step has run)."""
+    result.update(ok=final and bool(log.checks) and all(log.checks.values()), checks=log.checks, final=final,
+                  seconds=round(time.monotonic() - T0, 1))
+    (out / "result.json").write_text(json.dumps(result, indent=1) + "\n")
 
 
 if __name__ == "__main__":
