@@ -67,7 +67,9 @@ export PYTHONPATH="$SITE:$SRC:$ROOT/tests/support/sglang/cuda_shims${PYTHONPATH:
 export SGLANG_IS_FLASHINFER_AVAILABLE=false SGLANG_SKIP_SGL_KERNEL_VERSION_CHECK=1 PYTHONUNBUFFERED=1
 
 # 3. the imports a server start needs, with the CUDA shims (a missing module shows here in seconds, not after a
-# failed server start)
+# failed server start). From /tmp: `python -c` puts its cwd first on the path, and this tree's own streamserve/
+# folder (without kernels/ inside) would shadow the laid-out one.
+cd /tmp || exit 1
 timeout 150 "$PY" -W ignore -c '
 import importlib.metadata as md, sglang_cuda_shims, torch
 import sglang.srt.entrypoints.http_server, sglang.srt.managers.scheduler, sglang.srt.model_executor.model_runner
@@ -77,6 +79,7 @@ print("imports OK: sglang", md.version("sglang"), "transformers", md.version("tr
       md.version("tokenizers"), "torch", torch.__version__, "patched", sglang_cuda_shims.applied)
 ' || finish "imports"
 say "imports checked; $(left)s left"
+cd "$ROOT" || exit 1
 
 # 4. probe and parity (the probe starts and stops SGLang itself, skipping what would not fit)
 rm -rf "$CKPT"

@@ -115,6 +115,7 @@ class SGLang:
             # float32 dots in SGLang's Triton attention exact (Triton's default on Hopper is TF32, ~1e-3 relative),
             # as streamserve's own float32 kernels are: the parity check compares greedy tokens
             env.setdefault("TRITON_F32_DEFAULT", "ieee")
+        python = os.path.abspath(python) if os.sep in python else python  # SGLang runs in another cwd (below)
         self.cmd = [python, "-m", "sglang.launch_server", "--model-path", str(ckpt), "--port", str(self.port),
                     *COMMON_ARGS, *args]
         self.out = log_path.open("ab")
@@ -291,8 +292,12 @@ def main() -> None:
         if left < 60:
             result["skipped"].append(f"SGLang start {attempt + 1}: {left:.0f}s left")
             break
-        server = SGLang(args.sglang_python, ckpt, extra, args.cpu, args.out / "sglang.log")
         t = time.monotonic()
+        try:
+            server = SGLang(args.sglang_python, ckpt, extra, args.cpu, args.out / "sglang.log")
+        except OSError as e:
+            log(f"SGLang start {attempt + 1}: {type(e).__name__}: {e}")
+            break
         ready = server.wait_ready(min(args.start_timeout_s, left - 30))
         log(f"SGLang start {attempt + 1} ({' '.join(extra)}): {'ready' if ready else 'FAILED'} after "
             f"{time.monotonic() - t:.1f}s")
