@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import sys
 import threading
@@ -24,7 +25,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from streamserve.config import ENGINE_DEFAULTS, SESSION_DEFAULTS, SchedulerConfig
 from streamserve.engine.loading import resolve_eos_ids, resolve_model_path
 from streamserve.engine.metrics import LATENCY_BUCKETS
-from streamserve.engine.remote.http import BackendUnavailableError, SGLangHTTP
+from streamserve.engine.remote.http import BackendRequestError, BackendUnavailableError, SGLangHTTP
 from streamserve.engine.remote.launch import LaunchedSGLang
 from streamserve.engine.remote.serve import serve
 from streamserve.engine.remote.session import RemoteSession
@@ -38,6 +39,18 @@ log = logging.getLogger("streamserve.engine")
 CALL_TIMEOUT_S = 120.0  # an open or close SGLang does not answer in this long fails
 HEALTH_EVERY_S = 5.0  # an idle backend's liveness check (a reply in flight notices a death at once)
 HEALTH_FAILURES = 3  # consecutive failed checks that mean the SGLang server is gone
+MIN_SGLANG = (0, 5, 18)  # the first release whose streaming sessions take a turn without new input ids
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """"0.5.21" -> (0, 5, 21); "0.5.18.post1" -> (0, 5, 18); unreadable -> ()."""
+    parts = []
+    for p in version.split(".")[:3]:
+        digits = "".join(itertools.takewhile(str.isdigit, p))
+        if not digits:
+            break
+        parts.append(int(digits))
+    return tuple(parts)
 
 
 @dataclass(frozen=True)
@@ -106,6 +119,7 @@ class SGLangEngine:
                                              self.config.vocab_size)
         self.max_context = self.config.max_position_embeddings
         self.device, self.quantized = "sglang", "none"
+        self.sglang_version = ""  # read at start
         self.limits = (scheduler or SchedulerConfig()).for_device("cuda")
         self.pool = RemotePool()
         self.stats_ = BackendStats()
@@ -154,8 +168,9 @@ class SGLangEngine:
         return cls(path, url, scheduler)
 
     async def _check_model(self) -> None:
-        """The SGLang server must serve this checkpoint's architecture (token ids must mean the same there)."""
-        info = await self.http.get_json("/get_model_info")
+        """The SGLang server must serve this checkpoint's architecture (token ids must mean the same there); an
+        SGLang older than 0.5.18 is warned about (its streaming sessions refuse a turn without new ids: a reply)."""
+        info = await self._get_either("/model_info", "/get_model_info")
         theirs = info.get("architectures") or []
         if theirs and self.config.architecture not in theirs:
             raise ModelLoadError(f"the SGLang server at {self.url} serves {theirs} from {info.get('model_path')}; "
@@ -163,6 +178,19 @@ class SGLangEngine:
         if info.get("model_path") not in (None, str(self.path)):
             log.info("streamserve: SGLang serves %s; tokenizing with %s (the same checkpoint, we trust)",
                      info.get("model_path"), self.path)
+        version = str((await self._get_either("/server_info", "/get_server_info")).get("version", ""))
+        self.sglang_version = version
+        if version_tuple(version) < MIN_SGLANG:
+            log.warning("streamserve: SGLang %s is older than %s: its streaming sessions refuse a turn without new "
+                        "input ids, which every reply after appends is; upgrade SGLang", version or "(unknown)",
+                        ".".join(map(str, MIN_SGLANG)))
+
+    async def _get_either(self, path: str, old_path: str) -> dict[str, Any]:
+        """GET `path`, or `old_path` on an SGLang that predates it."""
+        try:
+            return await self.http.get_json(path)
+        except BackendRequestError:
+            return await self.http.get_json(old_path)
 
     async def _watch(self) -> None:
         """Check an idle SGLang's health; scrape its metrics."""
@@ -239,7 +267,8 @@ class SGLangEngine:
         st = self.stats_
         queued = [s.queued() for s in sessions]  # (chunks, tokens) each
         return {"model": self.name, "architecture": self.config.architecture, "backend": "sglang",
-                "sglang_url": self.url, "device": self.device, "sessions_open": len(sessions), "sessions_parked": 0,
+                "sglang_url": self.url, "sglang_version": self.sglang_version, "device": self.device,
+                "sessions_open": len(sessions), "sessions_parked": 0,
                 "kv_pages_used": 0, "kv_pages_total": 0, "steps": st.requests,
                 "queued_chunks": sum(c for c, _ in queued), "queued_tokens": sum(t for _, t in queued),
                 "responding": sum(1 for s in sessions if s.running is not None), "chunks_shed": 0,
