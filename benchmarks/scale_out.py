@@ -24,6 +24,9 @@ to be weighed), when `POST /admin/drain` drains that instance. Each client then 
 reconnected; `handoff_pause_ms` (p50/p99) is the time from the drain request to that chunk's ack from the other
 instance (the drain's wait for running work, the snapshots, the reconnect through nginx, the claim and restore, and
 one append). `snapshot_bytes_per_1k_tokens` is the weighed record's size per 1,000 tokens of its session.
+With --sglang-python PY (SGLang's Python: tests/support/sglang/install.sh), the run ends with the SGLang backend
+against the engine on one tiny checkpoint (benchmarks/sglang_backend.py, run as a child: per-chunk append latency
+and the 8 x 150-turn session workload), its figures under `sglang_vs_engine`.
 Progress goes to stderr; the last line on stdout is one JSON object.
 """
 
@@ -206,6 +209,14 @@ async def handoff(url: str, target: Instance, store: Path, sessions: int, tokens
             await c.close()
 
 
+def sglang_vs_engine(python: str, sessions: int, turns: int) -> dict[str, Any]:
+    """benchmarks/sglang_backend.py as a child (it starts its own SGLang); -> its JSON line."""
+    script = Path(__file__).with_name("sglang_backend.py")
+    out = subprocess.run([sys.executable, str(script), "--sglang-python", python, "--sessions", str(sessions),
+                          "--turns", str(turns)], stdout=subprocess.PIPE, text=True, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", default="default", help="passed to `streamserve serve --model`")
@@ -220,6 +231,7 @@ def main() -> None:
     p.add_argument("--handoff-tokens", type=int, default=500, help="tokens each of them holds when it drains")
     p.add_argument("--quick", action="store_true", help="level 1 of each setup for 5 s, a hand-off of 2 sessions of "
                                                         "100 tokens: checks the script runs")
+    p.add_argument("--sglang-python", help="also the SGLang backend vs the engine (benchmarks/sglang_backend.py)")
     args = p.parse_args()
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a stopped run stops its servers and nginx too
     try:
@@ -265,6 +277,9 @@ def main() -> None:
         for s in servers:
             s.stop()
         store.cleanup()
+    sglang: dict[str, Any] = {"skipped": "no --sglang-python"}
+    if args.sglang_python:
+        sglang = sglang_vs_engine(args.sglang_python, 2 if args.quick else 8, 10 if args.quick else 150)
     direct, proxied = setups["direct"]["held_max"], setups["nginx"]["held_max"]
     print(f"held: direct {direct}, two instances behind nginx {proxied}", file=sys.stderr)
     print(json.dumps({
@@ -276,7 +291,8 @@ def main() -> None:
                       "one instance already uses every core (the proxy's and a second process's cost, not a second "
                       "accelerator's gain)",
         "handoff_pause_ms": {"p50": handed.get("pause_p50_ms"), "p99": handed.get("pause_p99_ms")},
-        "snapshot_bytes_per_1k_tokens": handed.get("bytes_per_1k_tokens"), "handoff": handed, "setups": setups}))
+        "snapshot_bytes_per_1k_tokens": handed.get("bytes_per_1k_tokens"), "handoff": handed, "setups": setups,
+        "sglang_vs_engine": sglang}))
 
 
 if __name__ == "__main__":
