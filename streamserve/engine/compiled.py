@@ -24,8 +24,8 @@ lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set): 
 seconds. `close()` (engine shutdown) ends the thread after the compile in progress.
 
 Not compiled: MoE layers (their expert loop is data-dependent: the compile fails at once and the engine stays
-eager). INT8_HEAD_REDUCTION (off) computes an int8 lm_head as an Inductor reduction instead of aten's kernel:
-measured on SmolLM2 without a gain (docs/benchmarks.md), kept for the next attempt.
+eager). The quantized matmuls stay torch's packed kernels inside the graph: an int8 lm_head written as a reduction
+for Inductor to generate was slower on SmolLM2 and not bit-equal (docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-from torch import nn
 
 from streamserve.engine.batch import threads_for
 from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
@@ -61,36 +60,11 @@ CLOSE_TIMEOUT = 600.0  # seconds close() waits for a compile in progress
 CHECK_TOLERANCE = 0.05  # compiled vs eager logits on the scratch step: max |diff| <= this * (1 + max |logit|)
 
 CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
-# an int8 lm_head as a reduction Inductor generates, instead of aten's `_weight_int8pack_mm` (which reads the 28 MB
-# head of SmolLM2 at ~3 GB/s where Inductor's loop reads ~18: the issue 16 spike); see `Int8Reduction`
-INT8_HEAD_REDUCTION = False
-
-
-class Int8Reduction(nn.Module):
-    """An int8 `QuantLinear` as Inductor code (the compiled path only; same tensors, nothing copied): the input
-    rounded to bfloat16 as the aten kernel takes it, int8 x bf16 products exact in fp32, an fp32 sum, the bf16
-    scale, the result rounded to bfloat16 as the kernel returns it. Only the summation order differs from aten."""
-
-    def __init__(self, lin: nn.Module) -> None:
-        super().__init__()
-        self.lin = lin  # QuantLinear(bits=8): qweight int8 [N, K], scale fp32 [N, 1]
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # x [R, K] -> [R, N]
-        lin = self.lin
-        xb = x.to(torch.bfloat16).to(torch.float32)
-        y = (xb[:, None, :] * lin.qweight.to(torch.float32)[None]).sum(-1)  # [R, N]
-        y = (y * lin.scale[:, 0].to(torch.bfloat16).to(torch.float32)).to(torch.bfloat16).to(x.dtype)
-        return y if lin.bias is None else y + lin.bias.to(y.dtype)
-
-
 def traced_model(model: CausalLM) -> CausalLM:
-    """The model the compiled steps trace: the same layers and weights (shallow copies), its own op table (attention
-    as matmul + softmax) and, with INT8_HEAD_REDUCTION, an int8 lm_head as `Int8Reduction`."""
+    """The model the compiled steps trace: the same layers and weights (a shallow copy) with its own op table
+    (attention as matmul + softmax)."""
     traced = copy.copy(model)
     traced.ops = COMPILED_CPU_OPS
-    head = getattr(model, "lm_head", None)
-    if INT8_HEAD_REDUCTION and getattr(head, "bits", None) == 8:
-        traced.__dict__["_modules"] = {**model._modules, "lm_head": Int8Reduction(head)}
     return traced
 
 
