@@ -269,7 +269,7 @@ class CompiledSteps:
                  ) -> Callable[..., torch.Tensor]:
         """Compile shape `ck` on scratch buffers and check it against eager -> the compiled callable."""
         inductor_cache_dir()
-        import torch._dynamo
+        from torch._dynamo import mark_dynamic  # (importing torch._dynamo writes Inductor's default cache dir)
 
         torch.set_num_threads(ck[3])  # this thread's own setting: Inductor's kernels are generated for it
         if self._scratch is None:
@@ -282,11 +282,11 @@ class CompiledSteps:
         entry = build_entry((key[0], key[1], parts), self._scratch, policies)
         for static in entry.parts:  # one graph for every key bucket: the read length is symbolic
             for t in (*static.k_pos, *static.read_slots):
-                torch._dynamo.mark_dynamic(t, 1)
+                mark_dynamic(t, 1)
             for slot in static.slots:
                 for grp in slot.groups:
-                    torch._dynamo.mark_dynamic(grp.k_pos, 0)
-                    torch._dynamo.mark_dynamic(grp.read_slots, 0)
+                    mark_dynamic(grp.k_pos, 0)
+                    mark_dynamic(grp.read_slots, 0)
         expect = entry.forward(self.model)  # eagerly: also packs quantized weights before tracing reads them
         fn = torch.compile(self._step_function(len(self.compile_seconds) + len(self.failed)),
                            backend=self._backend, fullgraph=True, dynamic=False)

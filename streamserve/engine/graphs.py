@@ -48,7 +48,7 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
@@ -66,13 +66,23 @@ from streamserve.engine.static_step import (
 from streamserve.models import CausalLM
 from streamserve.sessions import KVPool, PagedSessionKV, WindowPolicy
 
-if TYPE_CHECKING:
-    from streamserve.engine.compiled import CompiledSteps
-
-__all__ = ["PAD_POSITION", "DecodeGraphs", "GraphKey", "Part", "PolicyKey", "StaticPart", "StaticReads",
-           "StaticStepKV", "batch_bucket", "batch_buckets", "bucket_for", "graphable", "policy_key", "rows_of"]
+__all__ = ["PAD_POSITION", "CompiledRunner", "DecodeGraphs", "GraphKey", "Part", "PolicyKey", "StaticPart",
+           "StaticReads", "StaticStepKV", "batch_bucket", "batch_buckets", "bucket_for", "graphable", "policy_key",
+           "rows_of"]
 
 log = logging.getLogger("streamserve")
+
+class CompiledRunner(Protocol):
+    """What a CPU's compiled steps offer the graphs (engine/compiled.py's `CompiledSteps`; imports run that way)."""
+
+    def run(self, entry: Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
+        """The loaded entry's logits: compiled when its shape is ready, else eagerly."""
+        ...
+
+    def close(self) -> None:
+        """Stop compiling."""
+        ...
+
 
 MIN_BUCKET = 64
 MAX_GRAPH_TOKENS = 8  # the widest per-session step replayed from a graph (a draft of 7 plus the bonus token)
@@ -130,7 +140,7 @@ class DecodeGraphs:
         self._policies: OrderedDict[PolicyKey, int] = OrderedDict()  # admitted policy -> last run, LRU first
         self.runs = 0  # graphable steps seen (served from graphs, or refused for their policies)
         self.created = 0  # entries built: graphs captured, or on a CPU what would have been captured
-        self.compiled: CompiledSteps | None = None  # on a CPU with cpu_compile="on": the compiled steps
+        self.compiled: CompiledRunner | None = None  # on a CPU with cpu_compile="on": the compiled steps
 
     @classmethod
     def start(cls, model: CausalLM, pool: KVPool, max_batch: int, capture: bool) -> DecodeGraphs:
