@@ -1,6 +1,7 @@
 """cpu_compile="on" (engine/compiled.py): decode steps compiled by torch.compile in a background thread give the
 eager engine's greedy tokens (float, int8, int4; a window/sinks session, two sessions batched, a key-bucket
-crossing), switch from eager to compiled once ready, stay eager when a compile fails, never compile on the
+crossing), switch from eager to compiled once ready, stay eager when a compile fails (or its code fails on a real
+step: that step reruns eagerly), never compile on the
 engine thread, stop with the engine, and never compile more than MAX_COMPILED shapes.
 
 The checkpoint is a 2-layer tiny Qwen3 so that each Inductor compile is small (seconds; the first of a process
@@ -149,6 +150,34 @@ def test_failed_compile_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPat
         assert compiled.ready == 0 and compiled.steps == 0 and len(compiled.failed) == 1
         assert failing.threads == ["streamserve-compile"]  # tried once, on the compile thread
         assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1  # logged once
+    finally:
+        engine.shutdown()
+        eager.shutdown()
+
+
+def test_compiled_code_that_raises_on_a_real_step_falls_back(tiny: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              caplog: pytest.LogCaptureFixture) -> None:
+    """Compiled code that passes its check on the scratch step but raises on the engine thread: that step is run
+    again eagerly (the same tokens), the shape stays eager, logged once."""
+
+    def flaky(gm: torch.fx.GraphModule, inputs: list[object]) -> object:
+        def run(*args: object) -> object:
+            if threading.current_thread().name != "streamserve-compile":
+                raise RuntimeError("a fault at run time")
+            return gm.forward(*args)
+
+        return run
+
+    monkeypatch.setattr(compiled_module, "inductor", flaky)
+    eager, engine = load(tiny), load(tiny, cpu_compile="on")
+    compiled = compiled_of(engine)
+    try:
+        assert compiled.wait_idle(WAIT) and compiled.ready == 1
+        prompt = random_ids(25, seed=10)
+        with caplog.at_level(logging.WARNING, logger="streamserve"):
+            assert greedy(engine, prompt, 12) == greedy(eager, prompt, 12)
+        assert compiled.steps == 0 and compiled.ready == 0 and len(compiled.failed) == 1
+        assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1
     finally:
         engine.shutdown()
         eager.shutdown()
