@@ -1,8 +1,8 @@
 """cpu_compile="on" (engine/compiled.py): decode steps compiled by torch.compile in a background thread give the
 eager engine's greedy tokens (float, int8, int4; a window/sinks session, two sessions batched, a key-bucket
 crossing), switch from eager to compiled once ready, stay eager when a compile fails (or its code fails on a real
-step: that step reruns eagerly), never compile on the
-engine thread, stop with the engine, and never compile more than MAX_COMPILED shapes.
+step: that step reruns eagerly), never compile on the engine thread, stop with the engine, and never compile more
+than MAX_COMPILED shapes.
 
 The checkpoint is a 2-layer tiny Qwen3 so that each Inductor compile is small (seconds; the first of a process
 pays Inductor's start-up), with an intermediate size of 64: torch 2.13's `_weight_int8pack_mm` crashes the process
