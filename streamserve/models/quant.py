@@ -36,6 +36,7 @@ MODES = ("none", "int8", "int4")
 GROUP = 32  # int4 columns per scale: the GGUF block size (Q4_0/Q4_1, and Q4_K's sub-blocks)
 CUDA_GEMV_ROWS = 16  # the Triton gemv's limit: more rows (a prefill chunk) run dequantized
 CPU_INT4_ROWS = 16  # the CPU int4 kernel packs output rows in tiles of 16: other N are padded
+INT8_K_MULTIPLE = 16  # `_weight_int8pack_mm` needs the input width to be a multiple of this (see `_pack_cpu`)
 
 
 @dataclass
@@ -159,6 +160,8 @@ class QuantLinear(nn.Module):
         w, s = self._cpu
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.bits == 8:
+            if w.shape[1] != self.in_features:  # the weight's K padded with zero columns: the input's too
+                xb = F.pad(xb, (0, w.shape[1] - self.in_features))
             y = torch.ops.aten._weight_int8pack_mm(xb, w, s)
         else:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, w, self.group, s)
@@ -167,8 +170,11 @@ class QuantLinear(nn.Module):
         return y if y.dtype == x.dtype else y.to(x.dtype)
 
     def _pack_cpu(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.bits == 8:  # [N, K] int8 as is; one bf16 scale per row
-            return self.qweight, self.scale[:, 0].to(torch.bfloat16).contiguous()
+        if self.bits == 8:  # [N, K] int8; one bf16 scale per row
+            # torch 2.13's kernel reads past a row whose K is not a multiple of 16 (NaNs at one row, a segfault at
+            # several): K is padded with zero columns, which add nothing
+            pad = -self.in_features % INT8_K_MULTIPLE
+            return F.pad(self.qweight, (0, pad)).contiguous(), self.scale[:, 0].to(torch.bfloat16).contiguous()
         assert self.zero is not None
         n = self.out_features
         pad = -n % CPU_INT4_ROWS

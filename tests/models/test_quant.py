@@ -69,6 +69,21 @@ def test_quant_linear_cpu_matches_the_dequantized_product(bits: int, n: int, k: 
     assert q.weight_bytes < n * k * 4 / (3.5 if bits == 8 else 5)  # codes + fp32 scales (and zeros)
 
 
+@pytest.mark.parametrize(("n", "k", "m"), [(40, 72, 1), (40, 72, 16), (24, 33, 5), (17, 136, 40), (8, 88, 2)])
+def test_int8_input_widths_off_the_kernels_multiple_of_16(n: int, k: int, m: int) -> None:
+    """torch's int8 kernel reads past rows whose width is not a multiple of 16 (NaNs at one row, a segfault at more):
+    such weights are padded, so a model with intermediate size 72 (or an int4 fallback at width 33) works."""
+    g = torch.Generator().manual_seed(n + k + m)
+    lin = torch.nn.Linear(k, n, bias=False)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randn(n, k, generator=g) / k**0.5)
+    q = QuantLinear.from_linear(lin, 8)
+    x = torch.randn(m, k, generator=g)
+    out = q(x)
+    assert bool(torch.isfinite(out).all())
+    assert rel(out, F.linear(x.double(), q.canonical().dequantize().double())) < 1e-2
+
+
 def test_quant_linear_odd_width_int4_falls_back_to_int8() -> None:
     from streamserve.models.quant import quantize_linear
 
