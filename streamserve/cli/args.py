@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from streamserve.config import EngineConfig
+from streamserve.errors import InvalidInputError
 
 
 def add_config_args(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -63,10 +64,13 @@ def load_engine(args: argparse.Namespace) -> Any:
     from streamserve.engine import Engine
 
     cfg = resolve_named_model(config_from_args(EngineConfig, args))
+    if cfg.backend != "engine" or cfg.sglang_url or cfg.sglang_launch:
+        raise InvalidInputError("--backend sglang (and --sglang-url, --sglang-launch) are for `streamserve serve`; "
+                                "this command runs the model in this process")
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(cfg.model, offline=cfg.offline, device=cfg.device, dtype=cfg.dtype,
                                     quantize=cfg.quantize, kernels=cfg.kernels,
-                                    cuda_graphs=cfg.cuda_graphs, drafter=cfg.drafter,
+                                    cuda_graphs=cfg.cuda_graphs, cpu_compile=cfg.cpu_compile, drafter=cfg.drafter,
                                     max_draft=cfg.max_draft,
                                     kv_memory=cfg.kv_memory,
                                     page_size=cfg.page_size, idle_ttl=cfg.idle_ttl, rewind_reach=cfg.rewind_reach)
