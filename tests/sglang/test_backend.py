@@ -236,3 +236,16 @@ async def test_a_drain_on_the_sglang_backend_closes_its_sessions_and_stores_noth
         assert [p for p in tmp_path.iterdir() if not p.name.startswith(".")] == []
         engine = srv.engine
     assert engine.sessions() == []  # closed with the server
+
+
+def test_the_sglang_backend_benchmark_runs_and_prints_json_last() -> None:
+    import subprocess
+    import sys
+
+    from sglang_support import SGLANG_PYTHON
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "sglang_backend.py"
+    out = subprocess.run([sys.executable, str(script), "--sglang-python", str(SGLANG_PYTHON), "--sessions", "2",
+                          "--turns", "3", "--chunks", "3"], stdout=subprocess.PIPE, text=True, timeout=600, check=True)
+    line = json.loads(out.stdout.strip().splitlines()[-1])
+    assert line["greedy_outputs_equal"] is True and line["sglang_workload"]["turns_per_s"] > 0
