@@ -6,7 +6,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from rtc import is_loopback
+from rtc import pin_to_loopback
 from voice_assets import needs_voice
 
 pytest.importorskip("aiortc", reason="aiortc is not installed: it comes with the webrtc extra")
@@ -15,22 +15,7 @@ pytest.importorskip("aiortc", reason="aiortc is not installed: it comes with the
 @pytest.fixture(autouse=True)
 def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[Any]]:
     """ICE host candidates are 127.0.0.1 only, and a UDP datagram to anything else fails the test."""
-    from asyncio import selector_events
-
-    import aioice.ice
-
-    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
-    refused: list[Any] = []
-    original = selector_events._SelectorDatagramTransport.sendto
-
-    def sendto(self: Any, data: bytes, addr: Any = None) -> None:
-        target = addr if addr is not None else self.get_extra_info("peername")
-        if target is not None and not is_loopback(str(target[0])):
-            refused.append(target)
-            raise AssertionError(f"a datagram to {target} (not loopback)")
-        original(self, data, addr)
-
-    monkeypatch.setattr(selector_events._SelectorDatagramTransport, "sendto", sendto)
+    refused = pin_to_loopback(monkeypatch)
     yield refused
     assert not refused, refused
 

@@ -38,6 +38,28 @@ def check_event(message: dict[str, Any]) -> None:
     assert not missing, f"{message['type']} lacks {missing}"
 
 
+def pin_to_loopback(monkeypatch: Any) -> list[Any]:
+    """ICE host candidates are 127.0.0.1 only, and a UDP datagram to anything else fails (it is also recorded in the
+    returned list, which the caller checks is empty at the end)."""
+    from asyncio import selector_events
+
+    import aioice.ice
+
+    monkeypatch.setattr(aioice.ice, "get_host_addresses", lambda use_ipv4, use_ipv6: ["127.0.0.1"])
+    refused: list[Any] = []
+    original = selector_events._SelectorDatagramTransport.sendto
+
+    def sendto(self: Any, data: bytes, addr: Any = None) -> None:
+        target = addr if addr is not None else self.get_extra_info("peername")
+        if target is not None and not is_loopback(str(target[0])):
+            refused.append(target)
+            raise AssertionError(f"a datagram to {target} (not loopback)")
+        original(self, data, addr)
+
+    monkeypatch.setattr(selector_events._SelectorDatagramTransport, "sendto", sendto)
+    return refused
+
+
 def is_loopback(host: str) -> bool:
     try:
         return ipaddress.ip_address(host.split("%")[0]).is_loopback
