@@ -80,8 +80,10 @@ def backend(monkeypatch: pytest.MonkeyPatch) -> CountingBackend:
     return counting
 
 
-@pytest.mark.slow  # two Inductor compiles per weight format: ~105 s in all cold, ~20 s from the cache (2 cores)
-@pytest.mark.parametrize("quantize", ["none", "int8", "int4"])
+# two Inductor compiles per weight format: ~70 s in all cold, ~14 s from the cache (2 cores). The quantized formats
+# are what a CPU compiles for (issue 16); unquantized weights take the same graph with plain linears (CI's time)
+@pytest.mark.slow
+@pytest.mark.parametrize("quantize", ["int8", "int4"])
 def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, backend: CountingBackend,
                                       monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled_module, "COMPILE_AFTER_STEPS", 1)  # a new shape is queued on its first step
