@@ -20,6 +20,7 @@ import msgpack
 import pytest
 import websockets
 from serving import RunningServer, serve
+from test_native import http_get  # (tests in this folder import each other's helpers, as test_quant does)
 
 from streamserve.config import ServerConfig
 
@@ -345,14 +346,3 @@ async def test_admin_drain_without_a_key_is_refused_to_a_proxied_request(tmp_pat
                 return e.code
 
         assert await asyncio.to_thread(post) == 403 and a.server.draining is None
-
-
-async def http_get(url: str) -> tuple[int, bytes]:
-    def run() -> tuple[int, bytes]:
-        try:
-            with urllib.request.urlopen(url, timeout=30) as r:
-                return r.status, r.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.read()
-
-    return await asyncio.to_thread(run)
