@@ -49,6 +49,7 @@ from streamserve import Engine
 from streamserve.engine.loading import resolve_model_path
 from streamserve.models import store
 from streamserve.models.gguf import open_gguf
+from streamserve.models.quant import QuantLinear
 
 ROOT = Path(__file__).resolve().parent.parent
 LLAMACPP_PYTHON = ROOT / "build" / "llamacpp-venv" / "bin" / "python"
@@ -106,12 +107,12 @@ class ReadRate:
 
 def _read_tensors(module: nn.Module) -> list[tuple[str, torch.Tensor]]:
     """The tensors a module's forward reads: its own parameters and buffers; for a quantized linear once packed
-    for the CPU kernel (`_cpu`: the kernel's weight and bfloat16 scales, made on its first call), those instead of
-    its canonical buffers, which the CPU path no longer reads."""
-    packed = getattr(module, "_cpu", None)
-    if isinstance(packed, tuple) and packed and all(isinstance(t, torch.Tensor) for t in packed):
-        bias = getattr(module, "bias", None)
-        return [(f"packed{i}", t) for i, t in enumerate(packed)] + ([("bias", bias)] if bias is not None else [])
+    for the CPU kernel (`cpu_weight`, `cpu_scales`: the kernel's weight and bfloat16 scales, made on its first call),
+    those instead of its canonical buffers, which the CPU path no longer reads (a compiled step reads a copy of the
+    same bytes that Inductor reblocked)."""
+    if isinstance(module, QuantLinear) and module.cpu_weight is not None and module.cpu_scales is not None:
+        read = [("cpu_weight", module.cpu_weight), ("cpu_scales", module.cpu_scales)]
+        return read + ([("bias", module.bias)] if module.bias is not None else [])
     return [*module.named_parameters(recurse=False, remove_duplicate=False),
             *module.named_buffers(recurse=False, remove_duplicate=False)]
 

@@ -85,8 +85,20 @@ def inductor_cache_dir() -> str:
     return current
 
 
+# Inductor's options for a decode step (set on the compile thread, around the trace: Dynamo reads `freezing` when it
+# lifts the weights, Inductor when it lowers them):
+# - freezing: the model's weights and packed quantized forms become constants of the graph (they are never written
+#   while a step runs), which Inductor may fold and repack;
+# - max_autotune with the CPP GEMM template next to aten: each quantized matmul shape is timed once per compile
+#   (a few seconds each) between aten's packed kernel and Inductor's own micro-GEMM over a weight it reblocks at
+#   compile time. At batch 1 the template is ~2x aten's int8 kernel (benchmarks/cpu_decode.py): it reads the weight
+#   as a stream of its blocks, where aten's int8 kernel is compute-bound. Float matmuls are tuned the same way.
+INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+
+
 def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """The compile backend: Inductor with its default options (C++/OpenMP kernels on a CPU)."""
+    """The compile backend: Inductor (C++/OpenMP kernels on a CPU), under `INDUCTOR_OPTIONS` (set by the caller
+    around the trace)."""
     from torch._inductor.compile_fx import compile_fx
 
     return compile_fx(gm, example_inputs)
@@ -290,7 +302,9 @@ class CompiledSteps:
         expect = entry.forward(self.model)  # eagerly: also packs quantized weights before tracing reads them
         fn = torch.compile(self._step_function(len(self.compile_seconds) + len(self.failed)),
                            backend=self._backend, fullgraph=True, dynamic=False)
-        with torch.inference_mode():
+        import torch._inductor.config as inductor_config
+
+        with torch.inference_mode(), inductor_config.patch(INDUCTOR_OPTIONS):  # the trace and compile happen here
             got = fn(entry.ids, entry.kvs, entry.rows)
         diff = (got - expect).abs().max().item()
         if not diff <= CHECK_TOLERANCE * (1 + expect.abs().max().item()):  # NaN fails too

@@ -113,7 +113,11 @@ class QuantLinear(nn.Module):
         self.register_buffer("scale", q.scale)
         self.register_buffer("zero", q.zero)
         self.register_buffer("bias", None if bias is None else bias.detach().clone())
-        self._cpu: tuple[torch.Tensor, torch.Tensor] | None = None  # the CPU kernel's (weight, scales) form
+        # the CPU kernel's (weight, scales) form, packed on the first CPU call: non-persistent buffers (not in a
+        # state dict) so that a compiled step (engine/compiled.py, Inductor's freezing) sees them as the module's
+        # constant weights and may repack them for its own GEMM template
+        self.register_buffer("cpu_weight", None, persistent=False)
+        self.register_buffer("cpu_scales", None, persistent=False)
 
     @classmethod
     def from_linear(cls, lin: nn.Linear, bits: int, grid: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -135,7 +139,7 @@ class QuantLinear(nn.Module):
         return f"in={self.in_features}, out={self.out_features}, bits={self.bits}, group={self.group}"
 
     def _apply(self, fn, recurse: bool = True):  # type: ignore[no-untyped-def]
-        self._cpu = None  # moved or cast: repack on the next call
+        self.cpu_weight = self.cpu_scales = None  # moved or cast: repack on the next call
         return super()._apply(fn, recurse)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -155,9 +159,9 @@ class QuantLinear(nn.Module):
 
     def _cpu_forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] -> [M, N] through torch's packed kernels, activations in bfloat16 (their fast path)."""
-        if self._cpu is None:
-            self._cpu = self._pack_cpu()
-        w, s = self._cpu
+        if self.cpu_weight is None or self.cpu_scales is None:
+            self.cpu_weight, self.cpu_scales = self._pack_cpu()
+        w, s = self.cpu_weight, self.cpu_scales
         xb = x if x.dtype == torch.bfloat16 else x.to(torch.bfloat16)
         if self.bits == 8:
             if w.shape[1] != self.in_features:  # the weight's K padded with zero columns: the input's too
