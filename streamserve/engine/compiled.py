@@ -23,9 +23,13 @@ the engine thread for a minute; such a step runs eagerly and its shape stays eag
 lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set): a restart compiles in
 seconds. `close()` (engine shutdown) ends the thread after the compile in progress.
 
+Frozen and autotuned (`INDUCTOR_OPTIONS`): the weights, and the quantized projections' CPU-packed forms, are
+constants of the graph, and each matmul shape is timed at compile time between aten's packed kernel and Inductor's
+CPP GEMM template over a weight it reblocks (a second copy of the weights that choose it: int8's, at ~1x their
+bytes). The template is about twice aten's int8 kernel at batch 1, where aten's is compute-bound.
+
 Not compiled: MoE layers (their expert loop is data-dependent: the compile fails at once and the engine stays
-eager). The quantized matmuls stay torch's packed kernels inside the graph: an int8 lm_head written as a reduction
-for Inductor to generate was slower on SmolLM2 and not bit-equal (docs/benchmarks.md).
+eager).
 """
 
 from __future__ import annotations

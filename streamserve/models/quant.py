@@ -178,7 +178,8 @@ class QuantLinear(nn.Module):
             # torch 2.13's kernel reads past a row whose K is not a multiple of 16 (NaNs at one row, a segfault at
             # several): K is padded with zero columns, which add nothing
             pad = -self.in_features % INT8_K_MULTIPLE
-            return F.pad(self.qweight, (0, pad)).contiguous(), self.scale[:, 0].to(torch.bfloat16).contiguous()
+            w = F.pad(self.qweight, (0, pad)) if pad else self.qweight  # unpadded: the canonical codes, no copy
+            return w.contiguous(), self.scale[:, 0].to(torch.bfloat16).contiguous()
         assert self.zero is not None
         n = self.out_features
         pad = -n % CPU_INT4_ROWS
