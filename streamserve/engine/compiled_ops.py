@@ -78,5 +78,20 @@ def paged_attention_batch(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.T
     return out.reshape(b * tq, h * hd).index_select(0, batch.out_rows)
 
 
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gate_up: torch.Tensor,
+                w_down: torch.Tensor) -> torch.Tensor:
+    """`ref.moe_experts_gather` (no host sync: the eager CPU paths read the ids on the host, which no graph holds)
+    written as products and sums, so that Inductor reads each chosen expert's rows where they are, inside its own
+    loops, where a bmm would first copy them. x [T, D]; weights [T, k] fp32; ids [T, k]; w_gate_up [E, 2I, D];
+    w_down [E, D, I] -> [T, D]."""
+    t, k = ids.shape
+    flat = ids.reshape(-1)
+    xs = x.repeat_interleave(k, dim=0)  # [T*k, D]
+    h = ref.silu_mul((w_gate_up.index_select(0, flat) * xs.unsqueeze(1)).sum(-1))  # [T*k, I]
+    y = (w_down.index_select(0, flat) * h.unsqueeze(1)).sum(-1)  # [T*k, D]
+    return (y.view(t, k, -1).float() * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
 COMPILED_CPU_OPS: Ops = replace(TORCH_OPS, name="torch-compiled", attention=paged_attention,
-                                attention_rolling=paged_attention_rolling, attention_batch=paged_attention_batch)
+                                attention_rolling=paged_attention_rolling, attention_batch=paged_attention_batch,
+                                moe_experts=moe_experts)

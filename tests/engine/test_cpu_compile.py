@@ -1,6 +1,6 @@
 """cpu_compile="on" (engine/compiled.py): decode steps compiled by torch.compile in a background thread give the
-eager engine's greedy tokens (float, int8, int4; a window/sinks session, two sessions batched, a key-bucket
-crossing), switch from eager to compiled once ready, stay eager when a compile fails (or its code fails on a real
+eager engine's greedy tokens (int8, int4; a window/sinks session, two sessions batched, a key-bucket crossing; a
+float MoE model), switch from eager to compiled once ready, stay eager when a compile fails (or its code fails on a real
 step: that step reruns eagerly), never compile on the engine thread, stop with the engine, and never compile more
 than MAX_COMPILED shapes.
 
@@ -127,6 +127,24 @@ def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, backend: Counti
         eager.shutdown()
 
 
+@pytest.mark.slow
+def test_compiled_moe_equals_eager(tmp_path: Path, backend: CountingBackend) -> None:
+    """A float MoE model compiles (its experts gathered inside the graph, `compiled_ops.moe_experts`) and gives the
+    eager engine's greedy tokens."""
+    path = tmp_path / "moe"
+    make_checkpoint(path, "qwen3_moe", num_hidden_layers=2)
+    eager, engine = load(path), load(path, cpu_compile="on")
+    compiled = compiled_of(engine)
+    try:
+        assert compiled.wait_idle(WAIT) and not compiled.failed and compiled.ready == 1
+        prompt = random_ids(20, seed=8)
+        assert greedy(engine, prompt, 24) == greedy(eager, prompt, 24)
+        assert compiled.steps >= 23
+    finally:
+        engine.shutdown()
+        eager.shutdown()
+
+
 def test_background_switch_and_shutdown(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gate = threading.Event()
 
@@ -236,6 +254,14 @@ def importlib_triton() -> bool:
     import importlib.util
 
     return importlib.util.find_spec("triton") is not None
+
+
+def test_gathered_moe_experts_equal_the_reference() -> None:
+    g = torch.Generator().manual_seed(3)
+    x, w_gate_up, w_down = (torch.randn(*shape, generator=g) for shape in ((5, 24), (7, 2 * 10, 24), (7, 24, 10)))
+    weights, ids = ref.moe_route(torch.randn(5, 7, generator=g), 3, True)
+    want = ref.moe_experts_gather(x, weights, ids, w_gate_up, w_down)
+    assert torch.allclose(COMPILED_CPU_OPS.moe_experts(x, weights, ids, w_gate_up, w_down), want, atol=1e-5)
 
 
 @pytest.mark.parametrize("sliding", [None, 5])
