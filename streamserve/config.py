@@ -49,9 +49,10 @@ class EngineConfig:
         "help": "the most tokens drafted per verification (1 to 7); each session drafts fewer when that pays"})
     cpu_compile: str = field(default="off", metadata={
         "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code torch.compile "
-                "(Inductor) generates: each shape runs eagerly while it compiles in a background thread (about a "
-                "minute cold for a 135M model, seconds from the cache under the streamserve cache home), then "
-                "compiled; greedy output is the same. No effect on CUDA or with triton kernels (docs/quantization.md)",
+                "(Inductor) generates, weights frozen in and matmuls autotuned: each shape runs eagerly while it "
+                "compiles in a background thread (about two minutes cold for a 135M model, 20-30 s from the cache "
+                "under the streamserve cache home), then compiled; greedy output follows the eager one (int8 may part "
+                "from it after some tokens). No effect on CUDA or with triton kernels (docs/quantization.md)",
         "choices": ("off", "on")})
     backend: str = field(default="engine", metadata={
         "help": "what runs the model: engine (this process, one accelerator) or sglang (an SGLang server's "
