@@ -26,10 +26,10 @@ seconds. `close()` (engine shutdown) ends the thread after the compile in progre
 Frozen and autotuned (`INDUCTOR_OPTIONS`): the weights, and the quantized projections' CPU-packed forms, are
 constants of the graph, and each matmul shape is timed at compile time between aten's packed kernel and Inductor's
 CPP GEMM template over a weight it reblocks (a second copy of the weights that choose it: int8's, at ~1x their
-bytes). The template is about twice aten's int8 kernel at batch 1, where aten's is compute-bound.
+bytes). At batch 1 the template times 1.2-1.7x faster than aten's int8 kernel per shape, which is compute-bound.
 
-Not compiled: MoE layers (their expert loop is data-dependent: the compile fails at once and the engine stays
-eager).
+MoE layers compile with float experts (`compiled_ops.moe_experts` gathers the chosen experts inside the graph).
+Quantized experts loop over the chosen ones on the host: their compile fails at once and the engine stays eager.
 """
 
 from __future__ import annotations
@@ -95,8 +95,9 @@ def inductor_cache_dir() -> str:
 #   while a step runs), which Inductor may fold and repack;
 # - max_autotune with the CPP GEMM template next to aten: each quantized matmul shape is timed once per compile
 #   (a few seconds each) between aten's packed kernel and Inductor's own micro-GEMM over a weight it reblocks at
-#   compile time. At batch 1 the template is ~2x aten's int8 kernel (benchmarks/cpu_decode.py): it reads the weight
-#   as a stream of its blocks, where aten's int8 kernel is compute-bound. Float matmuls are tuned the same way.
+#   compile time. At batch 1 the template reads int8 weights as a stream of blocks where aten's int8 kernel is
+#   compute-bound: SmolLM2's compiled int8 step went from 41 to 63 tok/s (benchmarks/cpu_decode.py). Float
+#   matmuls are tuned the same way.
 INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 
 
