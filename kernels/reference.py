@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -271,10 +272,19 @@ def race_noise(seeds: torch.Tensor, positions: torch.Tensor, stream: int, vocab:
     return race_uniform(seeds, positions, stream, vocab).log_().neg_()
 
 
+def argmax_last(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) (lowest index on ties, NaN wins), through numpy's vectorized argmax for a float32 CPU
+    tensor: torch 2.13's CPU argmax runs ~110 us over one 49,152-token row where numpy takes ~8 us (a greedy decode
+    step argmaxes one such row per session per token)."""
+    if x.device.type == "cpu" and x.dtype == torch.float32 and x.dim() >= 1 and x.shape[-1] > 0:
+        return torch.from_numpy(np.asarray(x.detach().numpy().argmax(axis=-1), dtype=np.int64))
+    return torch.argmax(x, dim=-1)
+
+
 def race(probs: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
     """probs [B, V] (unnormalised is fine, zeros never win unless a row is all zeros), noise [B, V] Exp(1) ->
     [B] int64: argmax probs / noise, a draw from each row's distribution."""
-    return torch.argmax(probs / noise, dim=-1)
+    return argmax_last(probs / noise)
 
 
 def keep_mask(sorted_p: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
@@ -295,7 +305,7 @@ def sample_tokens(logits: torch.Tensor, temperature: torch.Tensor, top_k: torch.
     which samples exactly from p with one pass and no cumulative search. `noise` [B, V] is E by token id
     (`race_noise`: a row's draw then depends on that row alone); without it E comes from `generator`.
     """
-    greedy = torch.argmax(logits, dim=-1)
+    greedy = argmax_last(logits)
     sampled = temperature >= MIN_TEMPERATURE  # below it, logits / T overflows: such rows are greedy
     temp = torch.where(sampled, temperature, torch.ones_like(temperature))
     probs = torch.softmax(logits / temp[:, None], dim=-1)

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import torch
 
 from streamserve.errors import InvalidInputError
-from streamserve.kernels.reference import MIN_TEMPERATURE, race, race_noise, race_uniform, sample_tokens
+from streamserve.kernels.reference import MIN_TEMPERATURE, argmax_last, race, race_noise, race_uniform, sample_tokens
 
 MAX_TOP_K = 1 << 24  # larger than any vocabulary; a larger top_k means no limit anyway
 MAX_SEED = (1 << 63) - 1
@@ -79,7 +79,7 @@ def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Seque
     is the same whatever rows share the call; greedy rows (temperature below MIN_TEMPERATURE) take the argmax,
     lowest id on ties."""
     if all(t < MIN_TEMPERATURE for t in temperature):  # nothing to draw: no noise, no sort
-        return torch.argmax(logits, dim=-1)
+        return argmax_last(logits)
     dev = logits.device
     # host lists -> the device without waiting for it (a blocking copy would wait for the step's forward)
     ints = torch.tensor([list(top_k), list(seeds), list(positions)], dtype=torch.int64).to(dev, non_blocking=True)

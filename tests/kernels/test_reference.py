@@ -218,3 +218,18 @@ def test_rms_norm_is_the_transformers_formula_bit_for_bit(dtype: torch.dtype, sh
     xf = x.float()
     expected = w * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(dtype)
     assert torch.equal(ref.rms_norm(x, w, 1e-6), expected)
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 49_151), (2, 5, 33)])
+def test_argmax_last_is_torch_argmax(shape: tuple[int, ...]) -> None:
+    """numpy's argmax on CPU float32 (the greedy path), torch's elsewhere: the same ids, ties to the lowest id,
+    NaN winning, strided views, and the scalar shape of a 1-D input."""
+    g = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(*shape, generator=g).round(decimals=1)  # rounding makes ties
+    for t in (x, x.to(torch.bfloat16), x[..., ::2], torch.full_like(x, float("-inf"))):
+        got = ref.argmax_last(t)
+        assert got.dtype == torch.int64 and got.shape == t.shape[:-1]
+        assert torch.equal(got, torch.argmax(t, dim=-1))
+    y = x.clone()
+    y[..., -1] = float("nan")
+    assert torch.equal(ref.argmax_last(y), torch.argmax(y, dim=-1))

@@ -32,7 +32,7 @@ from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.drafters.verify import target_probs
 from streamserve.engine.token_log import TokenLog
 from streamserve.errors import CapacityError, ContextLengthError, InvalidInputError, RewindError, StreamserveError
-from streamserve.kernels.reference import MIN_TEMPERATURE
+from streamserve.kernels.reference import MIN_TEMPERATURE, argmax_last
 from streamserve.models import CausalLM, ModelConfig, Tokenizer, load_model, open_pretrained
 from streamserve.sessions import DEFAULT_REWIND_REACH, KVPool, PagedSessionKV, layer_groups, split_pages
 
@@ -201,7 +201,7 @@ class DraftModelDrafter:
                 tok = int(reply.draws.pick(q[None], len(h) + i, 3)[0])
                 probs.append(q)
             else:
-                tok = int(torch.argmax(logits))
+                tok = int(argmax_last(logits.reshape(-1)))
             tokens.append(tok)
             if i < k - 1:
                 logits = self._forward(st, [tok], drop=False)

@@ -22,7 +22,7 @@ from __future__ import annotations
 import torch
 
 from streamserve.engine.sampling import Draws, sample_rows
-from streamserve.kernels.reference import MIN_TEMPERATURE, keep_mask
+from streamserve.kernels.reference import MIN_TEMPERATURE, argmax_last, keep_mask
 
 
 def target_probs(logits: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
@@ -44,7 +44,7 @@ def verify(logits: torch.Tensor, drafts: list[int], draft_probs: torch.Tensor | 
     k = len(drafts)
     assert logits.shape[0] == k + 1
     if temperature < MIN_TEMPERATURE:
-        target = torch.argmax(logits, dim=-1).tolist()
+        target = argmax_last(logits).tolist()
         out = []
         for i, d in enumerate(drafts):
             if target[i] != d:
