@@ -98,7 +98,10 @@ def inductor_cache_dir() -> str:
 #   compile time. At batch 1 the template reads int8 weights as a stream of blocks where aten's int8 kernel is
 #   compute-bound: SmolLM2's compiled int8 step went from 41 to 63 tok/s (benchmarks/cpu_decode.py). Float
 #   matmuls are tuned the same way.
-INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
+# - cpp_wrapper: the code that calls the kernels is C++ too, not a Python function of ~25 statements a layer
+#   (buffers, views, size asserts): SmolLM2's int4 step 14.8 -> 13.0 ms (the issue 16 spike, one process, A/B).
+INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                                    "cpp_wrapper": True}
 
 
 def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
