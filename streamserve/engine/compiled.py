@@ -100,8 +100,12 @@ def inductor_cache_dir() -> str:
 #   matmuls are tuned the same way.
 # - cpp_wrapper: the code that calls the kernels is C++ too, not a Python function of ~25 statements a layer
 #   (buffers, views, size asserts): SmolLM2's int4 step 14.8 -> 13.0 ms (the issue 16 spike, one process, A/B).
+# - cpp.min_chunk_size 32768 (Inductor's default: 512 elements a thread): a kernel parallelizes only with more work
+#   than that. A decode step's norms, activations and key gathers are a few thousand elements: run by one thread,
+#   they skip an OpenMP fork and join each (12.8 -> 12.1 ms, the same spike). A long context's key gather, and a
+#   batch's, still split.
 INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                                    "cpp_wrapper": True}
+                                    "cpp_wrapper": True, "cpp.min_chunk_size": 32768}
 
 
 def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
