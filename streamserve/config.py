@@ -50,7 +50,7 @@ class EngineConfig:
     cpu_compile: str = field(default="off", metadata={
         "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code torch.compile "
                 "(Inductor) generates, weights frozen in and matmuls autotuned: each shape runs eagerly while it "
-                "compiles in a background thread (about two minutes cold for a 135M model, 20-30 s from the cache "
+                "compiles in a background thread (two to three minutes cold for a 135M model, 20-30 s from the cache "
                 "under the streamserve cache home), then compiled; greedy output follows the eager one (int8 may part "
                 "from it after some tokens). No effect on CUDA or with triton kernels (docs/quantization.md)",
         "choices": ("off", "on")})

@@ -23,7 +23,8 @@ ROOT = Path(__file__).resolve().parent.parent
                                     ["speculative.py", "--quick"], ["step_costs.py", "--quick"],
                                     ["gpu_check.py", "--smoke"], ["robot_loop.py", "--quick"],
                                     ["cpu_decode.py", "--quick"], ["quant_accuracy.py", "--quick"],
-                                    ["cpu_linear.py", "--quick"], ["soak.py", "--quick"],
+                                    ["cpu_linear.py", "--quick"], ["cpu_compile_options.py", "--quick"],
+                                    ["soak.py", "--quick"],
                                     ["sessions_held.py", "--quick"], ["handoff_pause.py", "2", "200"],
                                     pytest.param(["voice_latency.py", "--quick"], marks=pytest.mark.skipif(
                                         not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",

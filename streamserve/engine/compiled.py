@@ -27,6 +27,8 @@ Frozen and autotuned (`INDUCTOR_OPTIONS`): the weights, and the quantized projec
 constants of the graph, and each matmul shape is timed at compile time between aten's packed kernel and Inductor's
 CPP GEMM template over a weight it reblocks (a second copy of the weights that choose it: int8's, at ~1x their
 bytes). At batch 1 the template times 1.2-1.7x faster than aten's int8 kernel per shape, which is compute-bound.
+The code that calls the kernels is C++ (`cpp_wrapper`), and small kernels run on one thread (`cpp.min_chunk_size`):
+benchmarks/cpu_compile_options.py measures both against the step without them.
 
 MoE layers compile with float experts (`compiled_ops.moe_experts` gathers the chosen experts inside the graph).
 Quantized experts loop over the chosen ones on the host: their compile fails at once and the engine stays eager.
