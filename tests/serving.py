@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import replace
 
@@ -71,6 +73,28 @@ def engine_paused(engine: Engine) -> Iterator[None]:
     """Hold the engine between steps: chunks submitted meanwhile cannot run until the block ends."""
     with engine.guard:  # the engine's public "between steps" lock
         yield
+
+
+@contextlib.contextmanager
+def engine_throttled(engine: Engine, hold_s: float = 0.03) -> Iterator[None]:
+    """Let the engine run about one step every `hold_s` seconds until the block ends: a thread holds the guard for
+    `hold_s`, lets go, and waits its turn again (the engine lets waiters in after each step). A reply of n tokens
+    then takes at least n * hold_s, so a test can act while it is still running however fast the machine decodes."""
+    stop = threading.Event()
+
+    def hold() -> None:
+        while not stop.is_set():
+            with engine.guard:
+                stop.wait(hold_s)
+            time.sleep(0.001)  # the engine takes the guard for its next step here
+
+    thread = threading.Thread(target=hold, name="engine-throttle", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
 
 
 def default_engine() -> Engine:

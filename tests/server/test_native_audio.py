@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import pytest_asyncio
-from serving import RunningServer, default_engine, engine_paused, serve
+from serving import RunningServer, default_engine, engine_paused, engine_throttled, serve
 from voice_assets import needs_voice, speech
 
 import streamserve_client as sc
@@ -108,12 +108,15 @@ async def test_spoken_turn_gets_transcript_reply_and_reply_audio(voiced: Running
 async def test_speech_during_a_reply_cancels_it_and_its_audio(voiced: RunningServer) -> None:
     async with sc.connect(voiced.url) as client:
         session = await client.open_session(voice=VOICE, max_tokens=64, temperature=0.0)
-        await stream(session, spoken("Tell me a story."))
         first_text = None
-        async for event in session.events():  # the reply the server started at the end of speech is running
-            if isinstance(event, sc.ReplyText):
-                first_text = event
-                break
+        # a step per 30 ms: the reply's 64 tokens take seconds, so it is still running when the client sees its
+        # first text and pauses the engine (unthrottled, a fast decode could finish it in between)
+        with engine_throttled(voiced.engine):
+            await stream(session, spoken("Tell me a story."))
+            async for event in session.events():  # the reply the server started at the end of speech is running
+                if isinstance(event, sc.ReplyText):
+                    first_text = event
+                    break
         assert first_text is not None
         with engine_paused(voiced.engine):  # it cannot finish while the person speaks again
             events = asyncio.ensure_future(collect(session, sc.SpeechStarted))
