@@ -101,11 +101,12 @@ def inductor_cache_dir() -> str:
 #   compute-bound: SmolLM2's compiled int8 step went from 41 to 63 tok/s (benchmarks/cpu_decode.py). Float
 #   matmuls are tuned the same way.
 # - cpp_wrapper: the code that calls the kernels is C++ too, not a Python function of ~25 statements a layer
-#   (buffers, views, size asserts): SmolLM2's int4 step 14.8 -> 13.0 ms (the issue 16 spike, one process, A/B).
+#   (buffers, views, size asserts): without it SmolLM2's int4 forward took 1.12x as long
+#   (benchmarks/cpu_compile_options.py).
 # - cpp.min_chunk_size 32768 (Inductor's default: 512 elements a thread): a kernel parallelizes only with more work
 #   than that. A decode step's norms, activations and key gathers are a few thousand elements: run by one thread,
-#   they skip an OpenMP fork and join each (12.8 -> 12.1 ms, the same spike). A long context's key gather, and a
-#   batch's, still split.
+#   they skip an OpenMP fork and join each (with Inductor's default of 512, 1.08x as long, the same benchmark).
+#   A long context's key gather, and a batch's, still split.
 INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
                                     "cpp_wrapper": True, "cpp.min_chunk_size": 32768}
 
