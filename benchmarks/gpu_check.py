@@ -236,7 +236,7 @@ def batched_decode(engine, batch: int, new: int) -> tuple[float, list[list[int]]
             st.wait()
         return streams
 
-    together(2 if SMOKE else 4)  # warm-up: compiles, and captures this batch size's graphs
+    together(1 if SMOKE else 4)  # warm-up: compiles, and captures this batch size's graphs
     if engine.device.type == "cuda":
         torch.cuda.synchronize()
     calls, graph_runs = engine.stats()["forward_calls"], engine.graphs.runs if engine.graphs is not None else 0
@@ -313,7 +313,7 @@ def main() -> None:
         "quant_gemv": lambda: parts.bench_quant_gemv(device, res["copy_gbs"], reps),
         "decode_attention": partial(bench_attention, device, reps, (64,) if args.smoke else (1024, 8192, 32768)),
         "batch_attention": partial(parts.bench_batch_attention, device, reps),
-        "end_to_end": partial(bench_end_to_end, device, 2 if args.smoke else 8, 4 if args.smoke else 64),
+        "end_to_end": partial(bench_end_to_end, device, 2 if args.smoke else 8, 2 if args.smoke else 64),
     }
     if {"moe", "moe_int8", "quant_gemv"} & set(wanted) and "copy_gbs" not in wanted:
         wanted.append("copy_gbs")

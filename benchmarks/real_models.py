@@ -103,8 +103,9 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     res["load_hf_over_ours"] = round(res["hf_load_s"] / res["load_s"], 2)
     ids = engine.tokenizer.encode(TEXT)[:PROMPT_TOKENS]
     runs: dict[str, list[tuple[float, float]]] = {"ours": [], "hf": []}
-    ours_prefill_decode(engine, ids[:32])  # warm-up of both: first-touch of the pool, allocator and caches
-    hf_prefill_decode(hf, ids[:32])
+    if not quick:  # warm-up of both: first-touch of the pool, allocator and caches (a quick run checks the script)
+        ours_prefill_decode(engine, ids[:32])
+        hf_prefill_decode(hf, ids[:32])
     for _ in range(1 if quick else 3):  # interleaved: both see the same machine load
         runs["ours"].append(ours_prefill_decode(engine, ids))
         runs["hf"].append(hf_prefill_decode(hf, ids))

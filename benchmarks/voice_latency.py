@@ -362,17 +362,17 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default=None, help="comma-separated models (default: default,smollm2-135m-instruct; "
                                                   "SmolLM2 when pulled; --quick: default)")
-    ap.add_argument("--turns", type=int, default=None, help="turns per condition (default 10; --quick 2)")
-    ap.add_argument("--sessions", default=None, help="concurrent sessions to try (default 1,2,4; --quick 1,2)")
-    ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (4; --quick 2)")
+    ap.add_argument("--turns", type=int, default=None, help="turns per condition (default 10; --quick 1)")
+    ap.add_argument("--sessions", default=None, help="concurrent sessions to try (default 1,2,4; --quick 2)")
+    ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (4; --quick 1)")
     ap.add_argument("--max-tokens", type=int, default=None, help="max_output_tokens per reply (default 40)")
-    ap.add_argument("--quick", action="store_true", help="the default model, 2 turns, 1-2 sessions (CI smoke run)")
+    ap.add_argument("--quick", action="store_true", help="the default model, 1 turn, 2 sessions at once (CI smoke run)")
     args = ap.parse_args()
-    args.turns = args.turns or (2 if args.quick else 10)
-    args.session_turns = args.session_turns or (2 if args.quick else 4)
+    args.turns = args.turns or (1 if args.quick else 10)
+    args.session_turns = args.session_turns or (1 if args.quick else 4)
     args.max_tokens = args.max_tokens or (24 if args.quick else 40)
     models = (args.model or ("default" if args.quick else "default,smollm2-135m-instruct")).split(",")
-    levels = [int(x) for x in (args.sessions or ("1,2" if args.quick else "1,2,4")).split(",")]
+    levels = [int(x) for x in (args.sessions or ("2" if args.quick else "1,2,4")).split(",")]
     utts, at16k = synthesize(QUESTIONS)
     result: dict[str, Any] = {"benchmark": "voice_latency", "cpu_count": os.cpu_count(),
                               "load_avg_1m_at_start": round(os.getloadavg()[0], 2), "frame_ms": FRAME_MS,

@@ -301,8 +301,8 @@ if __name__ == "__main__":
     p.add_argument("--calls", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2, 4])
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--idle-s", type=float, default=5.0)
-    p.add_argument("--quick", action="store_true", help="2 turns, calls 1,2, 2 s idle (a smoke run)")
+    p.add_argument("--quick", action="store_true", help="1 turn, 2 calls at once, 2 s idle (a smoke run)")
     a = p.parse_args()
     if a.quick:
-        a.turns, a.calls, a.idle_s = 2, [1, 2], 2.0
+        a.turns, a.calls, a.idle_s = 1, [2], 2.0
     print(json.dumps(asyncio.run(main(a))))

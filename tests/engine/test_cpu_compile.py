@@ -89,8 +89,8 @@ def packed_weights(engine: Engine) -> set[int]:
             if isinstance(m, QuantLinear) and m.cpu_weight is not None}
 
 
-# Inductor compiles, each autotuning its quantized matmul shapes (INDUCTOR_OPTIONS): int8 two shapes, int4 one; ~145 s
-# in all cold, ~15 s from the cache (2 cores). The quantized formats are what a CPU compiles for (issue 16);
+# Inductor compiles, the start-up shape's autotuning its quantized matmul shapes (INDUCTOR_OPTIONS): int8 two shapes,
+# int4 one; the int8 batched shape is not autotuned. The quantized formats are what a CPU compiles for (issue 16);
 # unquantized weights take the same graph with plain linears (CI's time)
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
@@ -110,6 +110,9 @@ def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, backend: Counti
         assert packed_weights(engine) and packed_weights(engine) <= backend.constants[0]
         if quantize == "int4":  # the batched shape's compile once, in int8 (CI's time)
             return
+        # the batched shape is about batching and padding, not the matmul choice: frozen, not autotuned (CI's time)
+        monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS",
+                            {**compiled_module.INDUCTOR_OPTIONS, "max_autotune": False})
         prompts = [random_ids(30, seed=6), random_ids(45, seed=7)]
         kws = [WINDOW, WINDOW]  # rolling positions, 4 sinks, a 24-token window: keys past it are dropped
         want = replies_together(eager, prompts, 30, kws)
