@@ -8,9 +8,11 @@ linears, a Q8_0 embedding; left out and said so when not pulled) and the embedde
 - the engine with each weight format (`quantize`: "none" float32, "int8", "int4", and on the GGUF "auto", the
   file's own quantization), activations float32;
 - the engine with `cpu_compile="on"` in int8 and int4 (`engine_int8_compiled`, `engine_int4_compiled`: the
-  fixed-shape decode step compiled by torch.compile, engine/compiled.py), and for the default model in float32
-  too (`engine_none_compiled`: its float MoE experts compile, its quantized ones stay eager), side by side with
-  the eager engines;
+  fixed-shape decode step compiled by torch.compile, engine/compiled.py), on the GGUF in "auto" too
+  (`engine_auto_compiled`: the file's own 4-bit codes and its Q8_0 head as int8, the bytes llama.cpp reads; "int4"
+  re-rounds that head to 4 bits, fewer bytes at a perplexity cost, docs/quantization.md), and for the default
+  model in float32 (`engine_none_compiled`: its float MoE experts compile, its quantized ones stay eager), side by
+  side with the eager engines;
   the run waits until their background compiles are done before any rep (their seconds are reported, and the
   steps served compiled and eagerly: a timed rep must run compiled); --no-compile (and --quick) leaves them out;
 - transformers float32 on the same weights (the GGUF through `gguf_file=`, the default model's safetensors);
@@ -386,7 +388,8 @@ def main() -> None:
         modes = ["none", "int8", "int4", *(["auto"] if path.is_file() else [])]  # "auto" only changes a GGUF
         # float32 compiled on the default model only: its float MoE experts compile (its quantized ones do not yet),
         # and SmolLM2's float32 compile would add minutes and 0.5 GB for a format no CPU user decodes in
-        compiled = [f"int8{COMPILED}", f"int4{COMPILED}", *([f"none{COMPILED}"] if name == "default" else [])]
+        compiled = [f"int8{COMPILED}", f"int4{COMPILED}", *([f"auto{COMPILED}"] if path.is_file() else []),
+                    *([f"none{COMPILED}"] if name == "default" else [])]
         modes += [] if args.no_compile else compiled
         res[name] = bench_model(name, path, modes, args, rate)
     res["read_rate"] = rate.figures()  # every sample of the run
