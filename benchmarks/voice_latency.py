@@ -50,6 +50,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from media_rtf import media_rtf, need  # a sibling script (benchmarks/ is no package): on sys.path as run
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -103,51 +104,6 @@ def synthesize(texts: tuple[str, ...]) -> tuple[list[Utterance], list[np.ndarray
         pcm = encode(x, AudioFormat()) + bytes(-2 * len(x) % FRAME_BYTES)  # padded to whole frames
         utts.append(Utterance(text, pcm, int(voiced[-1]) * 2 // FRAME_BYTES))
     return utts, at16k
-
-
-def need(name: str) -> Path:
-    if (path := installed(name)) is None:
-        raise SystemExit(f"voice model {name} is not in the model cache: run `streamserve models pull {name}`")
-    return path
-
-
-def media_rtf(at16k: list[np.ndarray], reps: int) -> dict[str, Any]:
-    """Real-time factor of each media stage on the synthesised speech (best of `reps` after a warm-up)."""
-    from streamserve.media.stt import Whisper
-    from streamserve.media.tts import PiperVoice
-    from streamserve.media.vad import SileroVAD
-
-    threads = max(1, (os.cpu_count() or 2) // 2)  # what VoiceRuntime.load gives each model
-    gap = np.zeros(4800, np.float32)  # 0.3 s at 16 kHz
-    speech = np.concatenate([p for a in at16k for p in (a, gap)])
-    speech = np.tile(speech, math.ceil(160000 / len(speech)))[:160000]  # 10 s at 16 kHz
-
-    def best(fn: Any, *args: Any) -> float:
-        fn(*args)  # warm-up: first-run allocations are not the steady state
-        times = []
-        for _ in range(reps):
-            t0 = time.perf_counter()
-            fn(*args)
-            times.append(time.perf_counter() - t0)
-        return min(times)
-
-    vad = SileroVAD(need("silero-vad"))
-
-    def vad_pass() -> None:
-        stream = vad.stream()
-        for i in range(0, len(speech), 320):  # 20 ms pieces, as frames arrive
-            stream.probabilities(speech[i:i + 320])
-
-    whisper = Whisper(need("whisper-base").parent, threads=threads)
-    voice = PiperVoice(need("piper-joe"), threads=threads)
-    sentence = QUESTIONS[0]
-    spoken_s = len(voice.synthesize(sentence)) / voice.sample_rate
-    compute = {"vad_10s": best(vad_pass), "whisper_2s": best(whisper.transcribe, speech[:32000]),
-               "whisper_5s": best(whisper.transcribe, speech[:80000]),
-               "piper_sentence": best(voice.synthesize, sentence)}
-    audio_s = {"vad_10s": 10.0, "whisper_2s": 2.0, "whisper_5s": 5.0, "piper_sentence": spoken_s}
-    return {"threads": threads, **{k: round(v / audio_s[k], 4) for k, v in compute.items()},
-            "compute_s": {k: round(v, 3) for k, v in compute.items()}, "piper_sentence_audio_s": round(spoken_s, 2)}
 
 
 def start_server(model: str) -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
@@ -378,7 +334,7 @@ def main() -> None:
                               "load_avg_1m_at_start": round(os.getloadavg()[0], 2), "frame_ms": FRAME_MS,
                               "turns": args.turns, "session_turns": args.session_turns,
                               "max_output_tokens": args.max_tokens, "eos_level": EOS_LEVEL,
-                              "media_rtf": media_rtf(at16k, 1 if args.quick else 3), "models": {}}
+                              "media_rtf": media_rtf(at16k, QUESTIONS[0], 1 if args.quick else 3), "models": {}}
     for i, model in enumerate(models):
         if model != "default" and installed(model) is None:
             result["models"][model] = {"skipped": f"not pulled: streamserve models pull {model}"}
