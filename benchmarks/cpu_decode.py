@@ -210,7 +210,8 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
     moe = engines[0].config.moe
     fraction = 1.0 if moe is None else moe.top_k / moe.num_experts  # the share of expert weights a token reads
     contenders = [engine_contender(m, e, prompt, args.new, fraction) for m, e in zip(modes, engines, strict=True)]
-    contenders.append(transformers_contender(path, prompt, args.new, fraction))
+    if not (args.quick and path.is_file()):  # quick: transformers' GGUF load (20 s) is real_models.py's, tested
+        contenders.append(transformers_contender(path, prompt, args.new, fraction))
     if args.with_llamacpp and path.is_file():
         contenders.append(llamacpp_contender(path, prompt, args.new, fraction))
     try:
@@ -277,7 +278,8 @@ def main() -> None:
     p.add_argument("--no-compile", action="store_true",
                    help="leave out the compiled engines (cpu_compile; a cold compile takes about a minute each)")
     p.add_argument("--quick", action="store_true",
-                   help="a small run to check the script works (no llama.cpp, no compiled engines)")
+                   help="a small run to check the script works (no llama.cpp, no compiled engines, no "
+                        "transformers on the GGUF)")
     args = p.parse_args()
     if args.quick:
         args.new, args.reps, args.bandwidth_mib, args.with_llamacpp, args.no_compile = 4, 1, 64, False, True
