@@ -111,6 +111,21 @@ INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max
                                     "cpp_wrapper": True, "cpp.min_chunk_size": 32768}
 
 
+STEP_INPUTS = ("ids", "kvs", "rows")  # the compiled step function's arguments (`_step_function`)
+
+
+def input_guards(entries: list[Any]) -> list[bool]:
+    """Dynamo's guard filter (`torch.compile(options={"guard_filter_fn": ...})`, one flag per guard: kept?). Kept:
+    the guards on the step's arguments (their tensors' shapes, dtypes and strides, the static buffers' structure
+    and constants) and on global state (grad mode and the like: guards with no source). Dropped: those on the
+    traced model (every module's hooks, attributes and ids) and on the code's globals (modules, functions). Those
+    never change while an engine runs: the traced model is the engine's, nothing assigns to it after load, and its
+    weights are constants of the graph (frozen) that no guard would compare anyway. A SmolLM2 step holds ~4,600
+    guards, ~140 of them on its arguments: checking all of them took 1.1 ms a step, the kept ones 0.5
+    (docs/benchmarks.md, issue 16)."""
+    return [not e.name or e.name.split("[", 1)[0].split(".", 1)[0] in STEP_INPUTS for e in entries]
+
+
 def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
     """The compile backend: Inductor (C++/OpenMP kernels on a CPU), under `INDUCTOR_OPTIONS` (set by the caller
     around the trace)."""
@@ -316,7 +331,8 @@ class CompiledSteps:
                     mark_dynamic(grp.read_slots, 0)
         expect = entry.forward(self.model)  # eagerly: also packs quantized weights before tracing reads them
         fn = torch.compile(self._step_function(len(self.compile_seconds) + len(self.failed)),
-                           backend=self._backend, fullgraph=True, dynamic=False)
+                           backend=self._backend, fullgraph=True, dynamic=False,
+                           options={"guard_filter_fn": input_guards})
         import torch._inductor.config as inductor_config
 
         with torch.inference_mode(), inductor_config.patch(INDUCTOR_OPTIONS):  # the trace and compile happen here

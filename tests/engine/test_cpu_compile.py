@@ -1,8 +1,8 @@
 """cpu_compile="on" (engine/compiled.py): decode steps compiled by torch.compile in a background thread give the
 eager engine's greedy tokens (int8, int4; a window/sinks session, two sessions batched, a key-bucket crossing; a
 float MoE model), switch from eager to compiled once ready, stay eager when a compile fails (or its code fails on a real
-step: that step reruns eagerly), never compile on the engine thread, stop with the engine, and never compile more
-than MAX_COMPILED shapes.
+step: that step reruns eagerly), never compile on the engine thread, stop with the engine, never compile more
+than MAX_COMPILED shapes, and keep Dynamo's guards on the step's inputs only.
 
 The checkpoint is a 2-layer tiny Qwen3 so that each Inductor compile is small (seconds; the first of a process
 pays Inductor's start-up), with an intermediate size of 64: torch 2.13's `_weight_int8pack_mm` crashes the process
@@ -15,6 +15,7 @@ from __future__ import annotations
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -171,6 +172,39 @@ def test_background_switch_and_shutdown(tiny: Path, monkeypatch: pytest.MonkeyPa
     engine.shutdown()
     eager.shutdown()
     assert not any(t.name == "streamserve-compile" for t in threading.enumerate())
+
+
+def test_guards_are_kept_on_the_step_inputs_only(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`input_guards`: Dynamo checks the guards on a step's arguments (inputs that no longer match the graph ask for
+    a compile, which is refused off the compile thread: `run` then steps eagerly, the test below), not those on the
+    traced model (a parameter swapped for an equal one would fail one: the steps stay compiled)."""
+    monkeypatch.setattr(compiled_module, "inductor", cheap_backend)
+    seen: list[Any] = []  # the entries of the compiled steps
+    run = CompiledSteps.run
+
+    def spy(self: CompiledSteps, entry: Any, key: Any, reload: Any) -> torch.Tensor:
+        seen.append(entry)
+        return run(self, entry, key, reload)
+
+    monkeypatch.setattr(CompiledSteps, "run", spy)
+    engine = load(tiny, cpu_compile="on")
+    compiled = compiled_of(engine)
+    try:
+        assert compiled.wait_idle(WAIT) and compiled.ready == 1
+        prompt = random_ids(20, seed=3)
+        want = greedy(engine, prompt, 8)
+        steps = compiled.steps
+        assert steps >= 7
+        # the final norm's weight swapped for an equal copy (the engine never swaps one) fails a guard on the model
+        # (on the parameter's id): none is checked
+        engine.model.norm = torch.nn.Parameter(engine.model.norm.detach().clone(), requires_grad=False)
+        assert greedy(engine, prompt, 8) == want and compiled.steps >= steps + 7 and not compiled.failed
+        entry = seen[-1]
+        step = next(iter(compiled._fns.values()))
+        with pytest.raises(Exception, match="outside the compile thread"):  # an argument's guard failed
+            step(entry.ids.to(torch.int32), entry.kvs, entry.rows)
+    finally:
+        engine.shutdown()
 
 
 def test_failed_compile_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPatch,
