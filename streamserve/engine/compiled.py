@@ -19,7 +19,9 @@ engine's, allocated lazily: only the page its warm-up writes is touched), checks
 the eager ones on those buffers, then publishes the callable; the engine thread switches on its next step of
 that shape. A compile that raises (or disagrees) is logged once and its shape stays eager. The backend refuses
 to compile anywhere but the compile thread: a guard that failed on a real step would otherwise recompile on
-the engine thread for a minute; such a step runs eagerly and its shape stays eager. Inductor's on-disk cache
+the engine thread for a minute; such a step runs eagerly and its shape stays eager. Dynamo checks only the guards
+on a step's arguments and on global state before each call (`input_guards`), not the thousands on the traced
+model, which never changes while the engine runs. Inductor's on-disk cache
 lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set): a restart compiles in
 seconds. `close()` (engine shutdown) ends the thread after the compile in progress.
 
@@ -51,6 +53,7 @@ import torch
 from streamserve.engine.batch import threads_for
 from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
 from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
+from streamserve.engine.openmp import release_openmp_threads
 from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey, build_entry
 from streamserve.errors import InvalidInputError
 from streamserve.models import CausalLM
@@ -301,6 +304,8 @@ class CompiledSteps:
                         self._fns[ck] = fn
             except Exception as e:  # logged once; the shape stays eager
                 self._fail(ck, e)
+            finally:  # this thread's OpenMP workers (autotuning, the check): not kept while it waits
+                release_openmp_threads()
 
     def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
         if threading.current_thread() is not self._thread:

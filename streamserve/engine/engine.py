@@ -46,6 +46,7 @@ from streamserve.engine.loading import (
 )
 from streamserve.engine.loop import EngineLoop
 from streamserve.engine.metrics import EngineMetrics
+from streamserve.engine.openmp import release_openmp_threads
 from streamserve.engine.runner import Runner
 from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.session import Session
@@ -195,6 +196,7 @@ class Engine:
         engine.graphs = decode_graphs(net, engine.pool, engine.scheduler.limits.max_batch, ops.name, cuda_graphs,
                                       cpu_compile, engine.batch.wide)
         engine.set_drafter(drafter, max_draft)
+        release_openmp_threads()  # this thread's loading workers: the engine thread's steps must not share the CPUs
         return engine
 
     # ---- speculative decoding ----------------------------------------------------------------------

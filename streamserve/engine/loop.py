@@ -28,6 +28,7 @@ from typing import Protocol
 
 from streamserve.engine.guard import BetweenSteps
 from streamserve.engine.metrics import EngineMetrics
+from streamserve.engine.openmp import release_openmp_threads
 from streamserve.engine.runner import Runner
 from streamserve.engine.scheduler import Scheduler
 from streamserve.engine.streams import Delta, End
@@ -250,6 +251,7 @@ class EngineLoop:
 def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
     """The engine thread. It holds the loop strongly only while it checks for work or runs a step, never
     while it sleeps, so an engine nobody uses any more can be collected."""
+    worked = False  # an iteration ran since the thread last fell idle
     while True:
         with cv:  # checked and waited under one hold of the lock: a submit() cannot slip in between
             loop = ref()
@@ -257,8 +259,13 @@ def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
                 return
             idle = loop.idle()
             del loop
-            if idle:
+            if idle and not worked:
                 cv.wait(IDLE_CHECK_SECONDS)  # submit() and stop() notify
+        if idle and worked:  # fallen idle: its OpenMP workers go (engine/openmp.py), then it checks again
+            release_openmp_threads()
+            worked = False
+            continue
+        worked = True
         loop = ref()
         if loop is None:
             return
