@@ -19,9 +19,11 @@ linears, a Q8_0 embedding; left out and said so when not pulled) and the embedde
 - with --with-llamacpp, llama.cpp on the same GGUF file (benchmarks/llamacpp_peer.py in the virtual environment
   of `make llamacpp-venv`, as a subprocess that answers one rep per line asked).
 Each contender decodes --new greedy tokens after a 32-token English prompt, reps interleaved contender by
-contender (all see the same load), after a warm-up; the median rep is kept. tok/s counts forwards: the first
-token comes from the prompt's logits and is not timed, each later one is one forward (the engine: from its first
-streamed token to its last).
+contender (all see the same load), after a warm-up; the median rep is kept. Before each rep this thread hands its
+OpenMP workers back (engine/openmp.py: the read rate's and transformers' pools would otherwise make every parallel
+region of the engine thread wake a sleeping worker), so each contender runs with its own threads only. tok/s
+counts forwards: the first token comes from the prompt's logits and is not timed, each later one is one forward
+(the engine: from its first streamed token to its last).
 The read rate is measured in the same run, between the rep rounds (`ReadRate`), and each contender is given as
 tok/s and as the fraction of that rate (the median of the samples taken during its model's reps) it uses: bytes
 of weights read per token (`weight_bytes_per_token`, llama.cpp: `gguf_bytes_per_token`) x tok/s / read rate.
@@ -50,6 +52,7 @@ import torch
 
 from streamserve import Engine
 from streamserve.engine.loading import resolve_model_path
+from streamserve.engine.openmp import release_openmp_threads
 from streamserve.models import store
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -216,12 +219,16 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
         contenders.append(llamacpp_contender(path, prompt, args.new, fraction))
     try:
         for c in contenders:  # warm-up: first touch of pools and caches, the CPU kernels' packing
+            release_openmp_threads()
             c.rep()
         since = len(rate.copy_s)
         steps_before = [compiled_steps(e) for e in engines]
         for _ in range(args.reps):  # interleaved: all, and the read rate, see the same load on the machine
             rate.sample(2)
             for c in contenders:
+                # this thread's OpenMP workers (the read rate's, transformers') go before each rep: sleeping pools
+                # next to the engine thread's make each of its parallel regions wake a worker (engine/openmp.py)
+                release_openmp_threads()
                 tok_s, tokens = c.rep()
                 c.tok_s.append(tok_s)
                 c.tokens = c.tokens or tokens
