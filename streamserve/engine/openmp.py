@@ -11,7 +11,8 @@ thread that loaded the model each get a pool; the first is the one that must sta
 `release_openmp_threads()` ends the calling thread's pool (OpenMP 5.0's `omp_pause_resource_all` with
 `omp_pause_soft`; its next parallel region starts a new one, tens of microseconds). The engine calls it on the
 thread that loaded a model, on the compile thread after each compile, and on the engine thread when it falls
-idle, so that whichever thread works next has the CPUs' worth of workers to itself. Without a loaded OpenMP
+idle, so that whichever thread works next has the CPUs' worth of workers to itself; the server runs its
+executors' calls through `releasing` (a snapshot's copies, the camera's classifier). Without a loaded OpenMP
 runtime that has the call (another parallel backend, another platform), it does nothing.
 """
 
@@ -22,10 +23,12 @@ import functools
 import logging
 from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
 log = logging.getLogger("streamserve")
+T = TypeVar("T")
 
 OMP_PAUSE_SOFT = 1  # omp_pause_resource_t: the threads end, the runtime stays initialized
 RUNTIMES = ("libgomp", "libiomp", "libomp")  # GNU, Intel and LLVM OpenMP: all three implement the call
@@ -55,3 +58,12 @@ def release_openmp_threads() -> bool:
     inside a parallel region, where the runtime refuses)."""
     fn = _pause_all()
     return fn is not None and fn(OMP_PAUSE_SOFT) == 0
+
+
+def releasing(fn: Callable[[], T]) -> T:
+    """fn() on this thread, then this thread's OpenMP workers handed back: for a pool thread (an executor's) that
+    runs torch work now and then, next to the engine thread."""
+    try:
+        return fn()
+    finally:
+        release_openmp_threads()

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from streamserve.config import ACCELERATOR_STEP_TOKENS, SAMPLING_DEFAULTS, SESSION_DEFAULTS, ServerConfig, SessionConfig
 from streamserve.engine import Engine, Session
+from streamserve.engine.openmp import releasing
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError, SessionNotFoundError
 from streamserve.server.acks import Acks
@@ -108,7 +109,9 @@ class SessionService(ServiceLifecycle):
 
     async def run_engine(self, fn: Any, *args: Any, **kw: Any) -> Any:
         """A call that may wait for the engine lock, off the event loop, on the engine executor."""
-        return await asyncio.get_running_loop().run_in_executor(self.engine_executor, lambda: fn(*args, **kw))
+        # releasing: a call's own torch work (a snapshot's copies) leaves no OpenMP workers next to the engine thread
+        return await asyncio.get_running_loop().run_in_executor(self.engine_executor,
+                                                                lambda: releasing(lambda: fn(*args, **kw)))
 
     def spawn(self, coro: Any) -> None:
         task = asyncio.create_task(coro)

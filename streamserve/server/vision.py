@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
+from streamserve.engine.openmp import releasing
 from streamserve.errors import StreamserveError
 from streamserve.media.vision import MAX_PIXELS, VISION_EXTRA, VISION_MODEL, SceneNotes, VisionUnavailableError
 from streamserve.server import media_budget
@@ -72,7 +73,8 @@ class Worker:
                                   "(send frames no faster than they are acked)")
         self.pending += 1
         try:
-            return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: fn(*args))
+            # releasing: the classifier's OpenMP workers do not stay next to the engine thread (engine/openmp.py)
+            return await asyncio.get_running_loop().run_in_executor(self.executor, lambda: releasing(lambda: fn(*args)))
         finally:
             self.pending -= 1
 
