@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from streamserve import Engine
+from streamserve.engine.openmp import release_openmp_threads
 from streamserve.models import store
 
 TEXT = ("The history of the city begins on a small island in the river, where fishermen built their first "
@@ -107,6 +108,7 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
         ours_prefill_decode(engine, ids[:32])
         hf_prefill_decode(hf, ids[:32])
     for _ in range(1 if quick else 3):  # interleaved: both see the same machine load
+        release_openmp_threads()  # transformers' workers (this thread's) are not left next to the engine thread's
         runs["ours"].append(ours_prefill_decode(engine, ids))
         runs["hf"].append(hf_prefill_decode(hf, ids))
     for who, r in runs.items():
