@@ -74,7 +74,7 @@ def test_the_engine_releases_on_the_threads_that_stop(tmp_path: Path, monkeypatc
     make_checkpoint(path, "qwen3", num_hidden_layers=2)
     engine = Engine.from_pretrained(path, device="cpu", kv_memory="16MiB", cpu_compile="on")
     try:
-        assert calls[-1] == threading.current_thread().name  # the load
+        assert threading.current_thread().name in calls  # the load (the compile thread's may come before or after)
         assert engine.graphs is not None and engine.graphs.compiled is not None
         assert engine.graphs.compiled.wait_idle(600)
         assert "streamserve-compile" in calls
