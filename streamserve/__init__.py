@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from streamserve.checkout import keep_installed_packages_first
 from streamserve.version import __version__
+
+keep_installed_packages_first()  # before anything imports transformers (see streamserve/checkout.py)
 
 __all__ = ["Engine", "Session", "__version__"]
 

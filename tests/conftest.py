@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+# First of all: `python -m pytest` put the repository root first on sys.path, where its kernels/ folder would shadow
+# the `kernels` package transformers imports; importing streamserve moves the root behind site-packages
+# (streamserve/checkout.py). `make test` runs pytest so; tests/test_shadowing.py checks that nothing is shadowed.
+# isort: off
+import streamserve  # noqa: F401
+# isort: on
+
 import contextlib
 import os
 from pathlib import Path

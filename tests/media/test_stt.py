@@ -7,6 +7,7 @@ from itertools import pairwise
 
 import numpy as np
 import pytest
+from voice_assets import needs, speech, voice_model
 
 from streamserve.errors import InvalidInputError
 from streamserve.media import VoiceUnavailableError
@@ -20,7 +21,6 @@ from streamserve.media.stt import (
     normalize,
     unseen,
 )
-from tests.voice_assets import needs, speech, voice_model
 
 FRAME = 320  # 20 ms at 16 kHz
 
