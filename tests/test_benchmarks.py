@@ -33,6 +33,13 @@ ROOT = Path(__file__).resolve().parent.parent
                                         reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
                                                f"(streamserve models pull {' '.join(VOICE_MODELS)})"),
                                                  id="voice_latency"),
+                                    pytest.param(["stt_wer.py", "--quick"], marks=pytest.mark.skipif(
+                                        not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
+                                                                               "soxr", "espeakng_loader")))
+                                        or None in map(installed, VOICE_MODELS),
+                                        reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
+                                               f"(streamserve models pull {' '.join(VOICE_MODELS)})"),
+                                                 id="stt_wer"),
                                     pytest.param(["webrtc_latency.py", "--quick"], marks=pytest.mark.skipif(
                                         not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
                                                                                "soxr", "espeakng_loader", "aiortc")))
@@ -49,6 +56,8 @@ def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert isinstance(last, dict) and last
+    if script[0] == "stt_wer.py":  # its own correctness figures: a batch hears what one pass at a time hears
+        assert last["batched_same_words"] == last["utterances"] and last["wer_batched"] == last["wer_held"], last
 
 
 @pytest.mark.models

@@ -12,34 +12,16 @@ from __future__ import annotations
 import string
 from collections.abc import Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
 
 import numpy as np
 
 from streamserve.errors import InvalidInputError
-from streamserve.media import VoiceUnavailableError, require
+from streamserve.media.whisper import SAMPLE_RATE, WINDOW_S, PassRequest, Whisper, Word, check_audio
 
-SAMPLE_RATE = 16000
-MODEL_FILES = ("config.json", "model.bin", "tokenizer.json", "vocabulary.txt")
-# Greedy decoding: on five synthesised phrases beam 5 gave the same words as beam 1 (one misheard word differed,
-# wrong both ways) in 1.27x the time, and the agreement between passes already guards against unstable guesses.
-BEAM_SIZE = 1
-WINDOW_S = 30.0  # Whisper's encoder always sees a 30 s window (shorter ones loop and misspell with whisper-base)
-PROMPT_CHARS = 200  # committed text given as the prompt: the end of it, as the paper does
 SLACK_S = 0.1  # a word starting this much before the last committed end may still be new (timestamp jitter)
 OVERLAP_WORDS = 5  # committed words looked for in a new pass, to find where its new words begin
 ANCHOR_S = 1.0  # ... when the repeat ends this close to the committed end
 MIN_FINISH_S = 0.1  # less audio than this left at finish() is not worth a pass
-
-
-@dataclass(frozen=True)
-class Word:
-    """One recognised word: `text` keeps Whisper's leading space (" capital,"); start/end in seconds."""
-
-    text: str
-    start: float
-    end: float
 
 
 @dataclass(frozen=True)
@@ -50,64 +32,6 @@ class TranscriptUpdate:
 
     committed: str
     partial: str
-
-
-def _check_audio(audio16k: np.ndarray) -> np.ndarray:
-    x = np.asarray(audio16k)
-    if x.ndim != 1 or not np.issubdtype(x.dtype, np.floating):
-        raise InvalidInputError(f"speech to text wants float32 mono samples at 16 kHz, shape [n]; got {x.dtype} "
-                                f"{x.shape} (decode the frames with streamserve.media.audio.AudioInput first)")
-    return x.astype(np.float32, copy=False)
-
-
-class Whisper:
-    """faster_whisper.WhisperModel over a local CTranslate2 model folder (never downloads), on the CPU."""
-
-    def __init__(self, model_dir: str | Path, threads: int = 2, compute_type: str = "int8") -> None:
-        folder = Path(model_dir)
-        folder = folder.parent if folder.is_file() else folder  # store.installed() gives model.bin itself
-        missing = [name for name in MODEL_FILES if not (folder / name).is_file()]
-        if missing:
-            raise VoiceUnavailableError(f"the Whisper model folder {folder} lacks {', '.join(missing)}: "
-                                        "run `streamserve models pull whisper-base`")
-        faster_whisper = require("faster_whisper")
-        # A folder path (and tokenizer.json in it) keeps faster-whisper off the Hugging Face hub entirely;
-        # local_files_only also guards the hub path should it ever be taken.
-        self._model: Any = faster_whisper.WhisperModel(
-            str(folder), device="cpu", compute_type=compute_type, cpu_threads=threads, num_workers=1,
-            local_files_only=True)
-
-    def words(self, audio16k: np.ndarray, prompt: str | None = None, language: str = "en") -> list[Word]:
-        """Words of `audio16k` [n] with times from its first sample; `prompt` is text said just before it."""
-        audio = _check_audio(audio16k)
-        if audio.size == 0:
-            return []
-        prompt = prompt.strip()[-PROMPT_CHARS:] if prompt else None
-        # One decode per 30 s window: no temperature fallback (each retry is another full decode), no language
-        # detection, no timestamp tokens. Our own VAD has already cut the utterance, so no VAD here.
-        segments, _ = self._model.transcribe(
-            audio, language=language, beam_size=BEAM_SIZE, temperature=0.0, word_timestamps=True,
-            without_timestamps=True, vad_filter=False, condition_on_previous_text=False, initial_prompt=prompt)
-        out: list[Word] = []
-        for segment in segments:
-            out.extend(Word(w.word, float(w.start), float(w.end)) for w in segment.words or ())
-            # With word timestamps but no timestamp tokens, faster-whisper goes on to decode the audio after the
-            # last word as one more window (another 30 s encoder pass, ~1 s here, that tends to hallucinate
-            # " you" on the tail). The generator is lazy: stop once a window reached the end of the audio.
-            if segment.seek * SAMPLE_RATE // 100 + WINDOW_S * SAMPLE_RATE >= audio.size:
-                break
-        return out
-
-    def transcribe(self, audio16k: np.ndarray, language: str = "en") -> str:
-        """The whole text of `audio16k` [n], stripped ("" for silence)."""
-        audio = _check_audio(audio16k)
-        if audio.size == 0:
-            return ""
-        # Without word timestamps each window is decoded once and the next window starts where it ends.
-        segments, _ = self._model.transcribe(
-            audio, language=language, beam_size=BEAM_SIZE, temperature=0.0, without_timestamps=True,
-            vad_filter=False, condition_on_previous_text=False)
-        return "".join(segment.text for segment in segments).strip()
 
 
 def normalize(text: str) -> str:
@@ -177,15 +101,17 @@ class StreamingTranscriber:
         self._chunks: list[np.ndarray] = []  # audio added since the last pass, each [k]
         self._buffer = np.zeros(0, np.float32)  # [n] the utterance's audio from _offset on
         self._offset = 0.0  # utterance time (s) of _buffer[0]
-        self._new_samples = 0  # samples added since the last pass
+        self._new_samples = 0  # samples added since the last pass that ran
         self._committed: list[Word] = []  # on the utterance clock
         self._tail: list[Word] = []  # the last pass's words not committed yet (to be agreed with the next)
         self._passed = False  # a pass ran since reset()
+        self._unseen = False  # the buffer holds audio that no pass has seen (one was skipped)
+        self._finish_start: float | None = None  # finish_request()'s pass starts here (utterance clock)
         self.text = ""  # all text committed in this utterance so far
 
     def add(self, audio16k: np.ndarray) -> None:
         """Append audio [k] at 16 kHz (cheap: never transcribes)."""
-        x = _check_audio(audio16k)
+        x = check_audio(audio16k)
         if x.size:
             self._chunks.append(x.copy())  # the caller may reuse its array
             self._new_samples += x.size
@@ -197,14 +123,30 @@ class StreamingTranscriber:
     @property
     def buffered_s(self) -> float:
         """Seconds of audio the next pass would transcribe."""
-        return (self._buffer.size + self._new_samples) / SAMPLE_RATE
+        return (self._buffer.size + sum(c.size for c in self._chunks)) / SAMPLE_RATE
 
     def step(self) -> TranscriptUpdate:
         """One pass over the buffer: commits the words this pass and the previous one agree on."""
+        return self.apply_step(self._run(self.step_request()))
+
+    def step_request(self) -> PassRequest | None:
+        """The pass step() runs, for a caller that batches passes of several streams (None: no audio): the buffer
+        with the audio added since the last pass, prompted with the committed text the buffer no longer holds.
+        Its words go to apply_step(); nothing but add() may come between."""
         audio = self._take()
         if audio.size == 0:
+            return None
+        before = [w for w in self._committed if w.end <= self._offset + 1e-6]
+        return PassRequest(audio, _join(before, True) or None)
+
+    def apply_step(self, words: Sequence[Word] | None) -> TranscriptUpdate:
+        """step()'s result from the words of step_request()'s pass (times from the start of its audio). None: the
+        pass did not run (no audio, or a scheduler skipped it): nothing changes, the next pass covers the audio."""
+        if words is None:
             return TranscriptUpdate("", _join(self._tail, not self.text))
-        new = unseen(self._pass(audio), self._committed)
+        self._new_samples, self._unseen = 0, False
+        shifted = [Word(w.text, w.start + self._offset, w.end + self._offset) for w in words]  # utterance clock
+        new = unseen(shifted, self._committed)
         self._passed = True
         k = agreed_prefix(self._tail, new)
         committed = self._commit(new[:k])  # in the newest pass's spelling
@@ -219,22 +161,32 @@ class StreamingTranscriber:
         `text` is reset too: the utterance's whole transcript is `text` read before finish() plus the returned
         `committed`.
         """
-        if self._passed and not self._chunks:
+        return self.apply_finish(self._run(self.finish_request()))
+
+    def finish_request(self) -> PassRequest | None:
+        """The pass finish() runs (None: it needs none); its words go to apply_finish(), which must follow."""
+        self._finish_start = None
+        if self._passed and not self._chunks and not self._unseen:
             # The last pass saw all the audio: its unagreed tail is what a new pass would give, at no cost (the
             # caller can run step() during the VAD's silence hangover to make the end of speech cheap).
-            committed = self._commit(self._tail)
-            self.reset()
-            return TranscriptUpdate(committed, "")
+            return None
         audio = self._take()
         # From the start of the last committed word still in the buffer: it anchors the new words (unseen()),
         # so a committed end time that came out late cannot clip the next word; the prompt is the text before it.
         inside = [w for w in self._committed if w.start >= self._offset]
         start = inside[-1].start if inside else self._offset
-        prompt = _join([w for w in self._committed if w.start < start], True)
         rest = audio[max(0, round((start - self._offset) * SAMPLE_RATE)):]  # [m] from `start` on
-        committed = ""
-        if rest.size >= MIN_FINISH_S * SAMPLE_RATE:
-            words = self.whisper.words(rest, prompt=prompt or None, language=self.language)
+        if rest.size < MIN_FINISH_S * SAMPLE_RATE:
+            return None
+        self._finish_start = start
+        return PassRequest(rest, _join([w for w in self._committed if w.start < start], True) or None)
+
+    def apply_finish(self, words: Sequence[Word] | None) -> TranscriptUpdate:
+        """finish()'s result from the words of finish_request()'s pass: commits the rest and resets."""
+        start = self._finish_start
+        if words is None or start is None:  # no pass: the last pass's unagreed tail is the rest (if it saw all)
+            committed = self._commit(self._tail) if self._passed and not self._chunks and not self._unseen else ""
+        else:
             shifted = [Word(w.text, w.start + start, w.end + start) for w in words]
             committed = self._commit(unseen(shifted, self._committed))
         self.reset()
@@ -242,20 +194,16 @@ class StreamingTranscriber:
 
     # -- internals ---------------------------------------------------------------------------------------------
 
+    def _run(self, request: PassRequest | None) -> list[Word] | None:
+        return None if request is None else self.whisper.words(request.audio, request.prompt, self.language)
+
     def _take(self) -> np.ndarray:
-        """The buffer [n] with the audio added since the last pass appended."""
+        """The buffer [n] with the audio added since the last pass appended (unseen until a pass's words come)."""
         if self._chunks:
             self._buffer = np.concatenate([self._buffer, *self._chunks])
             self._chunks.clear()
-        self._new_samples = 0
+            self._unseen = True
         return self._buffer
-
-    def _pass(self, audio: np.ndarray) -> list[Word]:
-        """Whisper over the buffer, prompted with the committed text the buffer no longer holds; utterance clock."""
-        before = [w for w in self._committed if w.end <= self._offset + 1e-6]
-        prompt = _join(before, True) or None
-        words = self.whisper.words(audio, prompt=prompt, language=self.language)
-        return [Word(w.text, w.start + self._offset, w.end + self._offset) for w in words]
 
     def _commit(self, words: Sequence[Word]) -> str:
         text = _join(words, not self.text)

@@ -24,6 +24,7 @@ from streamserve.media.phonemes import ABBREVIATIONS, Phonemizer
 BOS, EOS, PAD = "^", "$", "_"
 SENTENCE_PAUSE_S = 0.2  # silence between two sentences of one synthesize call (Piper's default)
 FIRST_PIECE_WORDS = 4  # the first piece may end at a clause (, ; :) once it has this many words
+FIRST_PIECE_MAX_WORDS = 6  # ... and ends at the word boundary after this many words, punctuation or not
 LONG_PIECE_CHARS = 200  # later pieces end at a clause only past this length
 MAX_PIECE_CHARS = 400  # a piece without any boundary is cut at the first space past this length
 _TERMINATORS = ".!?"
@@ -144,11 +145,13 @@ class SentenceSplitter:
     """A reply streaming in as text deltas -> pieces to speak, each one model run.
 
     A piece ends at . ! ? (and closing quotes after them) followed by whitespace, unless the period is an
-    abbreviation's or an initial's ("Mr.", "e.g.", "J."); decimals ("3.14") have no space after the period. A newline
-    ends a piece too. The reply's first piece may also end at a clause (, ; : and a space) once it has
-    FIRST_PIECE_WORDS words, so the first audio leaves sooner; a later piece ends at a clause only when it has grown
-    past LONG_PIECE_CHARS. The pieces depend on the text only, never on how it was split into deltas: a boundary
-    is decided once the character after it has arrived (or at flush). Pieces are `speakable` (no markdown symbols).
+    abbreviation's or an initial's ("Mr.", "e.g.", "J."); decimals ("3.14") have no space after the period. A
+    newline ends a piece too. The reply's first piece may also end at a clause (, ; : and a space) once it has
+    FIRST_PIECE_WORDS words, and ends at the space after its FIRST_PIECE_MAX_WORDS-th word if nothing ended it
+    before, so the first audio waits for a few words, never for a whole sentence; a later piece ends at a clause
+    only when it has grown past LONG_PIECE_CHARS. The pieces depend on the text only, never on how it was split into
+    deltas: a boundary is decided once the character after it has arrived (or at flush). Pieces are `speakable` (no
+    markdown symbols).
     """
 
     def __init__(self) -> None:
@@ -214,6 +217,7 @@ class SentenceSplitter:
             if self._first and len(speakable(buf[:i]).split()) >= FIRST_PIECE_WORDS:
                 return i + 1
             return i + 1 if i + 1 >= LONG_PIECE_CHARS else -1
-        if c.isspace() and i >= MAX_PIECE_CHARS:
-            return i + 1
+        if c.isspace() and (i >= MAX_PIECE_CHARS or (self._first and len(buf[:i].split()) >= FIRST_PIECE_MAX_WORDS
+                                                      and len(speakable(buf[:i]).split()) >= FIRST_PIECE_MAX_WORDS)):
+            return i + 1  # (the cheap count first: markdown symbols alone are words to split() but not spoken)
         return -1

@@ -24,11 +24,11 @@ With an API key, /v1/stream, /v1/realtime, /v1/policy and calls need it or a liv
 /metrics and minting secrets need the key itself, /healthz needs nothing (and says more with the key); a browser
 page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an unexpected
 failure is answered with `internal_error` and a request id that the server log also has.
-SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed
-with 1001, replies end, pages come back. SIGUSR1 (or POST /admin/drain) drains (server/drain.py), then stops.
-If the engine thread dies (engine/loop.py), /healthz says `failed`, new
-connections are closed with 1011, work on open sessions is refused (`engine_failed`), and `run` shuts down the same
-way and exits with status 1, so that a supervisor restarts the server rather than keep a process that cannot serve.
+SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed with 1001,
+replies end, pages come back. SIGUSR1 (or POST /admin/drain) drains (server/drain.py), then stops. If the engine
+thread dies (engine/loop.py), /healthz says `failed`, new connections are closed with 1011, work on open sessions is
+refused (`engine_failed`), and `run` shuts down the same way and exits with status 1, so that a supervisor restarts
+the server rather than keep a process that cannot serve.
 """
 
 from __future__ import annotations
@@ -172,7 +172,7 @@ class Server:
             Gauge("streamserve_connections", "Open WebSocket connections", registry=reg),
             Counter("streamserve_messages", "Client messages received, by type", ["type"], registry=reg))
         self.server_metrics.connections.set_function(lambda: len(self.connections))
-        self.service.budget.metrics(reg)  # media bytes held, the limit, refusals by code
+        self.service.metrics(reg)  # media bytes and refusals; the STT queue, passes and latencies
         self.engine = engine
         loop = asyncio.get_running_loop()
         engine.loop.on_death(lambda fault: loop.call_soon_threadsafe(self.engine_failed.set))

@@ -92,6 +92,13 @@ class SessionService(ServiceLifecycle):
         self.start_lifecycle()  # the snapshot store and the drain (server/lifecycle.py)
 
     # ---- what the server is --------------------------------------------------------------------------
+    def metrics(self, registry: Any) -> None:
+        """Register the service's Prometheus metrics: media bytes held and refused (server/media_budget.py); with
+        voice, the STT queue depth, passes and their latencies by kind, batch sizes (server/voice/stt_scheduler)."""
+        self.budget.metrics(registry)
+        if self.voice is not None:
+            self.voice.stt.metrics(registry)
+
     def info(self) -> ServerInfo:
         e, c = self.engine, self.config
         audio, image = self.audio.info(), self.images.info()

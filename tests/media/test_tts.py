@@ -14,6 +14,7 @@ from voice_assets import needs, voice_model
 
 from streamserve.errors import InvalidInputError, ModelLoadError
 from streamserve.media.tts import (
+    FIRST_PIECE_MAX_WORDS,
     FIRST_PIECE_WORDS,
     LONG_PIECE_CHARS,
     MAX_PIECE_CHARS,
@@ -55,7 +56,8 @@ def test_pieces_do_not_depend_on_how_the_text_streams_in() -> None:
 
 def test_sentences_abbreviations_decimals_and_markdown() -> None:
     assert split(REPLY) == [
-        "Sure, the capital of France is Paris.",  # the comma comes before 4 words: no early cut
+        "Sure, the capital of France is",  # the comma comes before 4 words; the 6th word ends the first piece
+        "Paris.",
         "It is home to about 2.1 million people, e.g. in the city proper; Mr. Smith and Dr. Jones visited it in "
         "2019...",
         "Did they like it?!",
@@ -66,8 +68,8 @@ def test_sentences_abbreviations_decimals_and_markdown() -> None:
         "Museums: many (the Louvre)",
         "That is all",
     ]
-    assert split("Pi is 3.14159 and e is 2.71828. J. K. Rowling wrote it.") == [
-        "Pi is 3.14159 and e is 2.71828.", "J. K. Rowling wrote it."]
+    assert split("Yes. Pi is 3.14159 and e is 2.71828. J. K. Rowling wrote it.") == [
+        "Yes.", "Pi is 3.14159 and e is 2.71828.", "J. K. Rowling wrote it."]
 
 
 def test_the_first_piece_ends_early_at_a_clause() -> None:
@@ -77,7 +79,18 @@ def test_the_first_piece_ends_early_at_a_clause() -> None:
                       "and left."]
     assert len(pieces[0].split()) >= FIRST_PIECE_WORDS
     # clauses inside numbers and times are no boundaries
-    assert split("We sold 3,000 units at 12:30 today, a record for us.")[0] == "We sold 3,000 units at 12:30 today,"
+    assert split("We sold 3,000 units, a record for us.")[0] == "We sold 3,000 units,"
+    assert split("We sold 3,000 units at 12:30 today, a record.")[0] == "We sold 3,000 units at 12:30"
+
+
+def test_the_first_piece_is_a_few_words_later_pieces_whole_sentences() -> None:
+    text = "The quick brown fox jumps over the lazy dog near the river bank. Then it ran off into the woods again."
+    pieces = split(text)
+    assert pieces == ["The quick brown fox jumps over", "the lazy dog near the river bank.",
+                      "Then it ran off into the woods again."]
+    assert len(pieces[0].split()) == FIRST_PIECE_MAX_WORDS
+    assert split("Yes.") == ["Yes."] and split("One two three four five six") == ["One two three four five six"]
+    assert split("**Bold** one two three four five six seven")[0] == "Bold one two three four five"
 
 
 def test_a_sentence_is_only_complete_once_the_next_character_arrives() -> None:
@@ -98,7 +111,8 @@ def test_long_sentences_are_cut_at_a_clause_and_flush_starts_a_new_reply() -> No
     assert " ".join(pieces) == text
     endless = " ".join(["word"] * 300)  # no boundary at all: cut at a space past MAX_PIECE_CHARS
     pieces = split(endless)
-    assert len(pieces) == 4 and all(len(p) <= MAX_PIECE_CHARS + 5 for p in pieces) and " ".join(pieces) == endless
+    assert len(pieces[0].split()) == FIRST_PIECE_MAX_WORDS  # then cut at spaces past MAX_PIECE_CHARS
+    assert len(pieces) == 5 and all(len(p) <= MAX_PIECE_CHARS + 5 for p in pieces) and " ".join(pieces) == endless
     s = SentenceSplitter()
     assert s.push("One two three four, five six") == ["One two three four,"]
     assert s.flush() == ["five six"]

@@ -85,7 +85,8 @@ async def test_audio_follows_the_text_in_order_whatever_the_interleaving() -> No
 
     f = fmt()
     speaker = Speaker(runtime, f, emit)  # type: ignore[arg-type]
-    pieces = [f"Piece {i} of the reply is spoken now." for i in range(6)]
+    # the first piece short enough to be whole (a first sentence is cut after FIRST_PIECE_MAX_WORDS words)
+    pieces = ["Piece 0 is spoken.", *(f"Piece {i} of the reply is spoken now." for i in range(1, 6))]
     for p in pieces:
         for word in p.split(" "):
             speaker.feed(word + " ")

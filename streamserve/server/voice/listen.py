@@ -3,18 +3,19 @@
     append(bytes) --decode + resample to 16 kHz + VAD (per-frame thread)--> work queue --worker--> emit(event)
 
 `append` does the cheap part on the runtime's per-frame thread (decode, resampling, Silero VAD; a few ms per 20 ms
-frame, never queued behind a Whisper pass) and returns; Whisper passes (on the runtime's speech-to-text thread) run
-in ONE worker task per stream, so never two passes of one stream at once. The worker runs a pass only when the
-transcriber is `ready()` and nothing is queued: a slow machine transcribes less often, never falls further behind.
-SpeechStopped goes out from `append` as soon as the VAD ends the turn (not behind a pass, whose words then go in
-the final delta: the events keep their order). The end of speech is transcribed speculatively: when the VAD
-first scores silence during speech (the person may have stopped: TurnDetector.silent_since_ms), the worker runs a
-pass over the utterance so far at once and holds back the audio after it. If the stop follows, that audio was the
-VAD's hangover and is dropped, so finish() needs no pass (the transcript is final max(silence_duration_ms, one
-pass) after the speech, not their sum); if speech resumes, the held audio goes to the transcriber.
-What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
-(`audio_buffer_full`); its bytes (16 kHz float32: 64 kB a second) count against the connection's media account
-(server/media_budget.py): past its or the server's budget an append is refused (`quota_exceeded`, `server_busy`).
+frame, never queued behind a Whisper pass) and returns; ONE worker task per stream submits its Whisper passes to the
+runtime's STT scheduler (batched with other streams', finals first; a partial may be skipped under load), so never
+two passes of one stream at once. The worker runs a pass only when the transcriber is `ready()` and nothing is
+queued: a slow machine transcribes less often, never falls further behind. SpeechStopped goes out from `append` as
+soon as the VAD ends the turn (not behind a pass, whose words then go in the final delta: the events keep their
+order). The end of speech is transcribed speculatively: when the VAD first scores silence during speech (the person
+may have stopped: TurnDetector.silent_since_ms), the worker runs a pass over the utterance so far at once and holds
+back the audio after it. If the stop follows, that audio was the VAD's hangover and is dropped, so finish() needs no
+pass (the transcript is final max(silence_duration_ms, one pass) after the speech, not their sum); if speech
+resumes, the held audio goes to the transcriber. What is queued or not yet transcribed is bounded: past
+`max_buffer_s` seconds of it, `append` refuses audio (`audio_buffer_full`); its bytes (16 kHz float32: 64 kB a
+second) count against the connection's media account (server/media_budget.py): past its or the server's budget an
+append is refused (`quota_exceeded`, `server_busy`).
 Events (server/voice/listen_events.py, importable from here too), in order for one utterance:
     SpeechStarted, (TranscriptDelta | TranscriptPartial)*, SpeechStopped, TranscriptDelta?, TranscriptDone
 With turn detection off there are no speech events: all audio is one utterance until `commit()`.
@@ -25,7 +26,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -46,7 +46,7 @@ from streamserve.server.voice.listen_events import (
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat, AudioInput
-    from streamserve.media.stt import StreamingTranscriber, TranscriptUpdate
+    from streamserve.media.stt import StreamingTranscriber
     from streamserve.media.vad import TurnDetector, VADConfig
     from streamserve.server.media_budget import MediaAccount
     from streamserve.server.voice.runtime import VoiceRuntime
@@ -358,12 +358,12 @@ class Listener:
             self._untranscribed_s += len(samples) / RATE
 
     async def _pass(self, kind: str, epoch: int, end_ms: int = 0) -> TranscriptDone | None:
-        """One Whisper pass on the speech-to-text thread (step: while speaking; finish: the end of the utterance)."""
-        covered, before = self._untranscribed_s, self._stt.text
-        t0 = time.perf_counter()
-        update: TranscriptUpdate = await self.runtime.run_stt(self._stt.step if kind == "step" else self._stt.finish)
-        log.debug("streamserve: %s pass over %.2f s of audio in %.0f ms", kind, covered,
-                  1e3 * (time.perf_counter() - t0))
+        """One Whisper pass through the STT scheduler (step: while speaking, urgent at the first silence, when it is
+        the likely final; finish: the end of the utterance); its latency is on /metrics (stt_pass_seconds)."""
+        covered, before, stt = self._untranscribed_s, self._stt.text, self.runtime.stt
+        update = await (stt.step(self._stt, self._silent_ms is not None) if kind == "step" else stt.finish(self._stt))
+        if update is None:  # a step skipped under load: the next pass covers this audio
+            return None
         self._untranscribed_s = max(0.0, self._untranscribed_s - covered)
         if kind == "step" and self._stop_said:  # SpeechStopped went out meanwhile: its words go in the final delta
             self._deferred += update.committed
@@ -378,8 +378,7 @@ class Listener:
         committed, self._deferred = self._deferred + update.committed, ""
         if committed:
             await self._send(TranscriptDelta(committed), epoch)
-        full = (before + update.committed).strip()
-        done = TranscriptDone(full, self._start_ms, max(end_ms, self._start_ms))
+        done = TranscriptDone((before + update.committed).strip(), self._start_ms, max(end_ms, self._start_ms))
         await self._send(done, epoch)
         return done
 

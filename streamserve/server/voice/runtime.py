@@ -6,8 +6,10 @@ stall) nor on the engine thread (decode would stall). Three executors, so cheap 
     run_light  decode, resampling and VAD of each incoming frame (~0.2 ms per 32 ms window): one thread of its
                own, so a turn's end is detected exactly silence_duration_ms after the speech, even while a
                Whisper pass (~1 s on a 2-core CPU) or a synthesis runs;
-    run_stt    Whisper passes, one at a time for the whole server: two at once on a small CPU would each take
-               twice as long, so both utterances would be final late instead of one on time;
+    run_stt    Whisper passes, one batch at a time for the whole server (two at once on a small CPU would each
+               take twice as long, so both utterances would be final late instead of one on time), fed by `stt`,
+               the scheduler that batches the passes of all streams and runs final passes first
+               (server/voice/stt_scheduler.py);
     run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves.
 """
 
@@ -21,6 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamserve.media import VOICE_EXTRA, VOICE_MODELS, VoiceUnavailableError, require
+from streamserve.server.voice.stt_scheduler import SttScheduler
 
 if TYPE_CHECKING:
     from streamserve.media.stt import Whisper
@@ -50,6 +53,7 @@ class VoiceRuntime:
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="streamserve-media")
         self.light_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-vad")
         self.stt_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-stt")
+        self.stt = SttScheduler(whisper, self.stt_executor)
 
     @classmethod
     def load(cls, threads: int | None = None) -> VoiceRuntime:
@@ -88,6 +92,7 @@ class VoiceRuntime:
         return await asyncio.get_running_loop().run_in_executor(self.stt_executor, lambda: fn(*args))
 
     def close(self) -> None:
+        self.stt.close()
         for executor in (self.executor, self.light_executor, self.stt_executor):
             executor.shutdown(wait=False, cancel_futures=True)
 
