@@ -100,12 +100,25 @@ class SileroStream:
 
 @dataclass(frozen=True)
 class VADConfig:
-    """Server-VAD settings (OpenAI Realtime's `turn_detection` of type server_vad)."""
+    """Turn detection settings: OpenAI Realtime's `turn_detection` of type server_vad, or of type semantic_vad when
+    `eagerness` is set (then the silence that ends a turn follows the words said so far, media/turns.py, and
+    silence_duration_ms is only where each utterance starts, before any words are known)."""
 
     threshold: float = 0.5  # speech probability at which speech starts
     prefix_padding_ms: int = 300  # audio kept before the detected start
     silence_duration_ms: int = 500  # silence that ends a turn
     idle_timeout_ms: int | None = None  # the Listener's: no speech this long after a reply -> timeout_triggered
+    eagerness: str | None = None  # semantic_vad: "low", "medium", "high" or "auto"; None: server_vad
+
+    @classmethod
+    def semantic(cls, eagerness: str = "auto", **kw: object) -> VADConfig:
+        """semantic_vad at `eagerness`: each utterance starts with the silence of words that are not complete yet."""
+        from streamserve.media.turns import EAGERNESS, SILENCE_MS
+
+        if eagerness not in EAGERNESS:
+            raise InvalidTurnDetectionError(f"turn_detection.eagerness {eagerness!r} is not one of "
+                                            f"{', '.join(EAGERNESS)}")
+        return cls(silence_duration_ms=SILENCE_MS[eagerness][1], eagerness=eagerness, **kw)  # type: ignore[arg-type]
 
     def check(self) -> VADConfig:
         """These settings, or InvalidTurnDetectionError naming the accepted range."""
@@ -117,6 +130,12 @@ class VADConfig:
         _check_ms("silence_duration_ms", self.silence_duration_ms, 0, 10000)
         if self.idle_timeout_ms is not None:
             _check_ms("idle_timeout_ms", self.idle_timeout_ms, 1, 3_600_000)
+        if self.eagerness is not None:
+            from streamserve.media.turns import EAGERNESS
+
+            if self.eagerness not in EAGERNESS:
+                raise InvalidTurnDetectionError(f"turn_detection.eagerness {self.eagerness!r} is not one of "
+                                                f"{', '.join(EAGERNESS)}")
         return self
 
 
@@ -144,7 +163,7 @@ class TurnDetector:
         self.config = config.check()
         self._stream = vad.stream()
         self._prefix = config.prefix_padding_ms * _MS  # samples
-        self._silence = config.silence_duration_ms * _MS  # samples
+        self._silence = config.silence_duration_ms * _MS  # samples (semantic_vad: set by the words, hear())
         self._release = max(config.threshold - RELEASE_MARGIN, 0.0)
         self._fed = 0  # samples fed since the start of the stream (the audio clock, never reset)
         self.reset()
@@ -162,8 +181,17 @@ class TurnDetector:
         which sets it back to None. The Listener starts its final transcription pass on it."""
         return None if self._silence_start is None else self._silence_start / _MS
 
+    def hear(self, text: str) -> None:
+        """semantic_vad: the words of the current utterance so far; the silence that ends the turn follows them
+        (media/turns.py). Takes effect at the next window fed. No effect with server_vad."""
+        if self.config.eagerness is not None:
+            from streamserve.media.turns import turn_silence_ms
+
+            self._silence = turn_silence_ms(text, self.config.eagerness) * _MS
+
     def reset(self) -> None:
         """Forget speech and the VAD state (the audio clock keeps running); windows restart at the current sample."""
+        self._silence = self.config.silence_duration_ms * _MS
         self._stream.reset()
         self.speaking = False
         self._next_window = self._fed  # sample index where the next window starts
@@ -192,6 +220,7 @@ class TurnDetector:
                     self._silence_start = start
                 if end - self._silence_start >= self._silence:
                     self.speaking, self._silence_start = False, None
+                    self._silence = self.config.silence_duration_ms * _MS  # the next utterance's words are unknown
                     events.append(SpeechStopped(end // _MS))
         # keep what a start detected in a later window may still need: its prefix padding before the next window
         keep_from = max(self._next_window - self._prefix, self._ring_start)

@@ -47,7 +47,7 @@ IMAGE_DTYPES = ("|u1", "<f4", "<f8")  # uint8 0..255, float32/float64 0..1 (medi
 NDARRAY_KEYS = ("__ndarray__", "data", "dtype", "shape")
 CHUNK_KINDS = ("text", "audio", "video", "image")  # an append's `kind`: only "video" may be shed under load
 VAD_KEYS = ("type", "threshold", "prefix_padding_ms", "silence_duration_ms", "idle_timeout_ms", "create_response",
-            "interrupt_response")
+            "interrupt_response", "eagerness")
 
 
 class ProtocolError(Exception):
@@ -278,9 +278,10 @@ class _Fields:
         return v
 
     def voice(self, key: str) -> dict[str, Any] | None:
-        """A session's voice settings: {input: {encoding, rate, channels}, turn_detection: {type: "server_vad",
-        ...} or false (off), speak: true/false or {encoding, rate, channels}}; types checked here, ranges by the
-        service. -> the map with absent keys left out (a key left out keeps the session's current setting)."""
+        """A session's voice settings: {input: {encoding, rate, channels}, turn_detection: {type: "server_vad" |
+        "semantic_vad", ...} or false (off), speak: true/false or {encoding, rate, channels}}; types checked here,
+        ranges by the service. -> the map with absent keys left out (a key left out keeps the session's current
+        setting)."""
         v = self.get_field(key, False)
         if v is None:
             return None
@@ -294,8 +295,9 @@ class _Fields:
             out["turn_detection"] = False
         elif td is not None:
             t = self.submap(f"{key}.turn_detection", td, VAD_KEYS)
-            kind = t.choice("type", ("server_vad", "none"))
-            vals = {"threshold": t.number("threshold"), "prefix_padding_ms": t.integer("prefix_padding_ms", 0),
+            kind = t.choice("type", ("server_vad", "semantic_vad", "none"))
+            vals = {"type": kind, "eagerness": t.choice("eagerness", ("low", "medium", "high", "auto")),
+                    "threshold": t.number("threshold"), "prefix_padding_ms": t.integer("prefix_padding_ms", 0),
                     "silence_duration_ms": t.integer("silence_duration_ms", 0),
                     "idle_timeout_ms": t.integer("idle_timeout_ms", 1),
                     "create_response": t.flag("create_response"), "interrupt_response": t.flag("interrupt_response")}

@@ -108,9 +108,14 @@ class VoiceSessions:
             st.vad = None
         elif td is not None:  # keys left out keep the session's values (the defaults when it had none)
             was = st.vad or VADConfig()
-            st.vad = VADConfig(td.get("threshold", was.threshold), td.get("prefix_padding_ms", was.prefix_padding_ms),
-                               td.get("silence_duration_ms", was.silence_duration_ms),
-                               td.get("idle_timeout_ms", was.idle_timeout_ms)).check()
+            kw: dict[str, Any] = {"threshold": td.get("threshold", was.threshold),
+                                  "prefix_padding_ms": td.get("prefix_padding_ms", was.prefix_padding_ms)}
+            if td.get("type", "semantic_vad" if was.eagerness else "server_vad") == "semantic_vad":
+                st.vad = VADConfig.semantic(td.get("eagerness", was.eagerness or "auto"), **kw).check()
+            else:  # from semantic_vad back to server_vad: the default silence, not semantic's starting one
+                silence = VADConfig.silence_duration_ms if was.eagerness else was.silence_duration_ms
+                st.vad = VADConfig(silence_duration_ms=td.get("silence_duration_ms", silence),
+                                   idle_timeout_ms=td.get("idle_timeout_ms", was.idle_timeout_ms), **kw).check()
             st.create_response = td.get("create_response", st.create_response)
             st.interrupt_response = td.get("interrupt_response", st.interrupt_response)
         speak = voice.get("speak")
@@ -135,9 +140,12 @@ class VoiceSessions:
     @staticmethod
     def settings(st: VoiceState) -> VoiceSettings:
         vad = None if st.vad is None else {
-            "type": "server_vad", "threshold": st.vad.threshold, "prefix_padding_ms": st.vad.prefix_padding_ms,
-            "silence_duration_ms": st.vad.silence_duration_ms, "idle_timeout_ms": st.vad.idle_timeout_ms,
-            "create_response": st.create_response, "interrupt_response": st.interrupt_response}
+            "type": "semantic_vad" if st.vad.eagerness else "server_vad", "threshold": st.vad.threshold,
+            "prefix_padding_ms": st.vad.prefix_padding_ms, "silence_duration_ms": st.vad.silence_duration_ms,
+            "idle_timeout_ms": st.vad.idle_timeout_ms, "create_response": st.create_response,
+            "interrupt_response": st.interrupt_response}
+        if vad is not None and st.vad is not None and st.vad.eagerness:
+            vad["eagerness"] = st.vad.eagerness
         speak = None if st.speak is None else {"encoding": st.speak.encoding, "rate": st.speak.rate,
                                                "channels": st.speak.channels}
         return VoiceSettings({"encoding": st.encoding, "rate": st.rate, "channels": st.channels}, vad, speak)

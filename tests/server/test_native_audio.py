@@ -163,6 +163,15 @@ async def test_bad_audio_is_a_typed_error_and_the_connection_goes_on(voiced: Run
         with pytest.raises(sc.InvalidInputError) as vad:
             await session.configure(voice={"turn_detection": {"type": "server_vad", "threshold": 2.0}})
         assert vad.value.code == "invalid_turn_detection"
+        with pytest.raises(sc.InvalidInputError) as eager:
+            await session.configure(voice={"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}})
+        assert eager.value.code == "bad_message" and "eagerness" in eager.value.message
+        configured = await session.configure(voice={"turn_detection": {"type": "semantic_vad", "eagerness": "low"}})
+        td = configured["voice"]["turn_detection"]
+        assert td["type"] == "semantic_vad" and td["eagerness"] == "low", configured
+        configured = await session.configure(voice={"turn_detection": {"type": "server_vad"}})  # and back
+        td = configured["voice"]["turn_detection"]
+        assert td["type"] == "server_vad" and "eagerness" not in td and td["silence_duration_ms"] == 500, configured
         with pytest.raises(sc.InvalidInputError) as bad:  # the protocol's own check: a map of known keys
             await client.request({"type": "configure", "session": session.id, "voice": {"volume": 3}})
         assert bad.value.code == "bad_message" and "volume" in bad.value.message

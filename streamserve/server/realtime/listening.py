@@ -69,6 +69,8 @@ def vad_config(td: TurnDetection | None) -> Any:
 
     if td is None:
         return None
+    if td.type == "semantic_vad":
+        return VADConfig.semantic(td.eagerness, threshold=td.threshold, prefix_padding_ms=td.prefix_padding_ms)
     return VADConfig(td.threshold, td.prefix_padding_ms, td.silence_duration_ms, td.idle_timeout_ms).check()
 
 

@@ -2,7 +2,8 @@
 refused update changes nothing), and the session object `session.created` / `session.updated` report.
 
 Audio formats are the API's three: `audio/pcm` (PCM16 mono at 24 kHz), `audio/pcmu` and `audio/pcma` (G.711 at
-8 kHz). Turn detection is `server_vad` (Silero VAD) or null; input transcription is Whisper base whatever model the
+8 kHz). Turn detection is `server_vad` (Silero VAD), `semantic_vad` (Silero VAD with the silence that ends a turn
+set by the words said so far: media/turns.py) or null; input transcription is Whisper base whatever model the
 client names (the session object says `whisper-base`, so the client sees which input path a text-only model uses).
 """
 
@@ -14,6 +15,7 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from streamserve.media.audio import AudioFormat
+from streamserve.media.turns import EAGERNESS
 from streamserve.server.realtime.events import (
     RealtimeError,
     opt_bool,
@@ -34,7 +36,8 @@ MODALITIES = (("text",), ("audio",))  # the API takes one at a time
 
 @dataclass(frozen=True)
 class TurnDetection:
-    """server_vad's parameters, with the API's defaults."""
+    """server_vad's or semantic_vad's parameters, with the API's defaults (semantic_vad has only eagerness,
+    create_response and interrupt_response; the others stay as they were for a later switch back)."""
 
     threshold: float = 0.5
     prefix_padding_ms: int = 300
@@ -42,8 +45,13 @@ class TurnDetection:
     create_response: bool = True
     interrupt_response: bool = True
     idle_timeout_ms: int | None = None
+    type: str = "server_vad"
+    eagerness: str = "auto"
 
     def render(self) -> dict[str, Any]:
+        if self.type == "semantic_vad":
+            return {"type": "semantic_vad", "eagerness": self.eagerness, "create_response": self.create_response,
+                    "interrupt_response": self.interrupt_response}
         return {"type": "server_vad", "threshold": self.threshold, "prefix_padding_ms": self.prefix_padding_ms,
                 "silence_duration_ms": self.silence_duration_ms, "create_response": self.create_response,
                 "interrupt_response": self.interrupt_response, "idle_timeout_ms": self.idle_timeout_ms}
@@ -147,21 +155,29 @@ def check_turn_detection(td: Any, param: str, base: TurnDetection | None) -> Tur
         return None
     if not isinstance(td, dict):
         raise RealtimeError(f"{param} must be an object or null", "invalid_type", param)
-    if td.get("type") != "server_vad":
-        raise RealtimeError(f"{param}.type must be \"server_vad\" (semantic_vad is not supported here), or set "
-                            f"{param} to null", "invalid_value", f"{param}.type")
+    kind = td.get("type")
+    if kind not in ("server_vad", "semantic_vad"):
+        raise RealtimeError(f"{param}.type must be \"server_vad\" or \"semantic_vad\", or set {param} to null",
+                            "invalid_value", f"{param}.type")
     b = base or TurnDetection()
+    create = opt_bool(td, "create_response", f"{param}.create_response")
+    interrupt = opt_bool(td, "interrupt_response", f"{param}.interrupt_response")
+    create, interrupt = (b.create_response if create is None else create,
+                         b.interrupt_response if interrupt is None else interrupt)
+    if kind == "semantic_vad":
+        eagerness = opt_str(td, "eagerness", f"{param}.eagerness") or "auto"
+        if eagerness not in EAGERNESS:
+            raise RealtimeError(f"{param}.eagerness must be one of {', '.join(EAGERNESS)}", "invalid_value",
+                                f"{param}.eagerness")
+        return replace(b, create_response=create, interrupt_response=interrupt, idle_timeout_ms=None,
+                       type="semantic_vad", eagerness=eagerness)
     threshold = opt_float(td, "threshold", f"{param}.threshold", 0.0, 1.0)
     prefix = opt_int(td, "prefix_padding_ms", f"{param}.prefix_padding_ms", 0, 5000)
     silence = opt_int(td, "silence_duration_ms", f"{param}.silence_duration_ms", 0, 10000)
-    create = opt_bool(td, "create_response", f"{param}.create_response")
-    interrupt = opt_bool(td, "interrupt_response", f"{param}.interrupt_response")
     idle = opt_int(td, "idle_timeout_ms", f"{param}.idle_timeout_ms", 5000, 30000)
     return TurnDetection(b.threshold if threshold is None else threshold,
                          b.prefix_padding_ms if prefix is None else prefix,
-                         b.silence_duration_ms if silence is None else silence,
-                         b.create_response if create is None else create,
-                         b.interrupt_response if interrupt is None else interrupt,
+                         b.silence_duration_ms if silence is None else silence, create, interrupt,
                          idle if "idle_timeout_ms" in td else b.idle_timeout_ms)
 
 

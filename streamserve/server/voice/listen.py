@@ -27,7 +27,6 @@ import asyncio
 import collections
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -42,6 +41,7 @@ from streamserve.server.voice.listen_events import (
     TranscriptDelta,
     TranscriptDone,
     TranscriptPartial,
+    Work,
 )
 
 if TYPE_CHECKING:
@@ -58,19 +58,6 @@ SAMPLE_BYTES = 4  # float32: what the backlog holds, per 16 kHz sample
 _UNSET: Any = object()
 
 
-@dataclass
-class _Work:
-    kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset",
-    # "silence" (the VAD scores silence since `ms`: speculate), "resume" (speech again before the stop),
-    # "barrier" (settled once all work queued before it is done)
-    epoch: int
-    samples: np.ndarray | None = None
-    ms: int = 0  # start or end of speech on the stream's clock
-    n: int = 0  # start: the utterance's number
-    said: bool = False  # stop: its SpeechStopped already went out (from append, not behind a pass)
-    done: asyncio.Future[Any] | None = None  # commit -> TranscriptDone | None; reset -> None
-
-
 class Listener:
     def __init__(self, runtime: VoiceRuntime, fmt: AudioFormat, turn_detection: VADConfig | None,
                  emit: Callable[[ListenEvent], Awaitable[None]], *, max_buffer_s: float = 30.0,
@@ -85,7 +72,7 @@ class Listener:
         self._detector = self._make_detector(turn_detection)
         self._stt: StreamingTranscriber = StreamingTranscriber(runtime.whisper, language=language)
         self._lock = asyncio.Lock()  # one append (decode + VAD) at a time: the audio stays in order
-        self._queue: collections.deque[_Work] = collections.deque()
+        self._queue: collections.deque[Work] = collections.deque()
         self._wake = asyncio.Event()
         self._epoch = 0  # bumped by clear(): queued work and results of older epochs are dropped
         self._queued_s = 0.0  # audio waiting in the queue
@@ -186,24 +173,24 @@ class Listener:
         if self._detector is None:  # no turn detection: everything is one utterance until commit()
             if self._utterance_start is None:
                 self._utterance_start = int(start_ms)
-            self._put(_Work("audio", self._epoch, x, ms=self._utterance_start))
+            self._put(Work("audio", self._epoch, x, ms=self._utterance_start))
             if self._fed_ms - self._utterance_start > 1e3 * self.max_buffer_s:  # as long as it may be: commit
-                self._put(_Work("stop", self._epoch, ms=int(self._fed_ms)))
+                self._put(Work("stop", self._epoch, ms=int(self._fed_ms)))
                 self._utterance_start = None
             return []
         now: list[ListenEvent] = []
         if self._utterance_start is not None:  # speaking when this audio began: all of it is the utterance's
-            self._put(_Work("audio", self._epoch, x, ms=int(start_ms)))
+            self._put(Work("audio", self._epoch, x, ms=int(start_ms)))
         for ev in events:
             if isinstance(ev, VadStarted):
                 self._utterance_start, self._silent_hint = int(ev.audio_start_ms + self._clock_offset), None
                 self._n += 1
-                self._put(_Work("start", self._epoch, ev.audio, ms=self._utterance_start, n=self._n))
+                self._put(Work("start", self._epoch, ev.audio, ms=self._utterance_start, n=self._n))
             else:
                 if self._utterance_start is None:
                     continue  # a stop for an utterance commit() or clear() already ended
                 self._utterance_start, self._silent_hint = None, None
-                stop = _Work("stop", self._epoch, ms=int(ev.audio_end_ms + self._clock_offset))
+                stop = Work("stop", self._epoch, ms=int(ev.audio_end_ms + self._clock_offset))
                 if self._utterance_open and self._open_n == self._n:
                     stop.said = self._stop_said = True
                     now.append(SpeechStopped(stop.ms))
@@ -212,14 +199,14 @@ class Listener:
         if silent != self._silent_hint:  # after this append's audio: the worker has it all when it speculates
             self._silent_hint = silent
             ms = int(silent + self._clock_offset) if silent is not None else 0
-            self._put(_Work("silence" if silent is not None else "resume", self._epoch, ms=ms))
+            self._put(Work("silence" if silent is not None else "resume", self._epoch, ms=ms))
         return now
 
     def _settle_bytes(self) -> None:
         """The account holds what the backlog holds now (16 kHz float32), plus what appends in flight admitted."""
         self._holding.settle(0 if self._closed else round(self.backlog_s * RATE) * SAMPLE_BYTES + self._admitted)
 
-    def _put(self, work: _Work) -> None:
+    def _put(self, work: Work) -> None:
         if work.samples is not None:
             self._queued_s += len(work.samples) / RATE
         self._queue.append(work)
@@ -234,12 +221,12 @@ class Listener:
         async with self._lock:
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
             if self._utterance_start is None:  # nothing to end: wait only for what is queued
-                self._put(_Work("barrier", self._epoch, done=done))
+                self._put(Work("barrier", self._epoch, done=done))
             else:
                 self._utterance_start, self._silent_hint = None, None
                 if self._detector is not None:  # the detector's speech ends here too: no SpeechStopped will follow
                     self._detector.reset()
-                self._put(_Work("commit", self._epoch, ms=int(self._fed_ms), done=done))
+                self._put(Work("commit", self._epoch, ms=int(self._fed_ms), done=done))
         return await done
 
     async def clear(self) -> None:
@@ -255,7 +242,7 @@ class Listener:
                 self._detector.reset()
             self._input = self._make_input(self.fmt)
             done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
-            self._put(_Work("reset", self._epoch, done=done))
+            self._put(Work("reset", self._epoch, done=done))
             self._settle_bytes()
         await done
 
@@ -306,7 +293,7 @@ class Listener:
             finally:
                 self._settle_bytes()
 
-    async def _do(self, w: _Work) -> None:
+    async def _do(self, w: Work) -> None:
         if w.samples is not None:
             self._queued_s = max(0.0, self._queued_s - len(w.samples) / RATE)
         if w.kind == "barrier":  # changes nothing: a trailing silence stays held back
@@ -364,6 +351,8 @@ class Listener:
         update = await (stt.step(self._stt, self._silent_ms is not None) if kind == "step" else stt.finish(self._stt))
         if update is None:  # a step skipped under load: the next pass covers this audio
             return None
+        if kind == "step" and self._detector is not None:  # semantic_vad: the words so far set the turn's silence
+            self._detector.hear(self._stt.text + update.partial)
         self._untranscribed_s = max(0.0, self._untranscribed_s - covered)
         if kind == "step" and self._stop_said:  # SpeechStopped went out meanwhile: its words go in the final delta
             self._deferred += update.committed
@@ -391,7 +380,7 @@ class Listener:
             log.exception("streamserve: delivering a voice event failed")
 
     @staticmethod
-    def _settle(w: _Work, result: Any, error: BaseException | None = None) -> None:
+    def _settle(w: Work, result: Any, error: BaseException | None = None) -> None:
         if w.done is not None and not w.done.done():
             if error is not None:
                 w.done.set_exception(error)

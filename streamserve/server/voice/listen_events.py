@@ -1,11 +1,18 @@
-"""What a Listener (server/voice/listen.py) emits and raises: turn events, transcript text, and its two errors.
-Protocol-neutral: the session service turns them into TurnEvent / Transcript results."""
+"""What a Listener (server/voice/listen.py) emits and raises: turn events, transcript text, and its two errors;
+and the items of its work queue. Protocol-neutral: the session service turns them into TurnEvent / Transcript
+results."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from streamserve.errors import StreamserveError
+
+if TYPE_CHECKING:
+    import asyncio
+
+    import numpy as np
 
 
 @dataclass(frozen=True)
@@ -48,5 +55,20 @@ class ListenerClosedError(StreamserveError):
     code = "session_closed"
 
 
+@dataclass
+class Work:
+    """One item of a Listener's work queue (server/voice/listen.py), in the order its audio came."""
+
+    kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset",
+    # "silence" (the VAD scores silence since `ms`: speculate), "resume" (speech again before the stop),
+    # "barrier" (settled once all work queued before it is done)
+    epoch: int
+    samples: np.ndarray | None = None
+    ms: int = 0  # start or end of speech on the stream's clock
+    n: int = 0  # start: the utterance's number
+    said: bool = False  # stop: its SpeechStopped already went out (from append, not behind a pass)
+    done: asyncio.Future[Any] | None = None  # commit -> TranscriptDone | None; reset -> None
+
+
 __all__ = ["AudioBufferFullError", "ListenEvent", "ListenerClosedError", "SpeechStarted", "SpeechStopped",
-           "TranscriptDelta", "TranscriptDone", "TranscriptPartial"]
+           "TranscriptDelta", "TranscriptDone", "TranscriptPartial", "Work"]

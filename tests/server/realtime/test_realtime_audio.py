@@ -273,3 +273,29 @@ async def test_a_voice_connection_leaves_nothing_behind(voiced: None) -> None:
             after = state()
         assert after == before, [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
         srv.engine.check_integrity()
+
+
+@pytest.mark.asyncio
+async def test_semantic_vad_turns(voiced: None) -> None:
+    """semantic_vad as OpenAI's Realtime API defines it: accepted and reported with its eagerness, a spoken question
+    ends its turn and gets a reply; a bad eagerness is refused with the API's error and changes nothing."""
+    async with serve(ServerConfig(), voice=True) as srv:
+        c = await RawRealtime.connect(srv.http)
+        await c.send({"type": "session.update", "session": {"type": "realtime", "max_output_tokens": 6, "audio": {
+            "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "high"}}}}})
+        updated = (await c.until("session.updated"))[-1]
+        check_event(updated)
+        assert updated["session"]["audio"]["input"]["turn_detection"] == {
+            "type": "semantic_vad", "eagerness": "high", "create_response": True, "interrupt_response": True}
+        await c.send({"type": "session.update", "session": {"type": "realtime", "audio": {
+            "input": {"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}}})
+        error = (await c.until("error"))[-1]
+        assert error["error"]["param"].endswith("turn_detection.eagerness")
+        async for frame in frames(spoken(QUESTION, tail_s=2.5)):
+            await c.send({"type": "input_audio_buffer.append", "audio": frame})
+        events = await c.until("response.done")
+        kinds = [m["type"] for m in events]
+        assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index("response.created")
+        done = next(m for m in events if m["type"] == "conversation.item.input_audio_transcription.completed")
+        assert "capital" in done["transcript"].lower()
+        await c.close()
