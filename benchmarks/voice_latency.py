@@ -16,8 +16,9 @@ EOS_LEVEL, -40 dBFS) to the first `response.output_audio.delta`, split into:
                    committed event when no transcription event comes) - speech_stopped
   ttft             first reply text (response.output_audio_transcript.delta / output_text.delta) - that
   first_tts_chunk  first response.output_audio.delta - first reply text
-p50 and p99 (nearest rank, so with few turns p99 is the slowest turn) over the turns, with silence_duration_ms 500
-(the server default) and 200 side by side, for each model asked (SmolLM2 only when pulled).
+p50 and p99 (nearest rank, so with few turns p99 is the slowest turn) over the turns, with server_vad at
+silence_duration_ms 500 (the server default) and 200, and semantic_vad (eagerness auto) side by side, for each model
+asked (SmolLM2 only when pulled).
 stop_lag: speech_stopped received - send time of the frame holding its audio_end_ms, i.e. how far the server's
 VAD runs behind the audio it is sent (a server that keeps pace is within a VAD window, 32 ms, plus a frame), and
 audio_end_after_eos: speech_stopped's audio_end_ms - the end of the last voiced frame on the session's audio clock
@@ -142,12 +143,10 @@ class Stream:
         self.reader = asyncio.create_task(self.receive())
 
     @classmethod
-    async def open(cls, url: str, silence_ms: int, max_tokens: int) -> Stream:
+    async def open(cls, url: str, turn: dict[str, Any], max_tokens: int) -> Stream:
         ws = await connect(f"{url}/v1/realtime", max_size=None)
         created = json.loads(await ws.recv())
         assert created["type"] == "session.created", created
-        turn = {"type": "server_vad", "silence_duration_ms": silence_ms, "prefix_padding_ms": 300,
-                "threshold": 0.5, "create_response": True}
         await ws.send(json.dumps({"type": "session.update", "session": {
             "type": "realtime", "instructions": INSTRUCTIONS, "output_modalities": ["audio"],
             "max_output_tokens": max_tokens,
@@ -273,8 +272,19 @@ def summarise(turns: list[dict[str, Any]], stream: Stream | None = None) -> dict
     return out
 
 
-async def conversation(url: str, utts: list[Utterance], n: int, silence_ms: int, max_tokens: int) -> dict[str, Any]:
-    stream = await Stream.open(url, silence_ms, max_tokens)
+def server_vad(silence_ms: int) -> dict[str, Any]:
+    return {"type": "server_vad", "silence_duration_ms": silence_ms, "prefix_padding_ms": 300, "threshold": 0.5,
+            "create_response": True}
+
+
+# the turn detection of each condition: server_vad at 500 ms (the API's default) and 200 ms, and semantic_vad
+CONDITIONS = {"silence_500": server_vad(500), "silence_200": server_vad(200),
+              "semantic_auto": {"type": "semantic_vad", "eagerness": "auto", "create_response": True}}
+
+
+async def conversation(url: str, utts: list[Utterance], n: int, turn: dict[str, Any], max_tokens: int
+                       ) -> dict[str, Any]:
+    stream = await Stream.open(url, turn, max_tokens)
     turns = [await stream.turn(utts[i % len(utts)]) for i in range(n)]
     await stream.close()
     return summarise(turns, stream)
@@ -283,7 +293,7 @@ async def conversation(url: str, utts: list[Utterance], n: int, silence_ms: int,
 async def concurrent(url: str, utts: list[Utterance], sessions: int, n: int, max_tokens: int) -> dict[str, Any]:
     async def one(k: int) -> tuple[list[dict[str, Any]], float]:
         await asyncio.sleep(k * STAGGER_S)
-        stream = await Stream.open(url, 500, max_tokens)
+        stream = await Stream.open(url, server_vad(500), max_tokens)
         turns = [await stream.turn(utts[(k + i) % len(utts)]) for i in range(n)]
         await stream.close()
         return turns, stream.client_lag_s
@@ -301,9 +311,9 @@ async def concurrent(url: str, utts: list[Utterance], sessions: int, n: int, max
 
 async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace, levels: list[int]) -> dict[str, Any]:
     out: dict[str, Any] = {}
-    for silence in (500, 200):
-        out[f"silence_{silence}"] = await conversation(url, utts, args.turns, silence, args.max_tokens)
-        print(f"silence {silence}: {json.dumps(out[f'silence_{silence}'])}", file=sys.stderr)
+    for name, turn in CONDITIONS.items():
+        out[name] = await conversation(url, utts, args.turns, turn, args.max_tokens)
+        print(f"{name}: {json.dumps(out[name])}", file=sys.stderr)
     if levels:
         out["concurrency"] = []
         for n in levels:

@@ -15,6 +15,11 @@ from streamserve.media import VOICE_EXTRA, VOICE_MODELS
 from streamserve.models.store import installed
 
 ROOT = Path(__file__).resolve().parent.parent
+NEEDS_VOICE = pytest.mark.skipif(
+    not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader")))
+    or None in map(installed, VOICE_MODELS),
+    reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
+           f"(streamserve models pull {' '.join(VOICE_MODELS)})")
 
 
 @pytest.mark.parametrize("script", [["decode.py", "--quick"], ["session_append.py", "--quick"],
@@ -26,20 +31,9 @@ ROOT = Path(__file__).resolve().parent.parent
                                     ["cpu_linear.py", "--quick"], ["cpu_compile_options.py", "--quick"],
                                     ["soak.py", "--quick"],
                                     ["sessions_held.py", "--quick"], ["handoff_pause.py", "2", "200"],
-                                    pytest.param(["voice_latency.py", "--quick"], marks=pytest.mark.skipif(
-                                        not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
-                                                                               "soxr", "espeakng_loader")))
-                                        or None in map(installed, VOICE_MODELS),
-                                        reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
-                                               f"(streamserve models pull {' '.join(VOICE_MODELS)})"),
+                                    pytest.param(["voice_latency.py", "--quick"], marks=NEEDS_VOICE,
                                                  id="voice_latency"),
-                                    pytest.param(["stt_wer.py", "--quick"], marks=pytest.mark.skipif(
-                                        not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
-                                                                               "soxr", "espeakng_loader")))
-                                        or None in map(installed, VOICE_MODELS),
-                                        reason=f"needs the voice extra ({VOICE_EXTRA}) and the voice models "
-                                               f"(streamserve models pull {' '.join(VOICE_MODELS)})"),
-                                                 id="stt_wer"),
+                                    pytest.param(["stt_wer.py", "--quick"], marks=NEEDS_VOICE, id="stt_wer"),
                                     pytest.param(["webrtc_latency.py", "--quick"], marks=pytest.mark.skipif(
                                         not all(map(importlib.util.find_spec, ("onnxruntime", "faster_whisper",
                                                                                "soxr", "espeakng_loader", "aiortc")))

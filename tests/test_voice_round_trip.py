@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 from serving import serve
-from voice_assets import needs, speech, voice_model
+from voice_assets import edit_distance, needs, speech, voice_model
 
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
@@ -135,16 +135,6 @@ def words(text: str) -> list[str]:
     return re.findall(r"[a-z0-9']+", text.lower().replace("’", "'"))
 
 
-def word_distance(a: list[str], b: list[str]) -> int:
-    """Levenshtein distance over words (insertions, deletions, substitutions)."""
-    row = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, y in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
-    return row[-1]
-
-
 def check_turn(turn: Turn) -> tuple[str, bytes]:
     """What every spoken turn must show, whatever the model: VAD events in order, the question transcribed, a
     completed response with text and audio. -> (reply text, reply audio PCM16 24 kHz)."""
@@ -206,4 +196,4 @@ async def test_smollm2_answers_paris_and_its_audio_says_the_reply_text() -> None
     # Whisper base hearing a synthetic voice is not exact: it may write a number as digits or words, split or join
     # a compound, or mishear one short word. A quarter of the reply's words (at least 2) allows that; audio of a
     # different sentence, a missing sentence, or a truncated reply is further off than that.
-    assert word_distance(said, got) <= max(2, len(said) // 4), (reply, heard)
+    assert edit_distance(said, got) <= max(2, len(said) // 4), (reply, heard)

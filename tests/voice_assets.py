@@ -65,3 +65,20 @@ def speech(text: str, rate: int = 16000) -> np.ndarray:
     needs("soxr")
     voice_model("piper-joe")  # skip here, outside the cache, so a skip is never cached as a failure
     return _spoken(text, rate)
+
+
+def norm_words(text: str) -> list[str]:
+    """The words of `text` as passes are compared: lowercase, punctuation stripped (streamserve.media.stt.normalize)."""
+    from streamserve.media.stt import normalize
+
+    return [w for w in (normalize(t) for t in text.split()) if w]
+
+
+def edit_distance(a: list[str], b: list[str]) -> int:
+    """Levenshtein distance over words (insertions, deletions, substitutions)."""
+    row = list(range(len(b) + 1))
+    for i, x in enumerate(a, 1):
+        prev, row[0] = row[0], i
+        for j, y in enumerate(b, 1):
+            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
+    return row[-1]

@@ -7,7 +7,7 @@ from itertools import pairwise
 
 import numpy as np
 import pytest
-from voice_assets import needs, speech, voice_model
+from voice_assets import edit_distance, needs, norm_words, speech, voice_model
 
 from streamserve.errors import InvalidInputError
 from streamserve.media import VoiceUnavailableError
@@ -27,19 +27,6 @@ FRAME = 320  # 20 ms at 16 kHz
 
 def words(*items: tuple[str, float, float]) -> list[Word]:
     return [Word(text, start, end) for text, start, end in items]
-
-
-def norm_words(text: str) -> list[str]:
-    return [w for w in (normalize(t) for t in text.split()) if w]
-
-
-def edit_distance(a: list[str], b: list[str]) -> int:
-    row = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, y in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
-    return row[-1]
 
 
 # -- the agreement logic on hand-made word lists ---------------------------------------------------------------

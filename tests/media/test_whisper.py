@@ -8,10 +8,10 @@ from types import SimpleNamespace
 
 import numpy as np
 import pytest
-from voice_assets import needs, speech, voice_model
+from voice_assets import edit_distance, needs, norm_words, speech, voice_model
 
 from streamserve.errors import InvalidInputError
-from streamserve.media.stt import StreamingTranscriber, normalize
+from streamserve.media.stt import StreamingTranscriber
 from streamserve.media.whisper import (
     SAMPLE_RATE,
     WINDOW_S,
@@ -23,19 +23,6 @@ from streamserve.media.whisper import (
 
 PHRASES = ("Which city is the capital of France?", "Okay.", "Please remind me to call my sister at seven.",
            "The quick brown fox jumps over the lazy dog near the river bank today.")
-
-
-def norm_words(text: str) -> list[str]:
-    return [w for w in (normalize(t) for t in text.split()) if w]
-
-
-def edits(a: list[str], b: list[str]) -> int:
-    row = list(range(len(b) + 1))
-    for i, x in enumerate(a, 1):
-        prev, row[0] = row[0], i
-        for j, y in enumerate(b, 1):
-            prev, row[j] = row[j], min(row[j] + 1, row[j - 1] + 1, prev + (x != y))
-    return row[-1]
 
 
 def text_of(words: list) -> str:
@@ -107,8 +94,8 @@ def test_held_passes_hear_what_the_30s_window_hears(models: tuple[Whisper, Whisp
         got, want = held.words(audio), full.words(audio)
         said = norm_words(phrase)
         # no worse than the 30 s window, by one word at most (on "Which city..." the window hears "What city")
-        assert edits(norm_words(text_of(got)), said) <= edits(norm_words(text_of(want)), said) + 1 <= 2, (
-            phrase, text_of(got), text_of(want))
+        held_errors, window_errors = (edit_distance(norm_words(text_of(w)), said) for w in (got, want))
+        assert held_errors <= window_errors + 1 <= 2, (phrase, text_of(got), text_of(want))
         assert all(0 <= w.start <= w.end <= audio.size / SAMPLE_RATE + 0.05 for w in got)
         assert all(w.text.startswith(" ") for w in got)
 
