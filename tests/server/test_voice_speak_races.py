@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from voice_assets import needs
 
+from streamserve.server.voice.deadlines import DeadlineRunner
 from streamserve.server.voice.speak import Speaker
 
 pytestmark = pytest.mark.asyncio
@@ -40,6 +41,7 @@ class FakeRuntime:
     def __init__(self) -> None:
         self.voice = ToneVoice()
         self.executor = ThreadPoolExecutor(1, thread_name_prefix="fake-media")
+        self.tts = DeadlineRunner(self.executor, 1)
 
     async def run(self, fn: Any, *args: Any) -> Any:
         return await asyncio.get_running_loop().run_in_executor(self.executor, fn, *args)

@@ -10,7 +10,9 @@ stall) nor on the engine thread (decode would stall). Three executors, so cheap 
                take twice as long, so both utterances would be final late instead of one on time), fed by `stt`,
                the scheduler that batches the passes of all streams and runs final passes first
                (server/voice/stt_scheduler.py);
-    run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves.
+    run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves;
+               text to speech goes through `tts` (server/voice/deadlines.py): the piece due soonest first, so every
+               reply's first audio goes before other replies' later sentences.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamserve.media import VOICE_EXTRA, VOICE_MODELS, VoiceUnavailableError, require
+from streamserve.server.voice.deadlines import DeadlineRunner
 from streamserve.server.voice.stt_scheduler import SttScheduler
 
 if TYPE_CHECKING:
@@ -54,6 +57,7 @@ class VoiceRuntime:
         self.light_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-vad")
         self.stt_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-stt")
         self.stt = SttScheduler(whisper, self.stt_executor)
+        self.tts = DeadlineRunner(self.executor, workers)  # text to speech: each reply's first piece first
 
     @classmethod
     def load(cls, threads: int | None = None) -> VoiceRuntime:

@@ -1,6 +1,6 @@
 """The Speaker: one reply's streamed text -> audio in the client's format, sentence by sentence (protocol-neutral).
 
-    feed(delta) -> SentenceSplitter -> pieces --synthesis task (media executor)--> [<= 2 pieces of audio]
+    feed(delta) -> SentenceSplitter -> pieces --synthesis task (runtime.tts: earliest deadline first)--> [<= 2 pieces]
                                              --emission task--> emit(<= 100 ms of bytes), in order
 
 Two tasks make a pipeline: while piece n is being emitted (the transport paces it: a slow client slows only its
@@ -100,6 +100,7 @@ class Speaker:
         if self._cancelled:
             return
         self._cancelled = True
+        self.runtime.tts.withdraw(self._in_flight)  # a piece still waiting for the executor is not synthesised
         self._synth.cancel()
         self._play.cancel()
 
@@ -143,7 +144,10 @@ class Speaker:
             await self._audio.put(_END)  # the emitter ends (the reply's audio stops here)
 
     async def _run(self, fn: Callable[..., bytes], *args: str) -> bytes:
-        fut = asyncio.ensure_future(self.runtime.run(fn, *args))
+        """fn(*args) through the runtime's text-to-speech scheduler (server/voice/deadlines.py), due when the audio
+        synthesised so far and not yet emitted has played: at once for the reply's first piece."""
+        due = asyncio.get_running_loop().time() + self.fmt.duration_ms(self._held.bytes) / 1e3
+        fut = self.runtime.tts.submit(due, fn, *args)
         self._in_flight = fut  # shielded: a cancel stops waiting for it, wait_idle() can still wait for its end
         return await asyncio.shield(fut)
 

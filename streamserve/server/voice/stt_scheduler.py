@@ -115,6 +115,8 @@ class SttScheduler:
     def _ensure_worker(self) -> None:
         loop = asyncio.get_running_loop()
         if self._task is None or self._task.done() or self._loop is not loop:
+            # a new event loop (a server started again in the same process): passes of the old one are orphans
+            self._waiting = [p for p in self._waiting if p.future.get_loop() is loop]
             self._loop, self._wake = loop, asyncio.Event()
             self._task = loop.create_task(self._work(), name="streamserve-stt-scheduler")
 
@@ -171,7 +173,7 @@ class SttScheduler:
             self._metrics[0].labels(p.kind, outcome).inc()
             if outcome == "run":
                 self._metrics[1].labels(p.kind).observe(time.perf_counter() - p.queued_at)
-        if not p.future.done():
+        if not p.future.done() and not p.future.get_loop().is_closed():  # the waiter may be gone with its loop
             p.future.set_result(words)
 
     def close(self) -> None:
