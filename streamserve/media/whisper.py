@@ -35,6 +35,7 @@ MODEL_FILES = ("config.json", "model.bin", "tokenizer.json", "vocabulary.txt")
 WINDOW_S = 30.0  # Whisper's own window: audio longer than a held window takes faster-whisper's windowed path
 PAD_S = 1.0  # silence after the speech in a held window
 WINDOW_STEP_S = 2.0  # held windows are whole multiples of this: passes of one length share a batch
+MIN_WINDOW_S = 6.0  # ... and never shorter: a 4 s window heard "why it" as "white" where 5 s and more did not
 MAX_TOKENS_PER_S = 12  # decoder bound: fast speech is ~5 text tokens a second; timestamps add a few per segment
 MIN_TOKENS = 16
 PROMPT_TOKENS = 223  # Whisper's decoder has 448 positions: half of them at most for the prompt (as Whisper does)
@@ -78,8 +79,10 @@ def check_audio(audio16k: np.ndarray) -> np.ndarray:
 
 
 def held_window_s(samples: int) -> float:
-    """The window a held pass over `samples` encodes: the audio, PAD_S of silence, rounded up to WINDOW_STEP_S."""
-    return min(WINDOW_S, WINDOW_STEP_S * math.ceil((samples / SAMPLE_RATE + PAD_S) / WINDOW_STEP_S))
+    """The window a held pass over `samples` encodes: the audio, PAD_S of silence, rounded up to WINDOW_STEP_S, at
+    least MIN_WINDOW_S."""
+    held = WINDOW_STEP_S * math.ceil((samples / SAMPLE_RATE + PAD_S) / WINDOW_STEP_S)
+    return min(WINDOW_S, max(MIN_WINDOW_S, held))
 
 
 def token_bound(samples: int) -> int:
@@ -135,22 +138,24 @@ class Whisper:
         return self.words_batch([PassRequest(audio16k, prompt)], language)[0]
 
     def words_batch(self, requests: Sequence[PassRequest], language: str = "en") -> list[list[Word]]:
-        """The words of each request's audio, as words() gives them one at a time, in batches: one encoder
-        forward per window length, one batched decode and alignment."""
+        """The words of each request's audio, as words() gives them one at a time, in batches: one batch (encoder
+        forward, decode, alignment) per window length and prompt length (CTranslate2 decodes a batch only when
+        <|startoftranscript|> stands at the same position in every prompt)."""
         audios = [check_audio(r.audio) for r in requests]
         out: list[list[Word]] = [[] for _ in requests]
-        by_window: dict[float, list[int]] = {}
+        tok = self._tokenizer(language) if self.window == "held" else None
+        batches: dict[tuple[float, int], list[tuple[int, list[int]]]] = {}
         for i, audio in enumerate(audios):
             if audio.size == 0:
                 continue
-            if self.window == "full" or audio.size > (WINDOW_S - PAD_S) * SAMPLE_RATE:
+            if tok is None or audio.size > (WINDOW_S - PAD_S) * SAMPLE_RATE:
                 out[i] = self._windowed_words(audio, requests[i].prompt, language)
             else:
-                by_window.setdefault(held_window_s(audio.size), []).append(i)
-        for window_s, members in by_window.items():
-            found = self._held_words([audios[i] for i in members], [requests[i].prompt for i in members],
-                                     window_s, language)
-            for i, words in zip(members, found, strict=True):
+                start = self._prompt(tok, requests[i].prompt)
+                batches.setdefault((held_window_s(audio.size), len(start)), []).append((i, start))
+        for (window_s, _), members in batches.items():
+            found = self._held_words(tok, [audios[i] for i, _ in members], [s for _, s in members], window_s)
+            for (i, _), words in zip(members, found, strict=True):
                 out[i] = words
         return out
 
@@ -173,18 +178,17 @@ class Whisper:
             self._tokenizers[language] = self._make_tokenizer(language)
         return self._tokenizers[language]
 
-    def _held_words(self, audios: list[np.ndarray], prompts: list[str | None], window_s: float,
-                    language: str) -> list[list[Word]]:
+    def _held_words(self, tok: Any, audios: list[np.ndarray], starts: list[list[int]], window_s: float
+                    ) -> list[list[Word]]:
+        """One batch: audios [n_i] within `window_s`, each decoded from its start tokens (all of one length)."""
         import ctranslate2
 
-        tok = self._tokenizer(language)
         window = round(window_s * SAMPLE_RATE)
         # [B, 80, frames]: each audio's log-mel over its own window (Whisper normalises each spectrogram by its max)
         feats = np.stack([self._model.feature_extractor(np.pad(a, (0, window - a.size)), padding=0) for a in audios])
         frames = feats.shape[-1] - feats.shape[-1] % 2  # the encoder's stride-2 convolution wants an even count
         features = ctranslate2.StorageView.from_array(np.ascontiguousarray(feats[..., :frames]))
         encoded = self._model.model.encode(features)  # [B, frames / 2, 512]
-        starts = [self._prompt(tok, p) for p in prompts]
         bounds = [len(s) + token_bound(a.size) for s, a in zip(starts, audios, strict=True)]
         results = self._model.model.generate(encoded, starts, beam_size=BEAM_SIZE, max_length=max(bounds),
                                              suppress_blank=True, return_scores=True, return_no_speech_prob=True)

@@ -13,6 +13,7 @@ from voice_assets import edit_distance, needs, norm_words, speech, voice_model
 from streamserve.errors import InvalidInputError
 from streamserve.media.stt import StreamingTranscriber
 from streamserve.media.whisper import (
+    MIN_WINDOW_S,
     SAMPLE_RATE,
     WINDOW_S,
     PassRequest,
@@ -32,9 +33,9 @@ def text_of(words: list) -> str:
 # -- rules, no model ---------------------------------------------------------------------------------------------
 
 def test_held_window_is_the_audio_plus_padding_in_whole_steps_and_at_most_whisper_s() -> None:
-    assert held_window_s(int(0.3 * SAMPLE_RATE)) == 2.0  # 0.3 s + 1 s of silence -> one 2 s step
-    assert held_window_s(int(1.0 * SAMPLE_RATE)) == 2.0
-    assert held_window_s(int(1.01 * SAMPLE_RATE)) == 4.0
+    assert held_window_s(int(0.3 * SAMPLE_RATE)) == MIN_WINDOW_S  # never shorter
+    assert held_window_s(int(5.0 * SAMPLE_RATE)) == 6.0  # 5 s + 1 s of silence
+    assert held_window_s(int(5.01 * SAMPLE_RATE)) == 8.0  # ... rounded up to a 2 s step
     assert held_window_s(int(7.5 * SAMPLE_RATE)) == 10.0
     assert held_window_s(int(29.5 * SAMPLE_RATE)) == WINDOW_S
 

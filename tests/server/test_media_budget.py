@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import concurrent.futures
 import gc
 import json
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import numpy as np
 import pytest
@@ -18,6 +20,7 @@ import pytest
 from streamserve.server import media_budget as M
 from streamserve.server.realtime.events import RealtimeError
 from streamserve.server.realtime.inbox import Inbox
+from streamserve.server.voice.deadlines import DeadlineRunner
 
 PER_CONNECTION = 64_000  # 1 s of 16 kHz float32 (what the Listener's backlog holds)
 GLOBAL = 100_000
@@ -200,8 +203,21 @@ class FakeVoice:
         return np.zeros(1600 * len(text.split()), np.float32)  # 100 ms a word: [n] at 16 kHz
 
 
+class InlineExecutor(concurrent.futures.Executor):
+    """Runs each job at once in the caller (the loop here), so the synthesis needs only a few turns of the loop."""
+
+    def submit(self, fn, /, *args, **kwargs):  # type: ignore[no-untyped-def, override]
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as e:
+            done.set_exception(e)
+        return done
+
+
 class FakeRuntime:
     voice = FakeVoice()
+    tts = DeadlineRunner(InlineExecutor(), 1)
 
     async def run(self, fn, *args):  # type: ignore[no-untyped-def]
         return fn(*args)
