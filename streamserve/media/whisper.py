@@ -7,8 +7,8 @@ with the speech. Passes of several streams run as one batch (one encoder forward
 decode, one batched alignment).
 
 Short windows have a known failure: after the speech Whisper starts over ("What is the capital of France? What is
-the"), or loops on one word ("Okay, okay, okay"), since it was trained on 30 s windows. Three guards, measured by
-benchmarks/stt_wer.py on 36 utterances (docs/benchmarks.md):
+the"), or loops on one word ("Okay, okay, okay"), since it was trained on 30 s windows. Three guards (tested on
+hand-made tokens in tests/media/test_whisper.py; the word error rate with them in benchmarks/stt_wer.py):
 - decoding with timestamp tokens, and dropping every segment that starts after the speech ends (a repeat starts in
   the padding, past the audio: a segment's own timestamps say so);
 - a decoder length bounded by the audio's duration (MAX_TOKENS_PER_S), so nothing loops for long;
