@@ -133,6 +133,11 @@ class ServerConfig:
         "help": "do not load the voice models (speech to text, text to speech, voice activity): audio is refused. "
                 "Without this flag they load at start when the voice extra (pip install \"streamserve[voice]\") "
                 "and the models (streamserve models pull whisper-base piper-joe silero-vad) are there"})
+    no_speculation: bool = field(default=False, metadata={
+        "help": "voice: start a reply only once the turn is confirmed (the VAD's silence has passed). By default, "
+                "when the speech pauses and its words look complete, the reply starts at once and is held back "
+                "until the turn is confirmed (taken back, unseen, if speech resumes): first audio that much sooner, "
+                "for the engine time of the replies taken back"})
     no_vision: bool = field(default=False, metadata={
         "help": "do not load the vision model (the classifier that names what a camera sees, for text-only models): "
                 "images are refused. Without this flag it loads at start when the vision extra (pip install "

@@ -73,6 +73,8 @@ class SessionService(ServiceLifecycle):
                  vision: VisionRuntime | None = None) -> None:
         self.engine, self.config, self.defaults = engine, config, session_defaults
         self.voice = voice  # the voice models (server/voice): None when not loaded, and audio is refused
+        if voice is not None:  # replies started at the likely end of a turn, held until it is confirmed
+            voice.speculations.enabled = not config.no_speculation
         self.vision = vision  # the vision model (server/vision.py): None when not loaded, and images are refused
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
@@ -94,10 +96,12 @@ class SessionService(ServiceLifecycle):
     # ---- what the server is --------------------------------------------------------------------------
     def metrics(self, registry: Any) -> None:
         """Register the service's Prometheus metrics: media bytes held and refused (server/media_budget.py); with
-        voice, the STT queue depth, passes and their latencies by kind, batch sizes (server/voice/stt_scheduler)."""
+        voice, the STT queue depth, passes and their latencies by kind, batch sizes (server/voice/stt_scheduler), and
+        the replies speculated by outcome (server/voice/speculate.py)."""
         self.budget.metrics(registry)
         if self.voice is not None:
             self.voice.stt.metrics(registry)
+            self.voice.speculations.metrics(registry)
 
     def info(self) -> ServerInfo:
         e, c = self.engine, self.config

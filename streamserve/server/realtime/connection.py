@@ -41,6 +41,7 @@ from streamserve.server.transport import Frame, Transport
 if TYPE_CHECKING:
     from streamserve.server.realtime.listening import InputAudio
     from streamserve.server.realtime.media import MediaPath
+    from streamserve.server.voice.speculate import Gate
 
 log = logging.getLogger("streamserve.server")
 KEEP_SPOKEN = 8  # recent audio responses whose Speaker is kept for conversation.item.truncate
@@ -180,6 +181,8 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         """Append entries' messages as one chunk (in the chat's order); its ack (conversation.item.done for `item`)
         or error arrives pushed. `kind`: the chunk's (video: a camera note, sheddable)."""
         assert self.session is not None
+        if self.audio is not None and self.audio.spec is not None:  # a response held at the likely end of a turn:
+            await self.audio.spec.gate.settled.wait()  # released or taken back first (the chat returns to its mark)
         seq = self.next_seq()
         msgs = [e.message for e in entries]
         self.acks[seq] = (item, event_id)
@@ -238,17 +241,18 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         await self.respond(*params, event_id=ev.event_id)
 
     async def respond(self, modalities: tuple[str, ...], max_tokens: int | None, instructions: str | None = None,
-                      event_id: str | None = None) -> ResponseRun:
+                      event_id: str | None = None, gate: Gate | None = None) -> ResponseRun:
         """Start a response: its events, the instructions (session's, then this response's) as system messages,
-        the chat reply (its generation prompt is the only other thing appended)."""
+        the chat reply (its generation prompt is the only other thing appended). `gate`: its output is held there
+        (a response speculated at the likely end of a turn: realtime/speculation.py)."""
         assert self.session is not None
-        if self.media is not None:
+        if self.media is not None and gate is None:  # (a speculated one starts only when no note waits)
             await self.media.before_reply()
         item = Item(E.new_id("item_"), "assistant", [], "in_progress")
         fmt = S.render(self.settings)["audio"]["output"]["format"]
         previous = self.conv.items[-1].id if self.conv.items else None
-        run = ResponseRun(self.send, item, modalities, max_tokens, self.settings.voice, fmt, self.conversation_id,
-                          previous, E.new_id("resp_"))
+        run = ResponseRun(self.send if gate is None else gate.wrap(self.send), item, modalities, max_tokens,
+                          self.settings.voice, fmt, self.conversation_id, previous, E.new_id("resp_"), gate)
         if run.audio and self.audio is not None:
             run.speaker = self.audio.speaker(run)
             self.spoken[item.id] = run  # truncatable at once: clients truncate right at speech_started
@@ -311,10 +315,11 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
             if self.current is run:
                 self.current = None
                 self.idle.set()
-            if self.audio is not None and recorded is not None:
-                self.audio.response_ended(run)
-            if self.media is not None and run.speaker is not None:
-                self.media.reply_done(run)
+            audio, media = self.audio, self.media
+            if audio is not None and recorded is not None:  # (a held response's: once it is released)
+                run.then(lambda: audio.response_ended(run))
+            if media is not None and run.speaker is not None:
+                run.then(lambda: media.reply_done(run))
 
     # ---- audio events (listening.py) -------------------------------------------------------------------
     def input_audio(self) -> InputAudio:

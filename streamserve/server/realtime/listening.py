@@ -20,6 +20,7 @@ import time
 from typing import TYPE_CHECKING, Any, Protocol
 
 from streamserve.media.audio import AudioInput
+from streamserve.server.realtime import speculation
 from streamserve.server.realtime.conversation import Conversation, Entry, Item, with_transcripts
 from streamserve.server.realtime.events import RealtimeError, event, new_id
 from streamserve.server.realtime.response import ResponseRun
@@ -30,6 +31,8 @@ from streamserve.server.voice.listen import (
     SpeechStopped,
     TranscriptDelta,
     TranscriptDone,
+    TurnLikely,
+    TurnResumed,
 )
 from streamserve.server.voice.speak import Speaker
 
@@ -37,6 +40,7 @@ if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat
     from streamserve.server.realtime.media import MediaPath
     from streamserve.server.service import ClientContext, SessionService
+    from streamserve.server.voice.speculate import Gate
 
 WHISPER_RATE = 16000
 
@@ -60,7 +64,7 @@ class Host(Protocol):
     def take_instructions(self) -> list[Entry]: ...
     def next_seq(self) -> int: ...
     async def respond(self, modalities: tuple[str, ...], max_tokens: int | None, instructions: str | None = None,
-                      event_id: str | None = None) -> ResponseRun: ...
+                      event_id: str | None = None, gate: Gate | None = None) -> ResponseRun: ...
     async def truncate(self, item: Item, heard: str, event_id: str | None = None) -> None: ...
 
 
@@ -92,6 +96,7 @@ class InputAudio:
         self.after: list[tuple[Item, str]] = []  # truncations asked while it was open: done after its end
         self.quiet = asyncio.Event()  # no utterance open: set once the last one is an announced item (or dropped)
         self.quiet.set()
+        self.spec: speculation.Speculation | None = None  # a response started at the likely end, held back
 
     @property
     def streaming(self) -> bool:
@@ -123,6 +128,9 @@ class InputAudio:
 
     async def clear(self) -> None:
         await self.listener.clear()
+        if self.spec is not None:  # the speech it answered is dropped: so is it
+            spec, self.spec = self.spec, None
+            await speculation.take_back(self, spec)
         await self.abort()
         self.item_id = None
 
@@ -206,8 +214,16 @@ class InputAudio:
         elif isinstance(ev, SpeechStopped):
             await conn.send(event("input_audio_buffer.speech_stopped", audio_end_ms=int(ev.audio_end_ms),
                                   item_id=self.current_id()))
+        elif isinstance(ev, TurnLikely):
+            self.spec = await speculation.start(self, ev)
+        elif isinstance(ev, TurnResumed) and self.spec is not None:
+            spec, self.spec = self.spec, None
+            await speculation.take_back(self, spec)
         elif isinstance(ev, TranscriptDelta) and ev.text:
-            await self.extend(ev.text)  # agreed words go into the session now, while the person speaks
+            if self.spec is not None:  # the speculation put these words in already
+                self.spec.deltas.append(ev.text)
+            else:
+                await self.extend(ev.text)  # agreed words go into the session now, while the person speaks
             if self.settings.transcription:
                 await conn.send(event("conversation.item.input_audio_transcription.delta", item_id=self.current_id(),
                                       content_index=0, delta=ev.text, logprobs=None))
@@ -220,8 +236,18 @@ class InputAudio:
         return self.item_id
 
     async def committed(self, done: TranscriptDone) -> None:
-        """The utterance ends: it becomes a user item (its transcript the message), then maybe a response."""
+        """The utterance ends: it becomes a user item (its transcript the message), then maybe a response (or the
+        one speculated on this transcript is released)."""
         conn = self.conn
+        spec, self.spec = self.spec, None
+        if spec is not None and spec.text == done.text.strip() and spec.gate.holding:
+            self.item_id = None
+            await self.announce(spec.item, done)
+            self.runtime.speculations.count("released")
+            await spec.gate.release()  # the response's held events and audio, then the rest as it comes
+            return
+        if spec is not None:  # the words changed after all: the response goes, the final words get their own
+            await speculation.take_back(self, spec)
         item_id, self.item_id = self.current_id(), None
         if not done.text.strip():  # noise: no item, no response
             await self.abort()
@@ -237,22 +263,7 @@ class InputAudio:
             return
         item = Item(item_id, "user", [{"type": "input_audio", "audio": None, "transcript": message["content"]}])
         conn.conv.entries[at] = Entry(message, item)
-        previous = conn.conv.previous_id(item)
-        await conn.send(event("input_audio_buffer.committed", item_id=item_id, previous_item_id=previous))
-        await conn.send(event("conversation.item.added", previous_item_id=previous, item=item.render()))
-        await conn.send(event("conversation.item.done", previous_item_id=previous, item=item.render()))
-        conn.announced.add(item_id)
-        self.quiet.set()  # a response asked for after the speech stopped follows this item
-        if self.settings.transcription:
-            seconds = max(0.0, (done.audio_end_ms - done.audio_start_ms) / 1e3)
-            await conn.send(event("conversation.item.input_audio_transcription.completed", item_id=item_id,
-                                  content_index=0, transcript=message["content"], logprobs=None,
-                                  languages=[{"code": "en"}],
-                                  usage={"type": "duration", "seconds": round(seconds, 3)}))
-        for cut, heard in self.after:  # truncations asked while the person spoke
-            with contextlib.suppress(RealtimeError):  # an item deleted meanwhile
-                await conn.truncate(cut, heard)
-        self.after = []
+        await self.announce(item, done)
         td = self.settings.turn_detection
         if td is None or not td.create_response or conn.ctx.gone:  # gone: its session closed, nobody to answer
             return
@@ -262,12 +273,33 @@ class InputAudio:
             await conn.idle.wait()  # the interrupted one is being recorded (within one engine step)
         await conn.respond(self.settings.output_modalities, self.settings.max_output_tokens)
 
+    async def announce(self, item: Item, done: TranscriptDone) -> None:
+        """The person's item (in the conversation) goes out: committed, added, done, the transcription's end."""
+        conn = self.conn
+        previous = conn.conv.previous_id(item)
+        await conn.send(event("input_audio_buffer.committed", item_id=item.id, previous_item_id=previous))
+        await conn.send(event("conversation.item.added", previous_item_id=previous, item=item.render()))
+        await conn.send(event("conversation.item.done", previous_item_id=previous, item=item.render()))
+        conn.announced.add(item.id)
+        self.quiet.set()  # a response asked for after the speech stopped follows this item
+        if self.settings.transcription:
+            seconds = max(0.0, (done.audio_end_ms - done.audio_start_ms) / 1e3)
+            await conn.send(event("conversation.item.input_audio_transcription.completed", item_id=item.id,
+                                  content_index=0, transcript=item.content[0]["transcript"], logprobs=None,
+                                  languages=[{"code": "en"}],
+                                  usage={"type": "duration", "seconds": round(seconds, 3)}))
+        for cut, heard in self.after:  # truncations asked while the person spoke
+            with contextlib.suppress(RealtimeError):  # an item deleted meanwhile
+                await conn.truncate(cut, heard)
+        self.after = []
+
     # ---- spoken responses and the idle timeout ---------------------------------------------------------
     def speaker(self, run: ResponseRun) -> Speaker:
         media, account = self.conn.media, self.conn.service.budget.account(self.conn.ctx)  # its unsent audio
-        if media is None:
+        if media is None:  # (a held response's audio_delta events go through its gate: run.send)
             return Speaker(self.runtime, self.settings.output_audio, run.audio_delta, account)
-        return Speaker(self.runtime, media.output_format, media.emitter(run), account)
+        emit = media.emitter(run) if run.gate is None else run.gate.wrap(media.emitter(run))
+        return Speaker(self.runtime, media.output_format, emit, account)
 
     async def truncate_heard(self, item: Item, heard: str) -> None:
         """Cut an assistant item to what was heard: now, or (the person speaks: their message is open in the
@@ -322,6 +354,8 @@ class InputAudio:
 
     async def close(self) -> None:
         self.cancel_idle()
+        if self.spec is not None:  # nobody hears it: the connection ends
+            self.spec.gate.discard()
         self.quiet.set()
         await self.listener.close()
         for fut in self.pending:  # the session closes with the connection: nothing waits for these

@@ -11,6 +11,8 @@ this object (`RealtimeConnection.media`, None on a WebSocket) only at the few po
                      it has played out)
     interrupted()    barge-in: the track is cleared at once and the item truncated to what was heard
     clear()          output_audio_buffer.clear
+    quiet()          nothing waits to go in before a reply (a response may start held, at the likely end of a
+                     turn: realtime/speculation.py)
     before_reply()   a response is about to start: the call's waiting camera note goes in first (after the
                      person's message, before the reply's generation prompt), so the model answers on the
                      latest scene even when the person never paused between turns
@@ -35,3 +37,4 @@ class MediaPath(Protocol):
     async def interrupted(self) -> None: ...
     async def clear(self) -> None: ...
     async def before_reply(self) -> None: ...
+    def quiet(self) -> bool: ...

@@ -21,6 +21,7 @@ from streamserve.server.realtime.events import RealtimeError, event
 
 if TYPE_CHECKING:
     from streamserve.server.voice.speak import Speaker
+    from streamserve.server.voice.speculate import Gate
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 FINISH = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),
@@ -41,12 +42,13 @@ def usage(input_tokens: int, cached: int, output_tokens: int) -> dict[str, Any]:
 class ResponseRun:
     def __init__(self, send: Send, item: Item, modalities: tuple[str, ...], max_output_tokens: int | None,
                  voice: str, audio_format: dict[str, Any], conversation_id: str, previous_item_id: str | None,
-                 response_id: str) -> None:
+                 response_id: str, gate: Gate | None = None) -> None:
         self.send, self.item, self.modalities = send, item, modalities
         self.id, self.conversation_id, self.previous_item_id = response_id, conversation_id, previous_item_id
         self.max_output_tokens, self.voice, self.audio_format = max_output_tokens, voice, audio_format
         self.audio = modalities == ("audio",)
         self.speaker: Speaker | None = None
+        self.gate = gate  # a speculated response's: its output held until the turn is confirmed (`send` is wrapped)
         self.text = ""
         self.cancel_reason: str | None = None  # client_cancelled or turn_detected, once cancelled
         self.status = "in_progress"
@@ -145,6 +147,13 @@ class ResponseRun:
         await self.send(event("conversation.item.done", previous_item_id=self.previous_item_id,
                               item=self.item.render()))
         await self.send(event("response.done", response=self.response(details, used, output=True)))
+
+    def then(self, fn: Callable[[], Any]) -> None:
+        """`fn` now, or (a held response) once its output is released; never if it is dropped."""
+        if self.gate is None:
+            fn()
+        else:
+            self.gate.then(fn)
 
     def audio_end(self) -> float:
         """When the client will have played the reply's audio (monotonic): its start plus its length."""

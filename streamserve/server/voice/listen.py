@@ -3,21 +3,21 @@
     append(bytes) --decode + resample to 16 kHz + VAD (per-frame thread)--> work queue --worker--> emit(event)
 
 `append` does the cheap part on the runtime's per-frame thread (decode, resampling, Silero VAD; a few ms per 20 ms
-frame, never queued behind a Whisper pass) and returns; ONE worker task per stream submits its Whisper passes to the
-runtime's STT scheduler (batched with other streams', finals first; a partial may be skipped under load), so never
-two passes of one stream at once. The worker runs a pass only when the transcriber is `ready()` and nothing is
-queued: a slow machine transcribes less often, never falls further behind. SpeechStopped goes out from `append` as
-soon as the VAD ends the turn (not behind a pass, whose words then go in the final delta: the events keep their
-order). The end of speech is transcribed speculatively: when the VAD first scores silence during speech (the person
-may have stopped: TurnDetector.silent_since_ms), the worker runs a pass over the utterance so far at once and holds
-back the audio after it. If the stop follows, that audio was the VAD's hangover and is dropped, so finish() needs no
-pass (the transcript is final max(silence_duration_ms, one pass) after the speech, not their sum); if speech
-resumes, the held audio goes to the transcriber. What is queued or not yet transcribed is bounded: past
-`max_buffer_s` seconds of it, `append` refuses audio (`audio_buffer_full`); its bytes (16 kHz float32: 64 kB a
-second) count against the connection's media account (server/media_budget.py): past its or the server's budget an
-append is refused (`quota_exceeded`, `server_busy`).
+frame, never behind a Whisper pass); ONE worker task per stream submits its Whisper passes to the runtime's STT
+scheduler (batched with other streams', finals first; a partial may be skipped under load), one at a time, only
+when the transcriber is `ready()` and nothing is queued: a slow machine transcribes less often, never falls further
+behind. SpeechStopped goes out from `append` as soon as the VAD ends the turn (not behind a pass, whose words then
+go in the final delta). The end of speech is transcribed speculatively: when the VAD first scores silence during
+speech (TurnDetector.silent_since_ms), the worker runs a pass over the utterance so far at once and holds back the
+audio after it. If the stop follows, that audio was the VAD's hangover and is dropped, so finish() needs no pass;
+if speech resumes, the held audio goes to the transcriber. When that pass's words look complete, `TurnLikely` goes
+out (a reply may start, held back: server/voice/speculate.py), then `TurnResumed` if speech resumes after all.
+What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
+(`audio_buffer_full`); its bytes (16 kHz float32: 64 kB a second) count against the connection's media account
+(server/media_budget.py): past its or the server's budget an append is refused (`quota_exceeded`, `server_busy`).
 Events (server/voice/listen_events.py, importable from here too), in order for one utterance:
-    SpeechStarted, (TranscriptDelta | TranscriptPartial)*, SpeechStopped, TranscriptDelta?, TranscriptDone
+    SpeechStarted, (TranscriptDelta | TranscriptPartial | TurnLikely | TurnResumed)*, SpeechStopped,
+    TranscriptDelta?, TranscriptDone            (TurnResumed follows a TurnLikely, before any other event)
 With turn detection off there are no speech events: all audio is one utterance until `commit()`.
 """
 
@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from streamserve.media.turns import turn_state
 from streamserve.server import media_budget
 from streamserve.server.voice.listen_events import (
     AudioBufferFullError,
@@ -41,6 +42,8 @@ from streamserve.server.voice.listen_events import (
     TranscriptDelta,
     TranscriptDone,
     TranscriptPartial,
+    TurnLikely,
+    TurnResumed,
     Work,
 )
 
@@ -85,6 +88,7 @@ class Listener:
         self._silent_ms: int | None = None  # the worker's view: a trailing silence began here (ms), audio held
         self._held: list[np.ndarray] = []  # audio after a "silence" hint, [k] each; to the transcriber on resume
         self._n = self._open_n = 0  # utterances started (append's count); the one whose start the worker sent
+        self._likely = False  # a TurnLikely of the open utterance went out (a TurnResumed may follow)
         self._stop_said = False  # SpeechStopped of the worker's utterance already sent: its pass's words wait
         self._deferred = ""  # ... here, for the final delta (events stay S (d|p)* E d? F)
         self._closed = False
@@ -300,7 +304,12 @@ class Listener:
             self._settle(w, None)
             return
         if w.kind not in ("audio", "silence"):  # any of these ends a trailing silence (and what it held back)
-            self._end_silence(keep=w.kind in ("resume", "commit"))  # commit: the client's end, all audio counts
+            keep = w.kind in ("resume", "commit")  # commit: the client's end, all audio counts
+            self._end_silence(keep)
+            if self._likely and w.kind != "stop":  # the likely end was not the end (a stop confirms it)
+                self._likely = False
+                if keep:
+                    await self._send(TurnResumed(), w.epoch)
         if w.kind in ("reset", "start"):
             self._stop_said, self._deferred, self._open_n = False, "", w.n
         if w.kind == "reset":
@@ -362,8 +371,12 @@ class Listener:
                 await self._send(TranscriptDelta(update.committed), epoch)
             if update.partial:
                 await self._send(TranscriptPartial(update.partial), epoch)
+            text = (self._stt.text + update.partial).strip()
+            if self._silent_ms is not None and self._detector is not None and turn_state(text) == "complete":
+                self._likely = True  # the pass at the first silence: maybe the end; its words look complete
+                await self._send(TurnLikely(text, update.partial), epoch)
             return None
-        self._utterance_open, self._untranscribed_s, self._stop_said = False, 0.0, False
+        self._utterance_open, self._untranscribed_s, self._stop_said, self._likely = False, 0.0, False, False
         committed, self._deferred = self._deferred + update.committed, ""
         if committed:
             await self._send(TranscriptDelta(committed), epoch)
@@ -382,7 +395,4 @@ class Listener:
     @staticmethod
     def _settle(w: Work, result: Any, error: BaseException | None = None) -> None:
         if w.done is not None and not w.done.done():
-            if error is not None:
-                w.done.set_exception(error)
-            else:
-                w.done.set_result(result)
+            w.done.set_exception(error) if error is not None else w.done.set_result(result)

@@ -42,7 +42,23 @@ class TranscriptDone:
     audio_end_ms: int
 
 
-ListenEvent = SpeechStarted | SpeechStopped | TranscriptDelta | TranscriptPartial | TranscriptDone
+@dataclass(frozen=True)
+class TurnLikely:
+    """At the first silence, before the VAD's hangover confirms a stop: the pass over the speech so far gave words
+    that look complete (media/turns.py). A reply may start now, held back (server/voice/speculate.py). Then either
+    the stop follows (SpeechStopped, the final delta: `tail`, TranscriptDone whose text is `text`) or TurnResumed."""
+
+    text: str  # the utterance's whole transcript if the stop follows
+    tail: str  # its words not sent as a TranscriptDelta yet (they come in the final delta)
+
+
+@dataclass(frozen=True)
+class TurnResumed:
+    """After a TurnLikely: speech went on (or the client committed the audio): it was not the end of the turn."""
+
+
+ListenEvent = SpeechStarted | SpeechStopped | TranscriptDelta | TranscriptPartial | TranscriptDone | TurnLikely \
+    | TurnResumed
 
 
 class AudioBufferFullError(StreamserveError):
@@ -71,4 +87,4 @@ class Work:
 
 
 __all__ = ["AudioBufferFullError", "ListenEvent", "ListenerClosedError", "SpeechStarted", "SpeechStopped",
-           "TranscriptDelta", "TranscriptDone", "TranscriptPartial", "Work"]
+           "TranscriptDelta", "TranscriptDone", "TranscriptPartial", "TurnLikely", "TurnResumed", "Work"]

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamserve.media import VOICE_EXTRA, VOICE_MODELS, VoiceUnavailableError, require
 from streamserve.server.voice.deadlines import DeadlineRunner
+from streamserve.server.voice.speculate import Speculations
 from streamserve.server.voice.stt_scheduler import SttScheduler
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ class VoiceRuntime:
         self.stt_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-stt")
         self.stt = SttScheduler(whisper, self.stt_executor)
         self.tts = DeadlineRunner(self.executor, workers)  # text to speech: each reply's first piece first
+        self.speculations = Speculations()  # replies started at the likely end of a turn (voice/speculate.py)
 
     @classmethod
     def load(cls, threads: int | None = None) -> VoiceRuntime:

@@ -206,6 +206,9 @@ class Call:
             self.pending_note = text
         await self.flush_note()
 
+    def quiet(self) -> bool:
+        return self.pending_note is None
+
     async def before_reply(self) -> None:
         await self.flush_note()  # the person's message has ended: the scene goes in before the reply reads it
 
