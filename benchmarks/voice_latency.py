@@ -29,6 +29,9 @@ every turn answered and the stop lag p99 under KEPT_UP_LAG_MS.
 Media real-time factors (compute time / audio duration), measured in this process before any server starts, with
 the threads the server gives each model: Silero VAD over 10 s of speech fed in 20 ms pieces, one Whisper pass
 over 2 s and over 5 s, Piper synthesis of one sentence.
+Speculation: by default the server starts a reply at the first silence when the words look complete, held until
+the turn is confirmed (server/voice/speculate.py); the same silence-500 turns on a second server started with
+--no-speculation (first model) give `no_speculation.speculation_speedup_p50`, the ratio of the medians.
 The last line printed is one JSON object with every figure.
 """
 
@@ -107,13 +110,13 @@ def synthesize(texts: tuple[str, ...]) -> tuple[list[Utterance], list[np.ndarray
     return utts, at16k
 
 
-def start_server(model: str) -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
+def start_server(model: str, *extra: str) -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
     """`streamserve serve` on a free loopback port, ready (model and voice models loaded) -> (process, port, the
     last lines of its log). It announces and logs on stderr; a thread keeps reading it, since a pipe nobody reads
     would fill and stall the server."""
     env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}  # the clients send no key
     proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--device", "cpu",
-                             "--model", model, "--offline"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
+                             "--model", model, "--offline", *extra], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL,
                             text=True, env={**env, "PYTHONUNBUFFERED": "1"}, cwd=Path(__file__).resolve().parent.parent)
     port, lines = None, collections.deque(maxlen=200)
     assert proc.stderr is not None
@@ -333,6 +336,9 @@ def main() -> None:
     ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (4; --quick 1)")
     ap.add_argument("--max-tokens", type=int, default=None, help="max_output_tokens per reply (default 40)")
     ap.add_argument("--quick", action="store_true", help="the default model, 1 turn, 2 sessions at once (CI smoke run)")
+    ap.add_argument("--no-speculation-peer", action="store_true",
+                    help="skip the same turns on a second server started with --no-speculation (default: run them "
+                         "for the first model, silence 500 ms, and report the ratio of medians; --quick skips them)")
     args = ap.parse_args()
     args.turns = args.turns or (1 if args.quick else 10)
     args.session_turns = args.session_turns or (1 if args.quick else 4)
@@ -359,6 +365,19 @@ def main() -> None:
         finally:
             proc.terminate()
             proc.wait(30)
+    if not (args.quick or args.no_speculation_peer):  # the same turns with replies started only once confirmed
+        proc, port, log = start_server(models[0], "--no-speculation")
+        try:
+            plain = asyncio.run(conversation(f"ws://127.0.0.1:{port}", utts, args.turns, CONDITIONS["silence_500"],
+                                             args.max_tokens))
+        finally:
+            proc.terminate()
+            proc.wait(30)
+        spec = result["models"][models[0]].get("silence_500", {}).get("eos_to_first_audio_ms", {}).get("p50")
+        base = plain["eos_to_first_audio_ms"]["p50"]
+        result["no_speculation"] = {"model": models[0], "silence_500": plain,
+                                    "speculation_speedup_p50": round(base / spec, 3) if spec and base else None}
+        print(f"no speculation: {json.dumps(plain)}", file=sys.stderr)
     result["concurrency_model"], result["concurrency_silence_ms"] = models[0], 500
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on this machine skews every figure
     print(json.dumps(result))

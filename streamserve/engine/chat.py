@@ -36,6 +36,7 @@ from typing import Any
 
 from streamserve.config import SAMPLING_DEFAULTS as SD
 from streamserve.engine.chat_log import ForgettingMessages, ForgottenMessagesError, GapList
+from streamserve.engine.chat_mark import MarkedChat
 from streamserve.engine.chat_render import (
     ROLES,
     ChatMessageError,
@@ -69,7 +70,7 @@ class _Reply:
     stop: tuple[str, ...] = ()
 
 
-class ChatTranscript(StreamedMessages, ForgettingMessages):
+class ChatTranscript(StreamedMessages, ForgettingMessages, MarkedChat):
     """A conversation on one persistent, initially empty session (see the module's docstring; a message streamed
     in while it is said: engine/chat_stream.py)."""
 

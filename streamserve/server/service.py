@@ -317,11 +317,13 @@ class SessionService(ServiceLifecycle):
         return len(await asyncio.get_running_loop().run_in_executor(
             self.tokenize_executor, lambda: self.engine.tokenizer.encode(req.text, add_special_tokens=False)))
 
-    def respond(self, ctx: ClientContext, session_id: str, params: dict[str, Any]) -> None:
-        """Start a reply (a chat session's: server/chat.py); its ReplyDeltas and ReplyDone reach this connection."""
+    def respond(self, ctx: ClientContext, session_id: str, params: dict[str, Any],
+                listener: ResultListener | None = None) -> None:
+        """Start a reply (a chat session's: server/chat.py); its ReplyDeltas and ReplyDone reach this connection
+        (or `listener`: a speculated reply's, held until the turn is confirmed: voice_speculation.py)."""
         entry = self.registry.get(ctx, session_id)
         params = self.check_sampling({**entry.sampling, **params})
-        listener = self.audio.reply_listener(ctx.listener, session_id)  # with reply audio on: also spoken
+        listener = self.audio.reply_listener(listener or ctx.listener, session_id)  # reply audio on: also spoken
         with charging(self.budget.account(ctx)):  # the reply's tasks (made here) charge its unsent audio there
             if self.chats.respond(listener, session_id, params):
                 return

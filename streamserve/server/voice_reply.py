@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from streamserve.media import VOICE_EXTRA, VoiceUnavailableError
 from streamserve.server.results import (
     ReplyAudio,
     ReplyAudioDone,
@@ -20,6 +21,7 @@ from streamserve.server.results import (
     ReplyDone,
     ResultListener,
     ServiceError,
+    VoiceSettings,
     service_error,
 )
 
@@ -32,6 +34,17 @@ if TYPE_CHECKING:  # pragma: no cover
     from streamserve.server.voice.speak import Speaker
 
 log = logging.getLogger("streamserve.voice")
+
+
+def voice_unavailable() -> VoiceUnavailableError:
+    return VoiceUnavailableError(f"this server has no voice (started with --no-voice, or the voice extra or models "
+                                 f"are missing): install the extra with {VOICE_EXTRA} and pull the models with "
+                                 "`streamserve models pull whisper-base piper-joe silero-vad`")
+
+
+def default_rate(encoding: str, other: int | None = 16000) -> int | None:
+    """The rate of audio that names none: G.711 is 8 kHz by definition; `other` for the rest."""
+    return 8000 if encoding in ("g711_ulaw", "g711_alaw") else other
 
 
 @dataclass
@@ -48,7 +61,21 @@ class VoiceState:
     embedder: AudioEmbedder | None = None  # the encoder path (a model that hears audio natively)
     speaker: Speaker | None = None
     message_open: bool = False  # a chat session: a user message is being streamed in (ChatSessions.begin)
+    pending: list[Any] = field(default_factory=list)  # ... its begin's and extends' futures, until its end
+    spec: Any = None  # voice_speculation.NativeSpeculation: a reply started at the likely end of the turn, held
 
+
+def voice_settings(st: VoiceState) -> VoiceSettings:
+    vad = None if st.vad is None else {
+        "type": "semantic_vad" if st.vad.eagerness else "server_vad", "threshold": st.vad.threshold,
+        "prefix_padding_ms": st.vad.prefix_padding_ms, "silence_duration_ms": st.vad.silence_duration_ms,
+        "idle_timeout_ms": st.vad.idle_timeout_ms, "create_response": st.create_response,
+        "interrupt_response": st.interrupt_response}
+    if vad is not None and st.vad is not None and st.vad.eagerness:
+        vad["eagerness"] = st.vad.eagerness
+    speak = None if st.speak is None else {"encoding": st.speak.encoding, "rate": st.speak.rate,
+                                           "channels": st.speak.channels}
+    return VoiceSettings({"encoding": st.encoding, "rate": st.rate, "channels": st.channels}, vad, speak)
 
 
 class SpeakingReply:

@@ -26,7 +26,7 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from streamserve.media import VOICE_EXTRA, VoiceUnavailableError
+from streamserve.server import voice_speculation as speculation
 from streamserve.server.chat import ChatSessions
 from streamserve.server.registry import SessionRegistry
 from streamserve.server.results import (
@@ -42,7 +42,7 @@ from streamserve.server.results import (
 )
 from streamserve.server.seqs import ClientSeqs
 from streamserve.server.voice import listen as L
-from streamserve.server.voice_reply import SpeakingReply, VoiceState
+from streamserve.server.voice_reply import SpeakingReply, VoiceState, default_rate, voice_settings, voice_unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamserve.media.audio import AudioFormat
@@ -51,18 +51,7 @@ if TYPE_CHECKING:  # pragma: no cover
     from streamserve.server.voice.speak import Speaker
 
 log = logging.getLogger("streamserve.voice")
-Respond = Callable[[Any, str, dict[str, Any]], None]  # (connection, session id, params): the service's respond
-
-
-def _unavailable() -> VoiceUnavailableError:
-    return VoiceUnavailableError(f"this server has no voice (started with --no-voice, or the voice extra or models "
-                                 f"are missing): install the extra with {VOICE_EXTRA} and pull the models with "
-                                 "`streamserve models pull whisper-base piper-joe silero-vad`")
-
-
-def default_rate(encoding: str, other: int | None = 16000) -> int | None:
-    """The rate of audio that names none: G.711 is 8 kHz by definition; `other` for the rest."""
-    return 8000 if encoding in ("g711_ulaw", "g711_alaw") else other
+Respond = Callable[..., None]  # (connection, session id, params, listener=None): the service's respond
 
 
 class VoiceSessions:
@@ -93,7 +82,7 @@ class VoiceSessions:
             st = self.states.get(session_id)
             return self.settings(st) if st is not None and st.configured else None
         if self.runtime is None:
-            raise _unavailable()
+            raise voice_unavailable()
         from streamserve.media.audio import AudioFormat
         from streamserve.media.vad import VADConfig
 
@@ -137,18 +126,7 @@ class VoiceSessions:
             st.speaker = old.speaker
         return self.settings(st)
 
-    @staticmethod
-    def settings(st: VoiceState) -> VoiceSettings:
-        vad = None if st.vad is None else {
-            "type": "semantic_vad" if st.vad.eagerness else "server_vad", "threshold": st.vad.threshold,
-            "prefix_padding_ms": st.vad.prefix_padding_ms, "silence_duration_ms": st.vad.silence_duration_ms,
-            "idle_timeout_ms": st.vad.idle_timeout_ms, "create_response": st.create_response,
-            "interrupt_response": st.interrupt_response}
-        if vad is not None and st.vad is not None and st.vad.eagerness:
-            vad["eagerness"] = st.vad.eagerness
-        speak = None if st.speak is None else {"encoding": st.speak.encoding, "rate": st.speak.rate,
-                                               "channels": st.speak.channels}
-        return VoiceSettings({"encoding": st.encoding, "rate": st.rate, "channels": st.channels}, vad, speak)
+    settings = staticmethod(voice_settings)  # a session's voice settings as opened/configured report them
 
     def state(self, session_id: str) -> VoiceState:
         st = self.states.get(session_id)
@@ -165,7 +143,7 @@ class VoiceSessions:
         as transcript chunks) goes to `deliver` now. The encoder path: its embeds chunk's ack follows when the chunk
         is in the KV cache (`finish`: the service's finish_chunk). Typed errors for bad audio, nothing taken."""
         if self.runtime is None:
-            raise _unavailable()
+            raise voice_unavailable()
         from streamserve.media.audio import AudioFormat, AudioFormatError
 
         st = self.state(session_id)
@@ -233,6 +211,18 @@ class VoiceSessions:
             return
         live = st.listener is not None  # False: a cut connection's Listener ending its utterance (drain)
         out: Any = None
+        spec = st.spec
+        if isinstance(ev, L.TurnLikely):  # maybe the end: the reply starts now, held (voice_speculation.py)
+            if live and spec is None:
+                st.spec = await speculation.start(self, session_id, st, ev)
+            return
+        if isinstance(ev, L.TurnResumed) or (isinstance(ev, L.TranscriptDone) and spec is not None
+                                             and (ev.text.strip() != spec.text or not spec.gate.holding)):
+            if spec is not None:  # it was not the end (or its words changed): taken back, unseen
+                st.spec = None
+                await speculation.take_back(self, session_id, st, spec)
+            if isinstance(ev, L.TurnResumed):
+                return
         if isinstance(ev, L.SpeechStarted):
             out = TurnEvent(session_id, "speech_started", ev.audio_start_ms)
             if st.interrupt_response and st.vad is not None and live:
@@ -241,6 +231,9 @@ class VoiceSessions:
             out = TurnEvent(session_id, "speech_stopped", ev.audio_end_ms)
         elif isinstance(ev, L.TranscriptPartial):
             out = Transcript(session_id, "partial", ev.text)
+        elif isinstance(ev, L.TranscriptDelta) and st.spec is not None:  # its words are in the message already
+            st.spec.deltas.append(ev.text)
+            out = Transcript(session_id, "delta", ev.text)
         elif isinstance(ev, L.TranscriptDelta):
             out = Transcript(session_id, "delta", ev.text, seq=self.append_text(session_id, st, ev.text))
         else:
@@ -249,8 +242,11 @@ class VoiceSessions:
         owner = entry.owner
         if owner is not None:
             await owner.listener.push(out)
+        if isinstance(ev, L.TranscriptDone) and st.spec is not None:  # confirmed: the held reply goes out
+            spec, st.spec = st.spec, None
+            return await speculation.confirm(self, session_id, spec)
         if isinstance(ev, L.TranscriptDone) and st.message_open:  # a chat session: the user message ends here
-            st.message_open = False
+            st.message_open, st.pending = False, []
             self.spawn(self.watch(session_id, self.chats.end(session_id)))
         if isinstance(ev, L.TranscriptDone) and ev.text and st.create_response and st.vad is not None \
                 and entry.owner is not None and live:  # the end of a cut utterance starts no reply
@@ -269,9 +265,11 @@ class VoiceSessions:
         if self.chats.get(session_id) is not None:
             if not st.message_open:
                 st.message_open = True
-                self.spawn(self.watch(session_id, self.chats.begin(session_id, "user")))
+                st.pending.append(self.chats.begin(session_id, "user"))
+                self.spawn(self.watch(session_id, st.pending[-1]))
                 text = text.lstrip()  # the message's content starts at its first word
-            self.spawn(self.watch(session_id, self.chats.extend(session_id, text)))
+            st.pending.append(self.chats.extend(session_id, text))
+            self.spawn(self.watch(session_id, st.pending[-1]))
             return None
         seq = entry.session.next_seq
         if seq > 0 and not text[0].isspace():  # an utterance's first words (stt strips them) after earlier text
@@ -376,6 +374,8 @@ class VoiceSessions:
         listener, speaker, st.listener, st.speaker, st.embedder = st.listener, st.speaker, None, None, None
         if speaker is not None:
             speaker.cancel()
+        if st.spec is not None:  # nobody hears it
+            st.spec.gate.discard()
         return self.stop(listener, speaker)
 
     async def stop(self, listener: L.Listener | None, speaker: Speaker | None) -> None:

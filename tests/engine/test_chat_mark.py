@@ -14,7 +14,6 @@ from chat_checkpoints import END_OF_TURN, IM_END, NL, SPACE, TAB, chat_checkpoin
 
 from streamserve import Engine
 from streamserve.engine.chat import ChatTranscript
-from streamserve.engine.chat_mark import mark, restore, restore_async
 from streamserve.errors import ResponseInProgressError
 
 KINDS = {"chatml": [NL, SPACE, *scripted("hi"), TAB, IM_END], "gemma": [NL, SPACE, *scripted("ok"), END_OF_TURN]}
@@ -40,15 +39,15 @@ def said(chat: ChatTranscript, first: list[str], second: list[str], speculate: b
     for piece in first:
         chat.extend_message(piece)
     if speculate:
-        m = mark(chat)
+        m = chat.mark()
         state = (list(chat.session.token_ids), list(chat.messages), copy.copy(chat.open_message))
         chat.extend_message(" maybe?")  # the speculation's own tail, then the turn's end and a reply
         chat.end_message()
         chat.reply(**REPLY).wait()
         assert len(chat.messages) == 4
-        restore(chat, m)
+        chat.restore(m)
         assert (list(chat.session.token_ids), list(chat.messages), chat.open_message) == state
-        restore(chat, m)  # a mark can be restored again (nothing to cut): the same state
+        chat.restore(m)  # a mark can be restored again (nothing to cut): the same state
         assert list(chat.session.token_ids) == state[0]
     for piece in second:
         chat.extend_message(piece)
@@ -73,7 +72,7 @@ def test_no_mark_while_a_reply_runs(engines: dict[str, Engine]) -> None:
         chat.add({"role": "user", "content": "hi"})
         reply = chat.reply(temperature=0.0, max_tokens=4)
         with pytest.raises(ResponseInProgressError):
-            mark(chat)
+            chat.mark()
         reply.wait()
 
 
@@ -89,7 +88,7 @@ def test_restore_async_after_the_reply_keeps_the_message_open(engines: dict[str,
             for c in (chat, ref):
                 await c.begin_message_async("user", offload)
                 await c.extend_message_async(" Tell me", offload)
-            m = mark(chat)
+            m = chat.mark()
             await chat.extend_message_async(" a story.", offload)
             await chat.end_message_async(offload)
             deltas: list[str] = []
@@ -100,10 +99,10 @@ def test_restore_async_after_the_reply_keeps_the_message_open(engines: dict[str,
             reply = asyncio.ensure_future(chat.reply_async(chat.ask_reply({}), on_delta, offload,
                                                            temperature=0.0, max_tokens=64))
             with pytest.raises(ResponseInProgressError):  # asked for and not ended: refused, nothing changed
-                await restore_async(chat, offload, m)
+                await chat.restore_async(offload, m)
             chat.cancel()
             await reply  # recorded (cancelled), then cut away with the rest
-            await restore_async(chat, offload, m)
+            await chat.restore_async(offload, m)
             assert chat.open_message is not None and chat.open_message.content == "Tell me"
             for c in (chat, ref):  # the message goes on: its turns are held as after its begin
                 await c.extend_message_async(" a joke.", offload)

@@ -78,7 +78,7 @@ class Recorder:
 
     def kinds(self) -> str:
         letters = {L.SpeechStarted: "S", L.SpeechStopped: "E", L.TranscriptDelta: "d", L.TranscriptPartial: "p",
-                   L.TranscriptDone: "F"}
+                   L.TranscriptDone: "F", L.TurnLikely: "L", L.TurnResumed: "R"}
         return "".join(letters[type(e)] for e in self.events())
 
     async def idle(self, listener: L.Listener) -> None:
@@ -129,7 +129,9 @@ async def test_the_speculative_pass_is_the_last_one_when_speech_does_not_resume(
     await asyncio.wait_for(rec.done.wait(), WAIT_S)
     await listener.close()
     rec.runtime.close()
-    assert re.fullmatch(r"S[dp]*Ed?F", rec.kinds()), rec.kinds()
+    # the speculative pass's words looked complete (TurnLikely: a reply may start), then the stop confirmed them
+    assert re.fullmatch(r"S[dp]*LEd?F", rec.kinds()), rec.kinds()
+    likely = next(e for e in rec.events() if isinstance(e, L.TurnLikely))
     stopped = next(i for i, e in enumerate(rec.log) if isinstance(e, L.SpeechStopped))
     # no Whisper pass began after SpeechStopped: finish() reused the speculative pass
     assert not [e for e in rec.log[stopped:] if isinstance(e, tuple)], rec.log
@@ -138,6 +140,7 @@ async def test_the_speculative_pass_is_the_last_one_when_speech_does_not_resume(
     assert "capital" in words(done.text) and "france" in words(done.text), done.text
     deltas = "".join(e.text for e in rec.events() if isinstance(e, L.TranscriptDelta))
     assert deltas.strip() == done.text  # each word once
+    assert likely.text == done.text  # what a speculated reply was started on is the final transcript
 
 
 async def test_the_speculative_pass_is_a_step_when_speech_resumes(models: Any) -> None:
@@ -154,7 +157,8 @@ async def test_the_speculative_pass_is_a_step_when_speech_resumes(models: Any) -
     await listener.close()
     rec.runtime.close()
     kinds = rec.kinds()
-    assert re.fullmatch(r"S[dp]*Ed?F", kinds), kinds  # one utterance: the pause did not end the turn
+    assert re.fullmatch(r"S[dp]*(LR)?[dp]*L?Ed?F", kinds), kinds  # one utterance: the pause did not end the turn
+    # (if its words looked complete, TurnLikely, then TurnResumed as speech went on: a speculated reply taken back)
     started = rec.events()[0]
     assert isinstance(started, L.SpeechStarted)
     # a pass began in the pause (the speculative one): it covered the first phrase and ended before the second

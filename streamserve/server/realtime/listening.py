@@ -17,12 +17,13 @@ import base64
 import binascii
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 from streamserve.media.audio import AudioInput
 from streamserve.server.realtime import speculation
-from streamserve.server.realtime.conversation import Conversation, Entry, Item, with_transcripts
+from streamserve.server.realtime.conversation import Entry, Item, with_transcripts
 from streamserve.server.realtime.events import RealtimeError, event, new_id
+from streamserve.server.realtime.host import Host
 from streamserve.server.realtime.response import ResponseRun
 from streamserve.server.realtime.settings import Settings, TurnDetection
 from streamserve.server.voice.listen import (
@@ -38,34 +39,8 @@ from streamserve.server.voice.speak import Speaker
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat
-    from streamserve.server.realtime.media import MediaPath
-    from streamserve.server.service import ClientContext, SessionService
-    from streamserve.server.voice.speculate import Gate
 
 WHISPER_RATE = 16000
-
-
-class Host(Protocol):
-    """What the input audio needs of its connection (RealtimeConnection, which imports this module)."""
-
-    service: SessionService
-    settings: Settings
-    session: str | None
-    conv: Conversation
-    current: ResponseRun | None
-    idle: asyncio.Event
-    ctx: ClientContext
-    announced: set[str]
-    media: MediaPath | None
-
-    async def send(self, message: dict[str, Any]) -> None: ...
-    async def error(self, e: BaseException, event_id: str | None = None) -> None: ...
-    async def append(self, entries: list[Entry], event_id: str | None = None, item: Item | None = None) -> int: ...
-    def take_instructions(self) -> list[Entry]: ...
-    def next_seq(self) -> int: ...
-    async def respond(self, modalities: tuple[str, ...], max_tokens: int | None, instructions: str | None = None,
-                      event_id: str | None = None, gate: Gate | None = None) -> ResponseRun: ...
-    async def truncate(self, item: Item, heard: str, event_id: str | None = None) -> None: ...
 
 
 def vad_config(td: TurnDetection | None) -> Any:

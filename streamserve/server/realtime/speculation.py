@@ -19,18 +19,40 @@ from __future__ import annotations
 import asyncio
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any, Protocol
 
-from streamserve.engine.chat_mark import ChatMark, mark, restore_async
+from streamserve.engine.chat_mark import ChatMark
 from streamserve.server.realtime.conversation import Entry, Item
 from streamserve.server.voice.speculate import Gate
 
 if TYPE_CHECKING:
-    from streamserve.server.realtime.listening import InputAudio
+    from streamserve.server.realtime.host import Host
     from streamserve.server.realtime.response import ResponseRun
+    from streamserve.server.realtime.settings import Settings
     from streamserve.server.voice.listen_events import TurnLikely
+    from streamserve.server.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.voice")
+
+
+class InputAudio(Protocol):
+    """What a speculation needs of the connection's input audio (realtime/listening.py's InputAudio, which calls
+    this module)."""
+
+    conn: Host
+    runtime: VoiceRuntime
+    placeholder: Entry | None
+    pending: list[asyncio.Future[Any]]
+    after: list[Any]
+    quiet: asyncio.Event
+
+    @property
+    def settings(self) -> Settings: ...
+    @property
+    def streaming(self) -> bool: ...
+    def current_id(self) -> str: ...
+    async def extend(self, text: str) -> None: ...
+    async def end(self) -> dict[str, str] | None: ...
 
 
 @dataclass
@@ -50,7 +72,8 @@ async def start(audio: InputAudio, ev: TurnLikely) -> Speculation | None:
     """End the person's message with `ev`'s words and start the response, held; None when it cannot be now."""
     conn = audio.conn
     td, counts = audio.settings.turn_detection, audio.runtime.speculations
-    busy = conn.current is not None or conn.ctx.gone or conn.session is None or not audio.streaming
+    busy = conn.current is not None or conn.ctx.gone or conn.session is None or not audio.streaming \
+        or bool(audio.after)  # a barge-in's truncation waits for the turn's end: it rewinds the chat
     if not counts.enabled or td is None or not td.create_response or busy \
             or (conn.media is not None and not conn.media.quiet()):
         return None
@@ -62,7 +85,7 @@ async def start(audio: InputAudio, ev: TurnLikely) -> Speculation | None:
         if any(f.cancelled() or f.exception() is not None for f in audio.pending):
             return None  # the message's end reports it
     try:
-        at_mark = mark(chat)
+        at_mark = chat.mark()
     except Exception:  # a reply the client asked for runs on: no speculation
         return None
     placeholder, entries, cached = audio.placeholder, list(conn.conv.entries), conn.cached
@@ -105,7 +128,7 @@ async def take_back(audio: InputAudio, spec: Speculation) -> None:
     if chat is None:  # the session is gone: nothing to return to
         return
     try:
-        await restore_async(chat, conn.service.chats.offload, spec.mark)
+        await chat.restore_async(conn.service.chats.offload, spec.mark)
     except Exception as e:  # e.g. an endless session's window moved on: the exchange stays, reported
         log.warning("streamserve: a speculative response could not be taken back: %s", e)
         await conn.error(e)

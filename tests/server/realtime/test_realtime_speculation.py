@@ -18,6 +18,7 @@ from test_realtime_turns import RATE, play
 from voice_assets import norm_words, speech
 
 from streamserve.config import ServerConfig
+from streamserve.engine.chat import ChatTranscript
 from streamserve.server.realtime import speculation
 
 PAUSE_S, HANGOVER_MS = 0.45, 1000
@@ -36,9 +37,9 @@ async def test_a_pause_shorter_than_the_hangover_leaks_nothing_and_rewinds_exact
         voiced: None, monkeypatch: pytest.MonkeyPatch) -> None:
     marks: list[tuple[Any, list[int], list[Any], Any]] = []
     after_take_back: list[tuple[bool, bool, bool]] = []
-    real_mark, real_take_back = speculation.mark, speculation.take_back
+    real_mark, real_take_back = ChatTranscript.mark, speculation.take_back
 
-    def marking(chat: Any) -> Any:  # the chat as it stands at the mark
+    def marking(chat: Any) -> Any:  # ChatTranscript.mark, noting the chat as it stands
         m = real_mark(chat)
         marks.append((chat, list(chat.session.token_ids), list(chat.messages), copy.copy(chat.open_message)))
         return m
@@ -49,7 +50,7 @@ async def test_a_pause_shorter_than_the_hangover_leaks_nothing_and_rewinds_exact
         after_take_back.append((list(chat.session.token_ids) == ids, list(chat.messages) == messages,
                                 chat.open_message == open_message))
 
-    monkeypatch.setattr(speculation, "mark", marking)
+    monkeypatch.setattr(ChatTranscript, "mark", marking)
     monkeypatch.setattr(speculation, "take_back", taking_back)
     async with serve(ServerConfig(), voice=True) as srv:
         assert srv.server.service is not None and srv.server.service.voice is not None
