@@ -29,6 +29,8 @@ every turn answered and the stop lag p99 under KEPT_UP_LAG_MS.
 Media real-time factors (compute time / audio duration), measured in this process before any server starts, with
 the threads the server gives each model: Silero VAD over 10 s of speech fed in 20 ms pieces, one Whisper pass
 over 2 s and over 5 s, Piper synthesis of one sentence.
+Word error rate: benchmarks/stt_wer.py (36 utterances, several voices, speeds and noise; the held-audio path
+against Whisper's 30 s window) runs first, its JSON under `wer`.
 Speculation: by default the server starts a reply at the first silence when the words look complete, held until
 the turn is confirmed (server/voice/speculate.py); the same silence-500 turns on a second server started with
 --no-speculation (first model) give `no_speculation.speculation_speedup_p50`, the ratio of the medians.
@@ -336,6 +338,8 @@ def main() -> None:
     ap.add_argument("--session-turns", type=int, default=None, help="turns per concurrent session (4; --quick 1)")
     ap.add_argument("--max-tokens", type=int, default=None, help="max_output_tokens per reply (default 40)")
     ap.add_argument("--quick", action="store_true", help="the default model, 1 turn, 2 sessions at once (CI smoke run)")
+    ap.add_argument("--no-wer", action="store_true", help="skip the word error rates of benchmarks/stt_wer.py "
+                                                         "(default: run it first and include its JSON; --quick skips)")
     ap.add_argument("--no-speculation-peer", action="store_true",
                     help="skip the same turns on a second server started with --no-speculation (default: run them "
                          "for the first model, silence 500 ms, and report the ratio of medians; --quick skips them)")
@@ -351,6 +355,11 @@ def main() -> None:
                               "turns": args.turns, "session_turns": args.session_turns,
                               "max_output_tokens": args.max_tokens, "eos_level": EOS_LEVEL,
                               "media_rtf": media_rtf(at16k, QUESTIONS[0], 1 if args.quick else 3), "models": {}}
+    if not (args.quick or args.no_wer):  # the speech-to-text path's accuracy, on this machine, before any server
+        wer = subprocess.run([sys.executable, str(Path(__file__).with_name("stt_wer.py"))], capture_output=True,
+                             text=True, check=True)
+        result["wer"] = json.loads(wer.stdout.strip().splitlines()[-1])
+        print(f"wer: {json.dumps(result['wer'])}", file=sys.stderr)
     for i, model in enumerate(models):
         if model != "default" and installed(model) is None:
             result["models"][model] = {"skipped": f"not pulled: streamserve models pull {model}"}
