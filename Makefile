@@ -124,17 +124,20 @@ $(OPENPI_VENV)/.installed: requirements/openpi.in $(OPENPI_LOCK)
 		$(if $(OPENPI_LOCK),-c $(OPENPI_LOCK),)
 	touch $@
 
-# llama.cpp as the peer of benchmarks/cpu_decode.py --with-llamacpp (not part of `make test` or CI): llama-cpp-python
-# built from its sdist on the package index, in a virtual environment of its own. x86 SIMD named one by one instead
-# of GGML_NATIVE: the native build turns on AMX, whose path crashes on these machines (AMX stays off).
+# llama.cpp as the peer of benchmarks/cpu_decode.py --with-llamacpp and of the pipecat pipeline in
+# benchmarks/voice_latency.py (its OpenAI-compatible server: the `server` extra); not part of `make test` or CI.
+# llama-cpp-python built from its sdist on the package index, in a virtual environment of its own, with every x86
+# SIMD extension this CPU family has named one by one (AVX2, FMA, F16C, AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16,
+# AVX-VNNI) instead of GGML_NATIVE: the native build also turns on AMX, whose path crashes on these machines.
 LLAMACPP_VENV    := build/llamacpp-venv
 LLAMACPP_VERSION := 0.3.36
-LLAMACPP_CMAKE   := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON
+LLAMACPP_CMAKE   := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON \
+	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
 llamacpp-venv: $(LLAMACPP_VENV)/.installed
 $(LLAMACPP_VENV)/.installed:
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip --disable-pip-version-check -q install \
-		--no-binary llama-cpp-python "llama-cpp-python==$(LLAMACPP_VERSION)"
+		--no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
 	touch $@
 
 # The SGLang backend's tests against a real SGLang (tests/sglang; not part of `make test` or CI: SGLang's own
