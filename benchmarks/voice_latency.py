@@ -326,7 +326,18 @@ async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace,
             print(f"{n} sessions: {json.dumps(out['concurrency'][-1])}", file=sys.stderr)
         held = [c["sessions"] for c in out["concurrency"] if c["kept_up"]]
         out["sessions_at_real_time"] = max(held) if held else 0
+    out["speculations"] = speculations(url)
     return out
+
+
+def speculations(ws_url: str) -> dict[str, int]:
+    """The server's replies speculated at the first silence, by outcome, over the whole run (from /metrics)."""
+    import urllib.request
+
+    with urllib.request.urlopen(ws_url.replace("ws://", "http://") + "/metrics", timeout=10) as r:  # loopback
+        text = r.read().decode()
+    found = re.findall(r'^streamserve_voice_speculations_total\{outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
+    return {outcome: int(float(n)) for outcome, n in found}
 
 
 def main() -> None:
