@@ -1,7 +1,8 @@
 """Voice turn-taking latency over /v1/realtime: end of speech -> first reply audio byte, and where it goes.
 
     python benchmarks/voice_latency.py [--model default,smollm2-135m-instruct] [--turns 10] [--sessions 1,2,4]
-                                       [--session-turns 4] [--max-tokens 40] [--quick]
+                                       [--session-turns 4] [--max-tokens 40] [--quick] [--no-wer]
+                                       [--no-pipecat] [--no-speculation-peer]
 
 Needs the voice extra (pip install "streamserve[voice]") and the voice models (streamserve models pull whisper-base
 piper-joe silero-vad). Questions are synthesised with the Piper voice (piper-joe), resampled to 24 kHz PCM16 and
@@ -34,6 +35,10 @@ against Whisper's 30 s window) runs first, its JSON under `wer`.
 Speculation: by default the server starts a reply at the first silence when the words look complete, held until
 the turn is confirmed (server/voice/speculate.py); the same silence-500 turns on a second server started with
 --no-speculation (first model) give `no_speculation.speculation_speedup_p50`, the ratio of the medians.
+The peer: benchmarks/pipecat_peer.py, the pipeline a user would otherwise assemble with pipecat on this machine
+(Silero VAD, faster-whisper base, SmolLM2 served by llama.cpp's OpenAI-compatible server, Piper), fed the same
+questions with the same 500 ms silence after streamserve's servers stopped: `pipecat_over_streamserve_p50` is the
+ratio of its median end of speech -> first audio to streamserve's (SmolLM2, server_vad 500).
 The last line printed is one JSON object with every figure.
 """
 
@@ -351,6 +356,9 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="the default model, 1 turn, 2 sessions at once (CI smoke run)")
     ap.add_argument("--no-wer", action="store_true", help="skip the word error rates of benchmarks/stt_wer.py "
                                                          "(default: run it first and include its JSON; --quick skips)")
+    ap.add_argument("--no-pipecat", action="store_true",
+                    help="skip the pipecat pipeline of benchmarks/pipecat_peer.py (default: the same questions, the "
+                         "same 500 ms silence, after the servers stop; needs `make llamacpp-venv`; --quick skips)")
     ap.add_argument("--no-speculation-peer", action="store_true",
                     help="skip the same turns on a second server started with --no-speculation (default: run them "
                          "for the first model, silence 500 ms, and report the ratio of medians; --quick skips them)")
@@ -398,6 +406,18 @@ def main() -> None:
         result["no_speculation"] = {"model": models[0], "silence_500": plain,
                                     "speculation_speedup_p50": round(base / spec, 3) if spec and base else None}
         print(f"no speculation: {json.dumps(plain)}", file=sys.stderr)
+    if not (args.quick or args.no_pipecat):  # the peer a user would assemble, with streamserve's server stopped
+        peer = subprocess.run([sys.executable, str(Path(__file__).with_name("pipecat_peer.py")), "--turns",
+                               str(args.turns), "--max-tokens", str(args.max_tokens)], capture_output=True, text=True)
+        if peer.returncode != 0:
+            result["pipecat"] = {"skipped": peer.stderr.strip()[-500:]}
+        else:
+            result["pipecat"] = json.loads(peer.stdout.strip().splitlines()[-1])
+            ours = result["models"].get("smollm2-135m-instruct", {}).get("silence_500", {})
+            theirs = result["pipecat"]["eos_to_first_audio_ms"]["p50"]
+            mine = ours.get("eos_to_first_audio_ms", {}).get("p50")
+            result["pipecat_over_streamserve_p50"] = round(theirs / mine, 3) if theirs and mine else None
+        print(f"pipecat: {json.dumps(result['pipecat'])}", file=sys.stderr)
     result["concurrency_model"], result["concurrency_silence_ms"] = models[0], 500
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on this machine skews every figure
     print(json.dumps(result))
