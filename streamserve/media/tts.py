@@ -24,7 +24,9 @@ from streamserve.media.phonemes import ABBREVIATIONS, Phonemizer
 BOS, EOS, PAD = "^", "$", "_"
 SENTENCE_PAUSE_S = 0.2  # silence between two sentences of one synthesize call (Piper's default)
 FIRST_PIECE_WORDS = 4  # the first piece may end at a clause (, ; :) once it has this many words
-FIRST_PIECE_MAX_WORDS = 6  # ... and ends at the word boundary after this many words, punctuation or not
+FIRST_PIECE_MAX_WORDS = 4  # ... and ends at the word boundary after this many words, punctuation or not
+# (a short first piece is generated and synthesised sooner: docs/benchmarks.md, voice turns; the pieces after it
+# are whole sentences, so only the first join is cut mid-sentence)
 LONG_PIECE_CHARS = 200  # later pieces end at a clause only past this length
 MAX_PIECE_CHARS = 400  # a piece without any boundary is cut at the first space past this length
 _TERMINATORS = ".!?"

@@ -108,6 +108,13 @@ async def test_audio_follows_the_text_in_order_whatever_the_interleaving() -> No
     assert mid == pieces[0]
 
 
+def split_all(text: str) -> list[str]:
+    from streamserve.media.tts import SentenceSplitter
+
+    splitter = SentenceSplitter()
+    return splitter.push(text) + splitter.flush()
+
+
 async def test_g711_and_24k_output_from_the_voice_rate() -> None:
     """Reply audio converted from the voice's 22050 Hz: pcm16 at 24 kHz and mu-law at 8 kHz keep the duration."""
     needs("soxr")
@@ -122,6 +129,7 @@ async def test_g711_and_24k_output_from_the_voice_rate() -> None:
         await asyncio.wait_for(speaker.finish(), WAIT_S)
         n = sum(map(len, chunks))
         assert n % f.bytes_per_frame == 0
-        want_ms = 1e3 * (VOICE_RATE * len("One sentence only, spoken once.") // 100) / VOICE_RATE
+        pieces = split_all("One sentence only, spoken once.")  # the fake voice: len(piece) // 100 s of audio each
+        want_ms = 1e3 * sum(VOICE_RATE * len(p) // 100 for p in pieces) / VOICE_RATE
         assert speaker.audio_ms == pytest.approx(f.duration_ms(n))
         assert abs(speaker.audio_ms - want_ms) < 5.0, (f, speaker.audio_ms, want_ms)
