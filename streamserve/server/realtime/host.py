@@ -27,6 +27,7 @@ class Host(Protocol):
     media: MediaPath | None
     cached: int  # session tokens already in the KV cache at the last response's end
     spoken: dict[str, ResponseRun]  # item id -> recent audio response
+    instructions: str | None  # set and not yet in the session
 
     async def send(self, message: dict[str, Any]) -> None: ...
     async def error(self, e: BaseException, event_id: str | None = None) -> None: ...

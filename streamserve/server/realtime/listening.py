@@ -189,7 +189,7 @@ class InputAudio:
         elif isinstance(ev, SpeechStopped):
             await conn.send(event("input_audio_buffer.speech_stopped", audio_end_ms=int(ev.audio_end_ms),
                                   item_id=self.current_id()))
-        elif isinstance(ev, TurnLikely):
+        elif isinstance(ev, TurnLikely) and self.spec is None:
             self.spec = await speculation.start(self, ev)
         elif isinstance(ev, TurnResumed) and self.spec is not None:
             spec, self.spec = self.spec, None

@@ -11,7 +11,8 @@ starts with its output held. Then:
 - taken back (`TurnResumed`, a different final transcript, `input_audio_buffer.clear`): the held output is
   dropped, the response cancelled and, once it ended, the chat, the conversation and the open message are as at
   the mark; the final deltas that arrived meanwhile go into the message again. The client saw nothing of it.
-A response is speculated only when nothing else would go in first (no response running, no camera note waiting).
+A response is speculated only when nothing else would go in first (no response running, no camera note, no
+truncation or instructions waiting).
 """
 
 from __future__ import annotations
@@ -72,8 +73,10 @@ async def start(audio: InputAudio, ev: TurnLikely) -> Speculation | None:
     """End the person's message with `ev`'s words and start the response, held; None when it cannot be now."""
     conn = audio.conn
     td, counts = audio.settings.turn_detection, audio.runtime.speculations
+    # not while something else must go in first: a barge-in's truncation (it rewinds the chat at the turn's end),
+    # instructions set meanwhile (the reply takes them: a rewind would lose them)
     busy = conn.current is not None or conn.ctx.gone or conn.session is None or not audio.streaming \
-        or bool(audio.after)  # a barge-in's truncation waits for the turn's end: it rewinds the chat
+        or bool(audio.after) or conn.instructions is not None
     if not counts.enabled or td is None or not td.create_response or busy \
             or (conn.media is not None and not conn.media.quiet()):
         return None
