@@ -67,9 +67,7 @@ class HeldListener:
     def push_nowait(self, result: Any) -> bool:
         if self.gate.state == "open":
             return self.inner.push_nowait(result)
-        if self.gate.state == "held":
-            self.gate.held.append((self.inner.push, (result,)))
-        return True
+        return self.gate.hold_nowait(self.inner.push, result)  # held (bounded) or dropped
 
 
 @dataclass

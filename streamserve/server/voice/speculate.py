@@ -62,6 +62,17 @@ class Gate:
         self.held.append((out, args))
         self.bytes += size(args)
 
+    def hold_nowait(self, out: Out, *args: Any) -> bool:
+        """While held: keep `out(*args)` for the release without waiting (False when the gate is full: not kept).
+        Dropped: True (nothing to do). Open: False (the caller sends it itself)."""
+        if self.state == "dropped":
+            return True
+        if self.state == "open" or self.bytes >= self.limit:
+            return False
+        self.held.append((out, args))
+        self.bytes += size(args)
+        return True
+
     def then(self, fn: Callable[[], Any]) -> None:
         """`fn` when the output is released (now, if it was); never, if it is dropped."""
         if self.state == "open":
