@@ -70,6 +70,7 @@ class PiperVoice:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle: sleep, never spin
         try:
             self.session = ort.InferenceSession(str(model_path), options, providers=["CPUExecutionProvider"])
         except Exception as e:  # onnxruntime raises its own exception types for a damaged file

@@ -47,6 +47,7 @@ class SileroVAD:
         options = ort.SessionOptions()
         options.intra_op_num_threads = threads
         options.inter_op_num_threads = 1
+        options.add_session_config_entry("session.intra_op.allow_spinning", "0")  # idle: sleep, never spin
         self.session = ort.InferenceSession(str(path), options, providers=["CPUExecutionProvider"])
         names = {i.name for i in self.session.get_inputs()}
         if names != {"input", "state", "sr"}:

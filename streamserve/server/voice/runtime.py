@@ -13,13 +13,13 @@ stall) nor on the engine thread (decode would stall). Three executors, so cheap 
     run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves;
                text to speech goes through `tts` (server/voice/deadlines.py): the piece due soonest first, so every
                reply's first audio goes before other replies' later sentences.
+How many threads each model gets: server/voice/threads.py (one budget over the cores this process may use).
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-import os
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
@@ -28,6 +28,7 @@ from streamserve.media import VOICE_EXTRA, VOICE_MODELS, VoiceUnavailableError, 
 from streamserve.server.voice.deadlines import DeadlineRunner
 from streamserve.server.voice.speculate import Speculations
 from streamserve.server.voice.stt_scheduler import SttScheduler
+from streamserve.server.voice.threads import ThreadBudget
 
 if TYPE_CHECKING:
     from streamserve.media.stt import Whisper
@@ -65,7 +66,7 @@ class VoiceRuntime:
     def load(cls, threads: int | None = None) -> VoiceRuntime:
         """The voice models from the model cache. VoiceUnavailableError when the voice extra is not installed
         (naming it) or a model is not pulled (naming the command). `threads`: cores each model's inference may
-        use (default: all of them for Whisper, half the machine's, at least 1, for the voice)."""
+        use (default: server/voice/threads.py's budget over the cores this process may use)."""
         for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
             require(module)
         paths = voice_model_paths()
@@ -73,15 +74,11 @@ class VoiceRuntime:
         from streamserve.media.tts import PiperVoice
         from streamserve.media.vad import SileroVAD
 
-        n = threads or max(1, (os.cpu_count() or 2) // 2)
-        # Whisper gets every core: its passes run one at a time (run_stt) and mostly while the person speaks, when
-        # the engine is idle. Measured on the 2-core CPU, one pass over ~2 s of speech (30 s encoder window):
-        # 0.91 s with 2 threads, 1.35 s with 1; int8_float32 instead of int8: the same (1.38 s, 1 thread).
-        stt_threads = threads or os.cpu_count() or 2
-        runtime = cls(SileroVAD(paths["silero-vad"]), Whisper(paths["whisper-base"].parent, threads=stt_threads),
-                      PiperVoice(paths["piper-joe"], threads=n), workers=max(2, n))
-        log.info("streamserve: voice models loaded (VAD, speech to text on %d threads, text to speech on %d)",
-                 stt_threads, n)
+        budget = ThreadBudget.plan(threads=threads)  # the cores this process may use, shared out (threads.py)
+        runtime = cls(SileroVAD(paths["silero-vad"], threads=budget.vad),
+                      Whisper(paths["whisper-base"].parent, threads=budget.stt),
+                      PiperVoice(paths["piper-joe"], threads=budget.tts), workers=budget.tts_workers)
+        log.info("streamserve: voice models loaded (%s)", budget.describe())
         return runtime
 
     async def run(self, fn: Callable[..., T], *args: Any) -> T:

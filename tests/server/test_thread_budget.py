@@ -1,0 +1,47 @@
+"""The voice models' thread budget (server/voice/threads.py): the cores this process may use (affinity, capped by a
+cgroup quota), shared out between speech to text, text to speech and the VAD; onnxruntime's pools never spin."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from voice_assets import voice_model
+
+from streamserve.server.voice.threads import ThreadBudget, available_cores, cgroup_cpus
+
+
+@pytest.mark.parametrize(("cores", "stt", "tts", "workers"), [(1, 1, 1, 2), (2, 2, 1, 2), (3, 3, 1, 2),
+                                                               (4, 4, 2, 2), (16, 16, 8, 8)])
+def test_the_split(cores: int, stt: int, tts: int, workers: int) -> None:
+    b = ThreadBudget.plan(cores)
+    assert (b.cores, b.stt, b.tts, b.tts_workers, b.vad) == (cores, stt, tts, workers, 1)
+    assert b.stt <= cores and b.tts <= cores  # no model is given more threads than there are cores
+    assert f"{cores} cores" in b.describe()
+
+
+def test_threads_override_every_model() -> None:
+    b = ThreadBudget.plan(8, threads=3)
+    assert (b.stt, b.tts, b.tts_workers) == (3, 3, 3)
+
+
+def test_a_cgroup_quota_caps_the_cores(tmp_path: Path) -> None:
+    quota = tmp_path / "cpu.max"
+    for text, cpus in (("max 100000\n", None), ("200000 100000\n", 2.0), ("150000 100000", 1.5), ("junk", None),
+                       ("0 100000", None)):
+        quota.write_text(text)
+        assert cgroup_cpus(quota) == cpus, text
+    assert cgroup_cpus(tmp_path / "missing") is None
+    quota.write_text("150000 100000")
+    assert available_cores(quota) == min(2, available_cores(tmp_path / "missing"))  # 1.5 CPUs: 2 threads at most
+    quota.write_text("10000 100000")
+    assert available_cores(quota) == 1  # a tenth of a CPU: still one thread
+
+
+def test_onnxruntime_pools_do_not_spin() -> None:
+    from streamserve.media.tts import PiperVoice
+    from streamserve.media.vad import SileroVAD
+
+    for model in (SileroVAD(voice_model("silero-vad"), threads=2), PiperVoice(voice_model("piper-joe"), threads=2)):
+        options = model.session.get_session_options()
+        assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
