@@ -83,7 +83,9 @@ async def test_a_dead_engine_thread_fails_what_ran_refuses_new_work_and_reports_
         await asyncio.wait_for(srv.server.engine_failed.wait(), 30)
         assert await asyncio.to_thread(health, srv.http) == (503, {"status": "failed"})  # off the server's loop
         thread = srv.engine.loop.thread
-        assert thread is not None and not thread.is_alive()
+        assert thread is not None
+        await asyncio.to_thread(thread.join, 30)  # its on_death callbacks ran on it just before it ends
+        assert not thread.is_alive()
         await b.send(raw({"type": "append", "session": sid_b, "seq": 1, "text": " God"}))
         refused = await until(b, "error")
         assert refused["code"] == "engine_failed" and "restart" in refused["message"], refused
