@@ -61,7 +61,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from media_rtf import media_rtf, need  # a sibling script (benchmarks/ is no package): on sys.path as run
+import voice_side_runs as side_runs  # siblings (benchmarks/ is no package): on sys.path as run
+from media_rtf import media_rtf, need
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed
 
@@ -331,18 +332,8 @@ async def bench_model(url: str, utts: list[Utterance], args: argparse.Namespace,
             print(f"{n} sessions: {json.dumps(out['concurrency'][-1])}", file=sys.stderr)
         held = [c["sessions"] for c in out["concurrency"] if c["kept_up"]]
         out["sessions_at_real_time"] = max(held) if held else 0
-    out["speculations"] = speculations(url)
+    out["speculations"] = side_runs.speculations(url)
     return out
-
-
-def speculations(ws_url: str) -> dict[str, int]:
-    """The server's replies speculated at the first silence, by outcome, over the whole run (from /metrics)."""
-    import urllib.request
-
-    with urllib.request.urlopen(ws_url.replace("ws://", "http://") + "/metrics", timeout=10) as r:  # loopback
-        text = r.read().decode()
-    found = re.findall(r'^streamserve_voice_speculations_total\{outcome="(\w+)"\} ([0-9.e+]+)$', text, re.M)
-    return {outcome: int(float(n)) for outcome, n in found}
 
 
 def main() -> None:
@@ -375,10 +366,7 @@ def main() -> None:
                               "max_output_tokens": args.max_tokens, "eos_level": EOS_LEVEL,
                               "media_rtf": media_rtf(at16k, QUESTIONS[0], 1 if args.quick else 3), "models": {}}
     if not (args.quick or args.no_wer):  # the speech-to-text path's accuracy, on this machine, before any server
-        wer = subprocess.run([sys.executable, str(Path(__file__).with_name("stt_wer.py"))], capture_output=True,
-                             text=True, check=True)
-        result["wer"] = json.loads(wer.stdout.strip().splitlines()[-1])
-        print(f"wer: {json.dumps(result['wer'])}", file=sys.stderr)
+        result["wer"] = side_runs.wer()
     for i, model in enumerate(models):
         if model != "default" and installed(model) is None:
             result["models"][model] = {"skipped": f"not pulled: streamserve models pull {model}"}
@@ -394,30 +382,15 @@ def main() -> None:
             proc.terminate()
             proc.wait(30)
     if not (args.quick or args.no_speculation_peer):  # the same turns with replies started only once confirmed
-        proc, port, log = start_server(models[0], "--no-speculation")
-        try:
-            plain = asyncio.run(conversation(f"ws://127.0.0.1:{port}", utts, args.turns, CONDITIONS["silence_500"],
-                                             args.max_tokens))
-        finally:
-            proc.terminate()
-            proc.wait(30)
-        spec = result["models"][models[0]].get("silence_500", {}).get("eos_to_first_audio_ms", {}).get("p50")
-        base = plain["eos_to_first_audio_ms"]["p50"]
-        result["no_speculation"] = {"model": models[0], "silence_500": plain,
-                                    "speculation_speedup_p50": round(base / spec, 3) if spec and base else None}
-        print(f"no speculation: {json.dumps(plain)}", file=sys.stderr)
+        ours = result["models"][models[0]].get("silence_500", {}).get("eos_to_first_audio_ms", {}).get("p50")
+        result["no_speculation"] = side_runs.no_speculation(models[0], ours, start_server, lambda url: asyncio.run(
+            conversation(url, utts, args.turns, CONDITIONS["silence_500"], args.max_tokens)))
     if not (args.quick or args.no_pipecat):  # the peer a user would assemble, with streamserve's server stopped
-        peer = subprocess.run([sys.executable, str(Path(__file__).with_name("pipecat_peer.py")), "--turns",
-                               str(args.turns), "--max-tokens", str(args.max_tokens)], capture_output=True, text=True)
-        if peer.returncode != 0:
-            result["pipecat"] = {"skipped": peer.stderr.strip()[-500:]}
-        else:
-            result["pipecat"] = json.loads(peer.stdout.strip().splitlines()[-1])
-            ours = result["models"].get("smollm2-135m-instruct", {}).get("silence_500", {})
-            theirs = result["pipecat"]["eos_to_first_audio_ms"]["p50"]
-            mine = ours.get("eos_to_first_audio_ms", {}).get("p50")
-            result["pipecat_over_streamserve_p50"] = round(theirs / mine, 3) if theirs and mine else None
-        print(f"pipecat: {json.dumps(result['pipecat'])}", file=sys.stderr)
+        result["pipecat"] = side_runs.pipecat(args.turns, args.max_tokens)
+        ours = result["models"].get("smollm2-135m-instruct", {}).get("silence_500", {})
+        theirs = result["pipecat"].get("eos_to_first_audio_ms", {}).get("p50")
+        mine = ours.get("eos_to_first_audio_ms", {}).get("p50")
+        result["pipecat_over_streamserve_p50"] = round(theirs / mine, 3) if theirs and mine else None
     result["concurrency_model"], result["concurrency_silence_ms"] = models[0], 500
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)  # other work on this machine skews every figure
     print(json.dumps(result))

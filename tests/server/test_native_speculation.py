@@ -7,18 +7,16 @@ run it; the real voice models. Needs the voice extra and models (skips naming th
 from __future__ import annotations
 
 import asyncio
-import copy
-from typing import Any
 
 import numpy as np
 import pytest
 from serving import serve
+from speculation_probe import watch_take_backs
 from test_native_audio import RATE, WAIT_S, collect, stream
 from voice_assets import needs_voice, norm_words, speech
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
-from streamserve.engine.chat import ChatTranscript
 from streamserve.server import voice_speculation
 
 VOICE = {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1000, "create_response": True},
@@ -35,23 +33,7 @@ def paused_utterance() -> bytes:
 @pytest.mark.asyncio
 async def test_a_chat_voice_session_takes_a_speculated_reply_back_unseen(monkeypatch: pytest.MonkeyPatch) -> None:
     needs_voice()
-    marks: list[tuple[Any, list[int], list[Any], Any]] = []
-    checks: list[tuple[bool, bool, bool]] = []
-    real_mark, real_take_back = ChatTranscript.mark, voice_speculation.take_back
-
-    def marking(chat: Any) -> Any:  # ChatTranscript.mark, noting the chat as it stands
-        m = real_mark(chat)
-        marks.append((chat, list(chat.session.token_ids), list(chat.messages), copy.copy(chat.open_message)))
-        return m
-
-    async def taking_back(*args: Any, **kw: Any) -> None:
-        await real_take_back(*args, **kw)
-        chat, ids, messages, open_message = marks[-1]
-        checks.append((list(chat.session.token_ids) == ids, list(chat.messages) == messages,
-                       chat.open_message == open_message))
-
-    monkeypatch.setattr(ChatTranscript, "mark", marking)
-    monkeypatch.setattr(voice_speculation, "take_back", taking_back)
+    checks = watch_take_backs(monkeypatch, voice_speculation)
     async with serve(ServerConfig(messages_per_second=1000.0), voice=True) as srv:
         assert srv.server.service is not None and srv.server.service.voice is not None
         counts = srv.server.service.voice.speculations.counts

@@ -7,18 +7,17 @@ the final transcript holds both halves; the reply at the real end is released as
 from __future__ import annotations
 
 import asyncio
-import copy
 from typing import Any
 
 import numpy as np
 import pytest
 from rt import RawRealtime
 from serving import serve
+from speculation_probe import watch_take_backs
 from test_realtime_turns import RATE, play
 from voice_assets import norm_words, speech
 
 from streamserve.config import ServerConfig
-from streamserve.engine.chat import ChatTranscript
 from streamserve.server.realtime import speculation
 
 PAUSE_S, HANGOVER_MS = 0.45, 1000
@@ -35,23 +34,7 @@ def paused_utterance() -> bytes:
 @pytest.mark.asyncio
 async def test_a_pause_shorter_than_the_hangover_leaks_nothing_and_rewinds_exactly(
         voiced: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    marks: list[tuple[Any, list[int], list[Any], Any]] = []
-    after_take_back: list[tuple[bool, bool, bool]] = []
-    real_mark, real_take_back = ChatTranscript.mark, speculation.take_back
-
-    def marking(chat: Any) -> Any:  # ChatTranscript.mark, noting the chat as it stands
-        m = real_mark(chat)
-        marks.append((chat, list(chat.session.token_ids), list(chat.messages), copy.copy(chat.open_message)))
-        return m
-
-    async def taking_back(audio: Any, spec: Any) -> None:
-        await real_take_back(audio, spec)
-        chat, ids, messages, open_message = marks[-1]
-        after_take_back.append((list(chat.session.token_ids) == ids, list(chat.messages) == messages,
-                                chat.open_message == open_message))
-
-    monkeypatch.setattr(ChatTranscript, "mark", marking)
-    monkeypatch.setattr(speculation, "take_back", taking_back)
+    checks = watch_take_backs(monkeypatch, speculation)
     async with serve(ServerConfig(), voice=True) as srv:
         assert srv.server.service is not None and srv.server.service.voice is not None
         counts = srv.server.service.voice.speculations.counts
@@ -68,7 +51,7 @@ async def test_a_pause_shorter_than_the_hangover_leaks_nothing_and_rewinds_exact
         assert "error" not in kinds, got
         assert counts["taken_back"] >= 1, counts  # the pause did start a reply, and it was taken back
         assert counts["released"] == 1, counts  # the real end: speculated too, and released
-        assert after_take_back and all(all(ok) for ok in after_take_back), after_take_back
+        assert checks and all(all(ok) for ok in checks), checks
         assert kinds.count("input_audio_buffer.speech_started") == 1  # one utterance, never split
         assert kinds.count("response.created") == 1  # the taken-back reply sent nothing
         committed = kinds.index("input_audio_buffer.committed")
