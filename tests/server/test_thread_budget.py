@@ -1,4 +1,4 @@
-"""The voice models' thread budget (server/voice/threads.py): the cores this process may use (affinity, capped by a
+"""The voice models' thread budget (server/threads.py): the cores this process may use (affinity, capped by a
 cgroup quota), shared out between speech to text, text to speech and the VAD; onnxruntime's pools never spin."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from voice_assets import voice_model
 
-from streamserve.server.voice.threads import ThreadBudget, available_cores, cgroup_cpus
+from streamserve.server.threads import ThreadBudget, available_cores, cgroup_cpus
 
 
 @pytest.mark.parametrize(("cores", "stt", "tts", "workers"), [(1, 1, 1, 2), (2, 2, 1, 2), (3, 3, 1, 2),

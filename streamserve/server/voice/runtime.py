@@ -13,7 +13,7 @@ stall) nor on the engine thread (decode would stall). Three executors, so cheap 
     run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves;
                text to speech goes through `tts` (server/voice/deadlines.py): the piece due soonest first, so every
                reply's first audio goes before other replies' later sentences.
-How many threads each model gets: server/voice/threads.py (one budget over the cores this process may use).
+How many threads each model gets: server/threads.py (one budget over the cores this process may use).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamserve.media import VOICE_EXTRA, VOICE_MODELS, VoiceUnavailableError, require
+from streamserve.server.threads import ThreadBudget
 from streamserve.server.voice.deadlines import DeadlineRunner
 from streamserve.server.voice.speculate import Speculations
 from streamserve.server.voice.stt_scheduler import SttScheduler
-from streamserve.server.voice.threads import ThreadBudget
 
 if TYPE_CHECKING:
     from streamserve.media.stt import Whisper
@@ -66,7 +66,7 @@ class VoiceRuntime:
     def load(cls, threads: int | None = None) -> VoiceRuntime:
         """The voice models from the model cache. VoiceUnavailableError when the voice extra is not installed
         (naming it) or a model is not pulled (naming the command). `threads`: cores each model's inference may
-        use (default: server/voice/threads.py's budget over the cores this process may use)."""
+        use (default: server/threads.py's budget over the cores this process may use)."""
         for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
             require(module)
         paths = voice_model_paths()
