@@ -316,6 +316,8 @@ async def concurrent(url: str, utts: list[Utterance], sessions: int, n: int, max
     kept_up = all("error" not in t for t in turns) and bool(lags) and (pct(lags, 0.99) or 0) < KEPT_UP_LAG_MS
     return {"sessions": sessions, "turns_answered": s["turns_answered"],
             "eos_to_first_audio_p50_ms": s["eos_to_first_audio_ms"]["p50"], "stop_lag_ms": s["stop_lag_ms"],
+            "stages_p50_ms": {k: s[f"{k}_ms"]["p50"] for k in ("vad_hangover", "transcript_final", "ttft",
+                                                               "first_tts_chunk")},
             "stop_lag_max_ms": round(max(lags), 1) if lags else None, "kept_up": kept_up,
             "client_send_lag_max_ms": round(max(lag for _, lag in results) * 1e3, 1), "problems": s["problems"]}
 

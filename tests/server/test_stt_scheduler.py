@@ -123,3 +123,46 @@ async def test_a_cancelled_pass_leaves_the_queue_and_a_failing_batch_fails_only_
         await bad
     assert (await scheduler.submit(req("after"), "final"))[0].text == " after"  # the scheduler goes on
     assert all("gone" not in b for b in whisper.batches)
+
+
+async def test_steps_wait_for_spare_capacity_and_urgent_passes_do_not() -> None:
+    executor, whisper = ThreadPoolExecutor(1), Recording()
+    spare = threading.Event()  # the runtime's "no speech is being synthesised"
+    scheduler = SttScheduler(whisper, executor, spare=spare.is_set)
+    try:
+        step = asyncio.ensure_future(scheduler.submit(req("partial"), "step"))
+        final = await scheduler.submit(req("final"), "final")  # not held back
+        assert final[0].text == " final" and whisper.batches == [["final"]]
+        assert await step is None  # skipped by the final's round: its stream's next pass covers the audio
+        later = asyncio.ensure_future(scheduler.submit(req("later"), "step"))
+        await asyncio.sleep(0.1)
+        assert not later.done()  # still no spare capacity
+        spare.set()
+        assert (await later)[0].text == " later"
+    finally:
+        scheduler.close()
+        executor.shutdown(wait=True)
+
+
+async def test_a_streams_held_step_is_skipped_when_it_has_other_work_and_steps_keep_their_share() -> None:
+    executor, whisper = ThreadPoolExecutor(1), Recording()
+    scheduler = SttScheduler(whisper, executor, step_share=0.01)
+    try:
+        whisper.gate.clear()
+        first = asyncio.ensure_future(scheduler.submit(req("first"), "step"))
+        await asyncio.sleep(0.05)
+        whisper.gate.set()
+        await first  # a step round of >= 50 ms: no step round for 99 times as long
+        mine, other = object(), object()
+        held = asyncio.ensure_future(scheduler.submit(req("mine"), "step", owner=mine))
+        theirs = asyncio.ensure_future(scheduler.submit(req("theirs"), "step", owner=other))
+        await asyncio.sleep(0.1)
+        assert not held.done() and not theirs.done() and whisper.batches == [["first"]]
+        scheduler.skip_steps(mine)  # its stream went silent: the urgent pass it makes next must not wait
+        assert await held is None and not theirs.done()
+        assert scheduler.counts["step", "skipped"] == 1
+        with pytest.raises(InvalidInputError, match="step_share"):
+            SttScheduler(whisper, executor, step_share=0.0)
+    finally:
+        scheduler.close()
+        executor.shutdown(wait=True)

@@ -34,6 +34,11 @@ class DeadlineRunner:
         """Jobs waiting to start."""
         return sum(1 for *_, fut in self._waiting if not fut.done())
 
+    @property
+    def busy(self) -> bool:
+        """A job runs or waits (the speech-to-text scheduler holds partial passes back meanwhile)."""
+        return self._running > 0 or self.depth > 0
+
     def submit(self, deadline: float, fn: Callable[..., Any], *args: Any) -> asyncio.Future[Any]:
         """fn(*args) on the executor once it is the earliest-deadline job waiting and a worker is free."""
         loop = asyncio.get_running_loop()

@@ -214,6 +214,8 @@ class Listener:
         if work.samples is not None:
             self._queued_s += len(work.samples) / RATE
         self._queue.append(work)
+        if work.kind != "audio":  # a held-back partial pass must not delay what this means (a silence, a stop)
+            self.runtime.stt.skip_steps(self._stt)
         self._wake.set()
 
     async def commit(self) -> TranscriptDone | None:

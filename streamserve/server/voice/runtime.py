@@ -58,8 +58,9 @@ class VoiceRuntime:
         self.executor = ThreadPoolExecutor(workers, thread_name_prefix="streamserve-media")
         self.light_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-vad")
         self.stt_executor = ThreadPoolExecutor(1, thread_name_prefix="streamserve-stt")
-        self.stt = SttScheduler(whisper, self.stt_executor)
         self.tts = DeadlineRunner(self.executor, workers)  # text to speech: each reply's first piece first
+        # partial transcripts only while no speech is being synthesised (the cores are not spare then)
+        self.stt = SttScheduler(whisper, self.stt_executor, spare=lambda: not self.tts.busy)
         self.speculations = Speculations()  # replies started at the likely end of a turn (voice/speculate.py)
 
     @classmethod

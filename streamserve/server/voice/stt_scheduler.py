@@ -13,6 +13,13 @@ stream's next pass covers its audio again, so under load partial transcripts get
 behind another stream's partial (at most behind the one batch already running). Passes of different languages run
 in different batches.
 
+Steps use only spare capacity. The speech-to-text thread being free does not mean the cores are: replies are
+decoded and synthesised beside it. So step rounds wait while `spare()` says no (the runtime: while text to speech
+has work) and take at most `step_share` of the time (after a step round of d seconds, the next starts no sooner
+than d * (1 / step_share - 1) later). A waiting step is skipped as soon as its stream has something else to do
+(`skip_steps`: the first silence, a stop), so a stream's urgent pass never waits behind its own held-back step.
+With eight people talking on two cores, partials ran back to back on both cores and every reply waited for them.
+
 Bounded: a Listener has at most one pass in flight, and at most `max_waiting` passes wait here; past that, submit
 raises CapacityError. The counts and times are on /metrics when metrics() registered them.
 """
@@ -20,9 +27,10 @@ raises CapacityError. The counts and times are on /metrics when metrics() regist
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -36,6 +44,7 @@ log = logging.getLogger("streamserve.voice")
 
 KINDS = ("final", "speculative", "step")  # most urgent first
 URGENT = ("final", "speculative")
+STEP_RECHECK_S = 0.02  # how often held-back steps look for spare capacity again
 
 
 @dataclass(eq=False)  # compared by identity (a request's audio is an array)
@@ -44,13 +53,19 @@ class _Pass:
     kind: str
     language: str
     future: asyncio.Future[Any]
+    owner: object = None  # the stream that asked (skip_steps)
     queued_at: float = field(default_factory=time.perf_counter)
 
 
 class SttScheduler:
-    def __init__(self, whisper: Any, executor: Executor, max_batch: int = 8, max_waiting: int = 1024) -> None:
+    def __init__(self, whisper: Any, executor: Executor, max_batch: int = 8, max_waiting: int = 1024,
+                 spare: Callable[[], bool] | None = None, step_share: float = 0.5) -> None:
+        if not 0.0 < step_share <= 1.0:
+            raise InvalidInputError(f"step_share is a fraction of the time in (0, 1], not {step_share}")
         self.whisper, self.executor = whisper, executor
         self.max_batch, self.max_waiting = max_batch, max_waiting
+        self.spare, self.step_share = spare or (lambda: True), step_share
+        self._steps_after = 0.0  # perf_counter time before which no step round starts (the share)
         self._waiting: list[_Pass] = []
         self._wake: asyncio.Event | None = None
         self._task: asyncio.Task[None] | None = None
@@ -79,15 +94,16 @@ class SttScheduler:
                           registry=registry, buckets=(1, 2, 3, 4, 6, 8, 12, 16))
         self._metrics = (passes, latency, batch)
 
-    async def submit(self, request: Any, kind: str, language: str = "en") -> list[Any] | None:
-        """The words of `request`'s pass, once a batch ran it; None when a step was skipped under load."""
+    async def submit(self, request: Any, kind: str, language: str = "en", owner: object = None) -> list[Any] | None:
+        """The words of `request`'s pass, once a batch ran it; None when a step was skipped under load (or by
+        skip_steps(owner))."""
         if kind not in KINDS:
             raise InvalidInputError(f"a speech-to-text pass is one of {', '.join(KINDS)}, not {kind!r}")
         if len(self._waiting) >= self.max_waiting:
             raise CapacityError(f"{len(self._waiting)} speech-to-text passes are waiting: the server is too busy")
         self._ensure_worker()
         assert self._wake is not None
-        item = _Pass(request, kind, language, asyncio.get_running_loop().create_future())
+        item = _Pass(request, kind, language, asyncio.get_running_loop().create_future(), owner)
         self._waiting.append(item)
         self._wake.set()
         try:
@@ -97,13 +113,19 @@ class SttScheduler:
                 self._waiting.remove(item)
             raise
 
+    def skip_steps(self, owner: object) -> None:
+        """Settle `owner`'s waiting step passes with None (its stream has other work: its next pass covers them)."""
+        for p in [p for p in self._waiting if p.kind == "step" and p.owner is owner]:
+            self._settle(p, None, "skipped")
+        self._waiting = [p for p in self._waiting if not p.future.done()]
+
     async def step(self, transcriber: StreamingTranscriber, urgent: bool) -> TranscriptUpdate | None:
         """transcriber.step() through the scheduler, as a speculative pass when `urgent`, else a step; None when
         the step was skipped under load (the transcriber is as before: its next pass covers the audio)."""
         request = transcriber.step_request()
         if request is None:
             return transcriber.apply_step(None)
-        words = await self.submit(request, "speculative" if urgent else "step", transcriber.language)
+        words = await self.submit(request, "speculative" if urgent else "step", transcriber.language, transcriber)
         return None if words is None else transcriber.apply_step(words)
 
     async def finish(self, transcriber: StreamingTranscriber) -> TranscriptUpdate:
@@ -142,13 +164,22 @@ class SttScheduler:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
+            if not any(p.kind in URGENT for p in self._waiting) and not self._steps_may_run():
+                self._wake.clear()  # steps wait for spare capacity; an urgent pass or skip_steps wakes us
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), STEP_RECHECK_S)
+                continue
             batch: list[_Pass] = []
             try:
                 batch = self._next_batch()
                 if not batch:
                     continue
+                began = time.perf_counter()
                 found = await asyncio.get_running_loop().run_in_executor(
                     self.executor, self._run, [p.request for p in batch], batch[0].language)
+                if batch[0].kind == "step":
+                    took = time.perf_counter() - began
+                    self._steps_after = time.perf_counter() + took * (1.0 / self.step_share - 1.0)
             except Exception as e:  # one bad batch fails its passes only; the scheduler goes on
                 log.exception("streamserve: a speech-to-text batch failed")
                 for p in batch:
@@ -159,6 +190,10 @@ class SttScheduler:
                 self._settle(p, words, "run")
             if self._metrics is not None:
                 self._metrics[2].observe(len(batch))
+
+    def _steps_may_run(self) -> bool:
+        """Whether a round of step passes may start now: the share allows it and the cores are spare."""
+        return time.perf_counter() >= self._steps_after and self.spare()
 
     def _run(self, requests: Sequence[Any], language: str) -> list[list[Any]]:
         """On the speech-to-text thread: one batch (a Whisper without words_batch runs its passes one by one)."""
