@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from streamserve.config import EngineConfig, SchedulerConfig
 from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
+from streamserve.server.threads import ThreadBudget, apply_engine_threads
 
 if TYPE_CHECKING:
     from streamserve.server.voice.runtime import VoiceRuntime
@@ -56,8 +57,21 @@ def load_vision() -> Any:
     return None
 
 
+def torch_device_is_cpu(device: str | None) -> bool:
+    """Whether the engine will run on the CPU ("auto" or none: the CPU unless CUDA is there)."""
+    if device and device != "auto":
+        return device.split(":")[0] == "cpu"
+    import torch
+
+    return not torch.cuda.is_available()
+
+
 def engine_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None) -> Callable[[], Engine]:
     def load() -> Engine:
+        if torch_device_is_cpu(engine.device):
+            budget = ThreadBudget.plan()
+            threads = apply_engine_threads(budget)
+            log.info("streamserve: %s (engine now %d)", budget.describe(), threads)
         return Engine.from_pretrained(engine.model, device=engine.device, dtype=engine.dtype, quantize=engine.quantize,
                                       kernels=engine.kernels,
                                       cuda_graphs=engine.cuda_graphs, cpu_compile=engine.cpu_compile,

@@ -1,5 +1,6 @@
-"""The voice models' thread budget (server/threads.py): the cores this process may use (affinity, capped by a
-cgroup quota), shared out between speech to text, text to speech and the VAD; onnxruntime's pools never spin."""
+"""The thread budget (server/threads.py): the cores this process may use (affinity, capped by a
+cgroup quota), shared out between the engine, speech to text, text to speech and the VAD; onnxruntime's pools never
+spin."""
 
 from __future__ import annotations
 
@@ -45,3 +46,22 @@ def test_onnxruntime_pools_do_not_spin() -> None:
     for model in (SileroVAD(voice_model("silero-vad"), threads=2), PiperVoice(voice_model("piper-joe"), threads=2)):
         options = model.session.get_session_options()
         assert options.get_session_config_entry("session.intra_op.allow_spinning") == "0"
+
+
+def test_the_engine_share_caps_torch_and_keeps_a_lower_choice() -> None:
+    import torch
+
+    from streamserve.server.loaders import torch_device_is_cpu
+    from streamserve.server.threads import apply_engine_threads
+
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(3)
+        assert apply_engine_threads(ThreadBudget.plan(2)) == 2 == torch.get_num_threads()  # capped at the cores
+        torch.set_num_threads(1)
+        assert apply_engine_threads(ThreadBudget.plan(2)) == 1  # the user's lower count is kept
+        assert "engine 2 threads" in ThreadBudget.plan(2).describe() and ThreadBudget.plan(2).engine == 2
+    finally:
+        torch.set_num_threads(before)
+    assert torch_device_is_cpu("cpu") and not torch_device_is_cpu("cuda:0")
+    assert torch_device_is_cpu("auto") == (not torch.cuda.is_available())
