@@ -6,7 +6,10 @@ the next from the resulting logits, or samples straight from the logits the last
 sessions' tokens go through the model together (`BatchForward.run`); a failure there is isolated to the
 session that causes it. Then every plain decode of the step samples together: one `sampling.sample_rows`
 call over the stacked logits [B, V] and one read back of the B ids, the step's one host sync for sampling
-(a draft verification reads its own). Results are committed to the sessions' `SessionState`s here (token
+(a draft verification reads its own). An append that carries the reply queued behind it (`WorkItem.then`)
+starts it in the same step: its first token is sampled with the plain decodes from the append's last logits, or,
+when the reply has a caller's draft, the draft rides on the append's forward and is verified from its rows.
+Results are committed to the sessions' `SessionState`s here (token
 ids, vectors, timeline, logits); the scheduler only counts. The runner knows sessions by id through the
 `SessionTable` and never sees a user's handle.
 """
@@ -62,6 +65,7 @@ class Runner:
             else:
                 jobs.append((s, item, job))
         decodes: list[tuple[SessionState, Response]] = []  # plain decodes: they sample together after the loop
+        then: dict[str, ItemResult] = {}  # the replies appends started (WorkItem.then)
         try:
             forward = [job for _, _, job in jobs if job.ids]
             outs = iter(self.batch.run(forward)) if forward else iter(())
@@ -73,12 +77,20 @@ class Runner:
                 result = self._finish(s, item, logits)
                 if result is None:
                     decodes.append((s, item.work))  # type: ignore[arg-type]
-                else:
-                    results[item.session_id] = result
+                    continue
+                results[item.session_id] = result
+                r = item.then
+                if r is None or result.error is not None or result.fatal:
+                    continue
+                if s.id in self._proposals:  # the append's forward verified the reply's first tokens too
+                    then[s.id] = self._accept(s, r, logits[-len(self._proposals[s.id].tokens) - 1:])  # type: ignore[index]
+                else:  # sampled with the step's decodes, from the logits the append kept
+                    decodes.append((s, r))
         finally:
             self._proposals.clear()
-        results.update(self._decode(decodes))
-        return StepOutput(results, started, time.monotonic())
+        for sid, res in self._decode(decodes).items():
+            (then if sid in results else results)[sid] = res
+        return StepOutput(results, started, time.monotonic(), then)
 
     def _prepare(self, s: SessionState, item: WorkItem) -> Job | ItemResult:
         """What this item runs through the model (no ids when a decode samples from kept logits): the pending
@@ -108,6 +120,13 @@ class Runner:
                 s.kv.check_fits(len(ids) + rest)
             for c, n in item.parts:
                 ids += c.token_ids[c.done:c.done + n]
+            r = item.then
+            if r is not None and r.draft and not r.stop:  # the reply's guessed tokens ride on the append
+                limit = None if s.kv.rolling else s.max_positions
+                proposal = speculate.given(s, r, len(r.draft), limit, base=len(ids))
+                if proposal.tokens:
+                    self._proposals[s.id] = proposal
+                    return Job(s, ids + proposal.tokens, all_rows=True)
             return Job(s, ids)
         if not s.token_ids:  # the chunks before this reply failed or were shed
             raise InvalidInputError("a reply needs at least one appended token; the chunks before it did not "
@@ -119,7 +138,8 @@ class Runner:
             s.kv.truncate(s.kv.length - 1)
         if item.kind == "verify" and len(s.pending) == 1:
             limit = None if s.kv.rolling else s.max_positions
-            proposal = speculate.draft(s, work, item.n_tokens - 1, limit)  # type: ignore[arg-type]
+            proposal = (speculate.given(s, work, item.n_tokens - 1, limit) if work.draft  # type: ignore[union-attr]
+                        else speculate.draft(s, work, item.n_tokens - 1, limit))  # type: ignore[arg-type]
             if proposal.tokens:
                 self._proposals[s.id] = proposal
                 return Job(s, s.pending + proposal.tokens, all_rows=True)
@@ -134,15 +154,13 @@ class Runner:
             return self._refused(s, item, logits)
         work = item.work
         proposal = self._proposals.get(s.id)
-        if proposal is not None:
-            assert logits is not None and isinstance(work, Response)
-            try:
-                tokens = speculate.accept(s, work, proposal, logits, self.new_detokenizer)
-            except Exception as e:
-                return ItemResult(error=_fault(e), fatal=True)
-            work.draft_len = self._draft_len(s, work)
-            return ItemResult(tokens=tokens)
-        if logits is not None:
+        if proposal is not None and isinstance(work, Response):
+            assert logits is not None
+            return self._accept(s, work, logits)
+        if proposal is not None:  # an append carrying its reply's draft: the chunk's rows go in, verified after
+            assert logits is not None
+            s.keep_logits(None)
+        elif logits is not None:
             s.keep_logits(logits)
         if isinstance(work, Chunk):
             for c, n in item.parts:
@@ -161,12 +179,28 @@ class Runner:
             s.trim()  # the window may have dropped positions: their ids, records and vectors no rewind can reach
         return ItemResult() if isinstance(work, Chunk) else None
 
+    def _accept(self, s: SessionState, r: Response, logits: torch.Tensor) -> ItemResult:
+        """The verification rows [k+1, V] of the reply's proposal -> the tokens it emits."""
+        try:
+            if isinstance(r.allowed, tuple):  # ids as submitted: the mask is made here, on the engine thread
+                r.allowed = allowed_mask(r.allowed, logits.shape[-1], logits.device)
+            tokens = speculate.accept(s, r, self._proposals[s.id], logits, self.new_detokenizer)
+        except Exception as e:
+            return ItemResult(error=_fault(e), fatal=True)
+        r.draft_len = self._draft_len(s, r)
+        return ItemResult(tokens=tokens)
+
     @staticmethod
     def _draft_len(s: SessionState, r: Response) -> int:
-        """Tokens to draft for the reply's next step. None for replies with stop strings (a string can end
-        inside a verified run, and the session must hold exactly what plain decoding leaves in it) or with allowed
-        ids (a draft is not constrained)."""
-        if s.spec is None or r.stop or r.allowed is not None:
+        """Tokens to draft for the reply's next step: the rest of the caller's draft, else what the session's
+        drafter offers. None for replies with stop strings (a string can end inside a verified run, and the
+        session must hold exactly what plain decoding leaves in it). A constrained reply's drafts are verified
+        against its masked logits, so they are as lossless as its plain steps."""
+        if r.stop:
+            return 0
+        if r.draft:
+            return max(0, min(len(r.draft) - r.produced, r.max_tokens - r.produced - 1))
+        if s.spec is None:
             return 0
         return s.spec.next_k(fixed_costs=r.seeded)
 
@@ -221,6 +255,7 @@ class Runner:
                 results[s.id] = ItemResult(error=_fault(tok), fatal=True)
                 continue
             # pending from here on: it enters the KV with the next forward
+            r.forwards += 1  # its logits came from one forward: this step's, or the append's it follows
             speculate.extend_reply(s, r, [tok], self.new_detokenizer)
             r.draft_len = self._draft_len(s, r)
             results[s.id] = ItemResult(token=tok)

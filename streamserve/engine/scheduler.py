@@ -29,6 +29,10 @@ during a reply enters the KV after the reply ends. Each step (`schedule`):
       debt is repaid. A session whose queued chunks are all in forgets its deficit: idle time banks
       nothing.
 
+5. An append that finishes every chunk queued before a session's reply carries that reply (`WorkItem.then`):
+   its first token is sampled from the append's own logits in the same step (with a draft, its first tokens are
+   verified in the append's forward), not in a step of its own one step later.
+
 `update` applies the runner's output and returns the events for callers (acks, deltas, done, errors).
 """
 
@@ -208,15 +212,23 @@ class Scheduler:
         return n
 
     def _append_item(self, session_id: str, n_tokens: int) -> WorkItem:
-        """The session's next `n_tokens` of input: the rest of its head chunk, then the chunks behind it."""
+        """The session's next `n_tokens` of input: the rest of its head chunk, then the chunks behind it; and
+        when they finish every chunk queued before a reply, that reply (`then`: it starts in the same step, from
+        the append's logits, instead of one step later)."""
         parts: list[tuple[Chunk, int]] = []
+        then: Response | None = None
         for w in self._queues[session_id]:
-            if n_tokens <= 0 or not isinstance(w, Chunk):
+            if not isinstance(w, Chunk):
+                then = w  # every chunk before it is taken whole (the loop stops at a partial one)
+                break
+            if n_tokens <= 0:
                 break
             n = min(w.remaining, n_tokens)
             parts.append((w, n))
             n_tokens -= n
-        return WorkItem(session_id, "append", sum(n for _, n in parts), parts[0][0], tuple(parts))
+            if n < w.remaining:
+                break
+        return WorkItem(session_id, "append", sum(n for _, n in parts), parts[0][0], tuple(parts), then)
 
     def _priority(self, chunk: Chunk) -> tuple[float, float]:
         """Earliest deadline first; waiting past `max_wait` counts as due (no starvation)."""
@@ -256,9 +268,22 @@ class Scheduler:
                     events.append(SessionFailed(item.session_id, err))
             elif isinstance(item.work, Chunk):
                 events += self._update_chunk(q, item, res, out)
+                then = out.then.get(item.session_id) if item.then is not None else None
+                if then is not None and q and q[0] is item.then:  # the reply the append started
+                    events += self._update_then(item.session_id, q, item.then, then, out)
             else:
                 events += self._update_response(q, item.work, res, out)
         return events
+
+    def _update_then(self, session_id: str, q: deque[Chunk | Response], r: Response, res: ItemResult,
+                     out: StepOutput) -> list[Event]:
+        if res.fatal:
+            err = res.error or StepError("the step failed")
+            events = self.drop_session(session_id, err)
+            return [*events, SessionFailed(session_id, err)] if not isinstance(err, SessionClosedError) else events
+        self._served += 1
+        self._last_served[session_id] = self._served
+        return self._update_response(q, r, res, out)
 
     def _update_chunk(self, q: deque[Chunk | Response], item: WorkItem, res: ItemResult,
                       out: StepOutput) -> list[Event]:

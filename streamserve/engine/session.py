@@ -265,14 +265,19 @@ class Session:
     def stream(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature, top_p: float = SD.top_p,
                top_k: int = SD.top_k, seed: int | None = SD.seed, stop: Sequence[str] | None = None,
                stop_token_ids: Sequence[int] | None = None,
-               allowed_token_ids: Sequence[int] | None = None) -> ResponseStream:
+               allowed_token_ids: Sequence[int] | None = None, draft_token_ids: Sequence[int] | None = None,
+               detokenize: bool = True) -> ResponseStream:
         """Request a reply; iterate the returned stream (`async for` or `for`) for its `Delta`s.
 
         It starts after the chunks appended before it. Ends after `max_tokens`, at a stop token
         (`stop_token_ids`, default the model's EOS ids; `()` never stops early; the stop token is
         delivered), before a stop string of `stop` (not delivered in the text), at the model's context, or
         at `cancel()`. `allowed_token_ids` constrains every token of the reply to those ids (a logits mask in the
-        sampler: robot action tokens); such a reply is not drafted. Bad parameters, a closed session or a reply
+        sampler: robot action tokens); drafts of it are verified against the masked logits. `draft_token_ids`:
+        the caller's guess at the reply's tokens by position (a robot's last chunk, shifted): verified in the
+        forwards that run anyway, so a right guess yields several tokens per forward (the first ones in the
+        forward of the chunks appended just before) and a wrong one changes nothing in the output; not used with
+        stop strings. `detokenize=False`: token ids only, no text. Bad parameters, a closed session or a reply
         already running raise here."""
         self._check_open()
         check_sampling(max_tokens, temperature, top_p, top_k)
@@ -282,6 +287,7 @@ class Session:
         check_seed(seed)
         allowed = None if allowed_token_ids is None else check_allowed(
             check_ids(list(allowed_token_ids), self.engine.config.vocab_size))
+        draft = tuple(check_ids(list(draft_token_ids or ()), self.engine.config.vocab_size))[:max_tokens]
         loop, gen = self.engine.loop, self.core.generator
         with loop.cv:  # the draw and the submission under one hold: a refused reply takes no draw
             if not self.core.token_ids and not loop.scheduler.queued_chunks(self.id):
@@ -292,7 +298,7 @@ class Session:
                 seed = gen.randrange(MAX_SEED)
             r = Response(self.id, max_tokens, float(temperature), float(top_p), top_k, stop_ids, stops,
                          Draws(seed, self.engine.device), time.monotonic(), outbox=Outbox(), seeded=seeded,
-                         allowed=allowed)
+                         allowed=allowed, draft=draft, detokenize=bool(detokenize))
             try:
                 loop.submit(r)
             except BaseException:

@@ -55,16 +55,27 @@ def draft(s: SessionState, r: Response, k: int, context_limit: int | None) -> Dr
     return proposal
 
 
-def _page_room(s: SessionState, k: int) -> int:
-    """The most drafts a verification can carry without more pages than the session's cap or the pool's free
-    pages allow beyond what a plain one-token step needs (in every layer group)."""
+def given(s: SessionState, r: Response, k: int, context_limit: int | None, base: int = 1) -> DraftProposal:
+    """Up to k tokens of the caller's draft (`r.draft`, by reply position) for the reply's next verification:
+    the positions from the next token to emit on, within max_tokens, the context and the pages a plain step of
+    `base` tokens could take (an append carrying its reply's draft: base = the append's tokens)."""
+    room = r.max_tokens - r.produced - 1
+    if context_limit is not None:
+        room = min(room, context_limit - len(s.token_ids) - base)
+    k = min(k, room, _page_room(s, k, base))
+    return DraftProposal(list(r.draft[r.produced:r.produced + k])) if k > 0 else DraftProposal([])
+
+
+def _page_room(s: SessionState, k: int, base: int = 1) -> int:
+    """The most drafts a step of `base` tokens (a plain decode: 1) can carry without more pages than the session's
+    cap or the pool's free pages allow beyond what the step alone needs (in every layer group)."""
     kv = s.kv
     alloc = kv.pool.allocator
-    plain = kv.group_pages_needed(1)
+    plain = kv.group_pages_needed(base)
     held = [kv.held_in(g) for g in range(len(plain))]
     free = [alloc.free_in(g) for g in range(len(plain))]
     while k > 0:
-        extra = kv.group_pages_needed(1 + k)
+        extra = kv.group_pages_needed(base + k)
         if all((kv.page_cap is None or h + e <= kv.page_cap) and e - p <= max(0, f - p)
                for h, e, p, f in zip(held, extra, plain, free, strict=True)):
             return k
@@ -76,11 +87,14 @@ def accept(s: SessionState, r: Response, proposal: DraftProposal, logits: torch.
            new_detokenizer: DetokenizerFactory) -> list[int]:
     """The target's logits [k+1, V] over [pending, drafts] are in; -> the tokens emitted. The session keeps
     the pending token and the accepted drafts in its KV, the last emitted token becomes pending."""
-    assert s.spec is not None
+    if r.allowed is not None:  # a constrained reply: drafts are checked against what it may emit
+        logits = logits.masked_fill(~r.allowed, float("-inf"))
     emitted = verify(logits, proposal.tokens, proposal.probs, r.temperature, r.top_p, r.top_k, r.draws,
                      len(s.token_ids))
     accepted = len(emitted) - 1
-    s.spec.observe(s.spec.current.name, len(proposal.tokens), accepted)
+    if not r.draft and s.spec is not None:  # a drafter's proposal (the caller's own draft teaches it nothing)
+        s.spec.observe(s.spec.current.name, len(proposal.tokens), accepted)
+    r.forwards, r.drafted, r.accepted = r.forwards + 1, r.drafted + len(proposal.tokens), r.accepted + accepted
     emitted = emitted[:r.max_tokens - r.produced]
     stop = next((i for i, t in enumerate(emitted) if t in r.stop_token_ids), None)
     if stop is not None:
@@ -95,9 +109,11 @@ def accept(s: SessionState, r: Response, proposal: DraftProposal, logits: torch.
 
 def extend_reply(s: SessionState, r: Response, tokens: list[int], new_detokenizer: DetokenizerFactory) -> None:
     """Generated tokens join the session and the reply's timeline record."""
-    if r.produced == 0 and r.detok is None:  # the reply's first token: its text follows the session so far
-        h, start = s.token_ids, max(0, len(s.token_ids) - 8)
-        r.detok = new_detokenizer([h[p] for p in range(start, len(h)) if p not in s.vectors])  # ids, no vectors
+    if not r.opened:  # the reply's first token: its record opens here
+        r.opened = True
+        if r.detokenize:  # its text follows the session so far
+            h, start = s.token_ids, max(0, len(s.token_ids) - 8)
+            r.detok = new_detokenizer([h[p] for p in range(start, len(h)) if p not in s.vectors])  # no vectors
         s.timeline.append(ChunkRecord("reply", None, len(s.token_ids), len(s.token_ids)))
     s.token_ids.extend(tokens)
     rec = s.timeline[-1]

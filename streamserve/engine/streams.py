@@ -123,7 +123,13 @@ class ResponseStream:
 
     @property
     def usage(self) -> dict[str, int]:
-        return {"completion_tokens": self._response.produced, "session_tokens": len(self.session.token_ids)}
+        """completion_tokens, session_tokens; and `forwards` (model forwards that made its tokens, the append's
+        it started from included), `draft_tokens` and `accepted_tokens` (verified, accepted) when it was drafted."""
+        r = self._response
+        out = {"completion_tokens": r.produced, "session_tokens": len(self.session.token_ids), "forwards": r.forwards}
+        if r.drafted:
+            out |= {"draft_tokens": r.drafted, "accepted_tokens": r.accepted}
+        return out
 
     def cancel(self) -> None:
         """End this reply within one engine step (what it produced stays in the session)."""

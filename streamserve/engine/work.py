@@ -87,6 +87,15 @@ class Response:
     # engine thread by a bool mask [V] on the device (`sampling.allowed_mask`); the sampler sets every other logit
     # to -inf before drawing. None: the whole vocabulary
     allowed: Any = None
+    # the caller's guess at the reply's tokens by position (a robot's previous chunk of actions, shifted by the
+    # steps since): verified like a drafter's proposal, so a right guess makes several tokens in one forward and a
+    # wrong one changes nothing in the output. () : none
+    draft: tuple[int, ...] = ()
+    detokenize: bool = True  # False: token ids only (action tokens have no text worth decoding)
+    opened: bool = False  # its first token came (its timeline record is open)
+    forwards: int = 0  # model forwards that produced its tokens (the append's it started from counts)
+    drafted: int = 0  # draft tokens verified (a drafter's or the caller's)
+    accepted: int = 0  # of those, accepted
 
     def add_token(self, token: int) -> tuple[str, bool]:
         """Count a generated token; -> (text that may be shown now, whether a stop string was reached)."""
@@ -128,6 +137,9 @@ class WorkItem:
     work: Chunk | Response = field(compare=False)  # the head of the session's queue
     # append: (chunk, tokens of it) in queue order, the head first: consecutive chunks of a session share a step
     parts: tuple[tuple[Chunk, int], ...] = field(default=(), compare=False)
+    # append: the reply queued right behind the chunks this step finishes; its first token (with a draft, its
+    # first tokens) comes from this step's forward instead of a step of its own
+    then: Response | None = field(default=None, compare=False)
 
 
 @dataclass
@@ -162,6 +174,7 @@ class StepOutput:
     results: dict[str, ItemResult]  # by session id, one per plan item
     started: float
     finished: float
+    then: dict[str, ItemResult] = field(default_factory=dict)  # the replies started by appends (WorkItem.then)
 
 
 # ---- events: what the loop delivers to callers -------------------------------------------------------

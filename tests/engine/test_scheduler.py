@@ -346,3 +346,30 @@ def test_a_small_chunk_finishes_in_one_step_even_behind_a_long_chunk_due_first()
         assert [e.chunk.session_id for e in events if isinstance(e, ChunkAcked)] == ["small"]
         sched.drop_session("long")
         sched.add(chunk("long", 1000, clock.t, deadline=clock.t + 0.05))
+
+
+def test_a_reply_queued_behind_the_chunks_a_step_finishes_starts_in_that_step() -> None:
+    clock = Clock()
+    sched = Scheduler(SchedulerConfig(step_tokens=8, max_batch=8, min_append_tokens=4), clock)
+    c1, c2, r = chunk("a", 5, 100.0), chunk("a", 6, 100.0, seq=1), response("a", max_tokens=3)
+    for w in (c1, c2, r):
+        sched.add(w)
+    plan = sched.schedule()  # 8 of the 11 tokens: the second chunk is split, the reply waits
+    assert plan.items[0].n_tokens == 8 and plan.items[0].then is None
+    sched.update(plan, StepOutput({"a": ItemResult()}, clock.t, clock.t))
+    plan = sched.schedule()  # the rest of the chunk: the reply rides on it
+    item = plan.items[0]
+    assert (item.kind, item.n_tokens, item.then) == ("append", 3, r)
+    events = sched.update(plan, StepOutput({"a": ItemResult()}, clock.t, clock.t, {"a": ItemResult(tokens=[4, 5])}))
+    assert [type(e).__name__ for e in events] == ["ChunkAcked", "TokenProduced", "TokenProduced"]
+    assert r.produced == 2 and sched.responding("a")
+    plan, events = run(sched, clock)
+    assert [(i.kind, i.n_tokens) for i in plan.items] == [("decode", 1)]
+    assert isinstance(events[-1], ResponseDone) and events[-1].reason == "length"
+    # a runner that did not start the reply (no result for it): the reply runs in the next step as before
+    sched.add(chunk("b", 2, 100.0))
+    sched.add(r2 := response("b", max_tokens=1))
+    plan = sched.schedule()
+    assert plan.items[0].then is r2
+    sched.update(plan, StepOutput({"b": ItemResult()}, clock.t, clock.t))
+    assert r2.produced == 0 and sched.responding("b")

@@ -224,8 +224,10 @@ class RemoteSession:
     def stream(self, max_tokens: int = SD.max_tokens, temperature: float = SD.temperature, top_p: float = SD.top_p,
                top_k: int = SD.top_k, seed: int | None = SD.seed, stop: Sequence[str] | None = None,
                stop_token_ids: Sequence[int] | None = None,
-               allowed_token_ids: Sequence[int] | None = None) -> ResponseStream:
-        """Request a reply (as `engine.Session.stream`); iterate the returned stream for its `Delta`s."""
+               allowed_token_ids: Sequence[int] | None = None, draft_token_ids: Sequence[int] | None = None,
+               detokenize: bool = True) -> ResponseStream:
+        """Request a reply (as `engine.Session.stream`); iterate the returned stream for its `Delta`s. A draft is
+        a hint SGLang does not take (the reply is the same without it); text is always decoded."""
         self._check_open()
         e = self.engine
         check_sampling(max_tokens, temperature, top_p, top_k)
