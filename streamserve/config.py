@@ -133,6 +133,10 @@ class ServerConfig:
         "help": "do not load the voice models (speech to text, text to speech, voice activity): audio is refused. "
                 "Without this flag they load at start when the voice extra (pip install \"streamserve[voice]\") "
                 "and the models (streamserve models pull whisper-base piper-joe silero-vad) are there"})
+    no_policy_draft: bool = field(default=False, metadata={
+        "help": "robot policies: decode every action token in a forward of its own. By default each chunk is "
+                "drafted from the last one moved on by the control steps since and the draft is verified in the "
+                "observation's own forward: the same actions in one or two forwards when the motion continues"})
     no_speculation: bool = field(default=False, metadata={
         "help": "voice: start a reply only once the turn is confirmed (the VAD's silence has passed). By default, "
                 "when the speech pauses and its words look complete, the reply starts at once and is held back "

@@ -273,6 +273,16 @@ class PolicyCodec:
         centres = low + (bins.reshape(self.action_horizon, self.action_dims) + 0.5) * width
         return centres.astype(np.float32)
 
+    def draft_ids(self, last: Sequence[int], shift: int) -> list[int]:
+        """The last chunk's H*D ids moved `shift` control steps on (the rows executed since dropped, its last row
+        held for the steps past its end) -> a draft of the next chunk: a robot's next chunk mostly continues it."""
+        d, h = self.action_dims, self.action_horizon
+        ids = list(last)
+        if len(ids) != h * d:
+            raise PolicyInputError(f"a chunk to draft from must be {h * d} ids, got {len(ids)}")
+        shift = min(max(0, shift), h)
+        return ids[shift * d:] + ids[-d:] * shift
+
     def action_tokens(self, actions: Any) -> list[int]:
         """A chunk [H, D] -> its H*D ids (step-major); values outside the ranges are clipped."""
         x = self._vector(actions, (self.action_horizon, self.action_dims), "actions")

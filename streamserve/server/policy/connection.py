@@ -2,7 +2,10 @@
 
 openpi's protocol, which its unchanged `WebsocketClientPolicy` speaks: the server sends the policy's metadata first
 (one msgpack map), then answers every observation (a msgpack map with NumPy arrays) with one map holding `actions`
-(float32 [H, D]) and `server_timing` (`infer_ms`, and `prev_total_ms` from the second reply on); an error is one
+(float32 [H, D]), `server_timing` (`infer_ms`, and `prev_total_ms` from the second reply on) and `policy_timing`
+(`infer_ms`: the policy's own time, from the tick's first chunk to its last action token; 0 in a stale reply, which
+ran nothing; beyond openpi: `forwards`, the model forwards that made the chunk, and with a draft `draft_tokens` and
+`accepted_tokens`); an error is one
 text frame saying what went wrong, then close 1011 (a client's mistake included: that is openpi's convention).
 
 Beyond openpi (observation.py; `metadata["streamserve"]` describes them; openpi's client ignores all of it):
@@ -45,6 +48,7 @@ from streamserve.server.service import SessionService
 from streamserve.server.transport import Frame, Transport
 
 log = logging.getLogger("streamserve.server")
+POLICY_TIMING_KEYS = ("forwards", "draft_tokens", "accepted_tokens")  # of the reply's usage, in policy_timing
 
 PROTOCOL = 1  # metadata["streamserve"]["protocol"]: bumped when an extension changes incompatibly
 CLOSE_REASON = "error: see the previous (text) frame"
@@ -83,7 +87,7 @@ class PolicyConnection(ProtocolAdapter):
         return {**c.metadata(), "streamserve": {
             "protocol": PROTOCOL, "model": self.service.engine.name, "action_shape": [c.action_horizon, c.action_dims],
             "observation_keys": list(EXTENSION_KEYS), "reply_keys": ["stale", "valid_from_step", "episode",
-                                                                    "timestamp", "reset"],
+                                                                    "timestamp", "reset", "policy_timing"],
             "latest_observation_wins": True, "max_queued_observations": 1, "min_deadline_ms": cfg.min_deadline_ms,
             "deadline_clock": "unix", "max_frame_bytes": self.max_bytes, "errors": "text frame, then close 1011",
             "images": self.images_info()}}
@@ -185,7 +189,8 @@ class PolicyConnection(ProtocolAdapter):
         if obs.reset or self.episode is None:
             if self.episode is not None:
                 await self.episode.close()
-            self.episode = Episode(self.service, self.ctx, self.codec, obs.episode)
+            self.episode = Episode(self.service, self.ctx, self.codec, obs.episode,
+                                   draft=not self.service.config.no_policy_draft)
         if obs.parts is None:  # a bare reset: acknowledged
             await self.answer(obs, {"reset": True, "episode": obs.episode}, started)
             return
@@ -193,16 +198,20 @@ class PolicyConnection(ProtocolAdapter):
             return
         ep = self.episode
         left = None if obs.deadline is None else max(0.0, (obs.deadline - time.monotonic()) * 1e3)
-        tick = await ep.start(obs.parts, obs.prompt, left, obs.images)
+        began = time.monotonic()
+        tick = await ep.start(obs.parts, obs.prompt, left, obs.images, obs.step)
         whole = await ep.settle(tick)  # past the deadline too: the stale reply went out, the chunk is still kept
         ep.tick = None
+        policy_timing = {"infer_ms": round((time.monotonic() - began) * 1e3, 3),
+                         **{k: v for k, v in tick.usage.items() if k in POLICY_TIMING_KEYS}}
         if not whole:
             raise SessionClosedError(f"the policy's reply ended after {len(tick.tokens)} of "
                                      f"{self.codec.n_action_tokens} action tokens (its session was closed)")
         assert obs.step is not None
         self.last = Chunk(obs.episode, obs.step, self.codec.actions(tick.tokens))
         if not obs.answered:
-            await self.answer(obs, {"actions": self.last.actions, "stale": False}, started)
+            await self.answer(obs, {"actions": self.last.actions, "stale": False, "policy_timing": policy_timing},
+                              started)
 
     # ---- replies ------------------------------------------------------------------------------------------
     def reply(self, obs: Observation, body: dict[str, Any], started: float) -> bytes:
@@ -238,7 +247,8 @@ class PolicyConnection(ProtocolAdapter):
         rows = np.zeros((0, d), np.float32)
         if last is not None and last.episode == obs.episode:
             rows = last.actions[min(max(0, obs.step - last.step), len(last.actions)):]
-        self.transport.send_nowait(self.reply(obs, {"actions": rows, "stale": True}, obs.arrival))
+        self.transport.send_nowait(self.reply(obs, {"actions": rows, "stale": True, "policy_timing": {"infer_ms": 0.0}},
+                                              obs.arrival))
 
     def disarm(self, obs: Observation) -> None:
         if obs.timer is not None:

@@ -7,7 +7,10 @@ as a native `append(image=...)`): a chunk of kind "image" holding a text note of
 (none, 0 tokens, while the labels stay the same) or the model's image-encoder embeddings; then the observation's
 state, chunks of kind "state": `[<obs>, s_1 .. s_Ds, <act>]`, or for a "projector" policy `[<obs>]`, one embedding
 vector [1, hidden], `[<act>]` (codec.state_parts); then asks for a reply of exactly H*D tokens
-constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token. The action tokens
+constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token, ids only, and
+drafted from the last chunk moved on by the control steps since (codec.draft_ids): the engine verifies the draft in
+the state chunk's own forward, so a chunk like the last one takes one forward instead of H*D, and the actions are
+exactly the undrafted ones. The action tokens
 stay in the session, so its history reads obs, act, obs, act, ... as in training, and each tick costs its own tokens
 only. Every tick's chunk is decoded whole, a late one too (connection.py answers it stale at its deadline), so the
 history never holds a half chunk.
@@ -57,6 +60,8 @@ class ServiceFailure(StreamserveError):
 class Tick:
     session: str
     start: int  # the session's length before the tick's tokens
+    step: int | None = None  # the control step of its first action (valid_from_step)
+    usage: dict[str, int] = field(default_factory=dict)  # the reply's (forwards, draft_tokens, accepted_tokens)
     tokens: list[int] = field(default_factory=list)  # the reply's action ids so far
     unacked: int = 0  # chunks appended and not acked yet (the prompt's, the observation's)
     acked: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -64,11 +69,14 @@ class Tick:
 
 
 class Episode:
-    def __init__(self, service: SessionService, ctx: ClientContext, codec: PolicyCodec, number: int) -> None:
+    def __init__(self, service: SessionService, ctx: ClientContext, codec: PolicyCodec, number: int,
+                 draft: bool = True) -> None:
         self.service, self.ctx, self.codec, self.number = service, ctx, codec, number
         self.session_id: str | None = None
         self.prompt: str | None = None  # the instruction the session holds; None: none appended yet
         self.tick: Tick | None = None
+        self.draft = draft  # draft each chunk from the last one, shifted by the steps since (lossless)
+        self.last: tuple[int, list[int]] | None = None  # (valid_from_step, ids) of the last whole chunk
 
     async def open(self) -> None:
         opened = await self.service.open(self.ctx, OpenRequest(window=self.codec.window, sinks=self.codec.sinks,
@@ -88,9 +96,10 @@ class Episode:
                                           lambda: tok.encode(prompt, add_special_tokens=False))
 
     async def start(self, parts: list[list[int] | np.ndarray], prompt: str, deadline_ms: float | None,
-                    images: list[tuple[str, Any]] | None = None) -> Tick:
+                    images: list[tuple[str, Any]] | None = None, step: int | None = None) -> Tick:
         """Append the tick's chunks (prompt, images, state parts: ids or [1, hidden] vectors) and ask for its
-        chunk of actions; the results arrive through on_result."""
+        chunk of actions (for control step `step`: drafted from the last chunk moved on by the steps since);
+        the results arrive through on_result."""
         if self.session_id is None:
             await self.open()
         assert self.session_id is not None
@@ -105,7 +114,7 @@ class Episode:
         if prompt != self.prompt:  # the first tick, or the instruction changed: its own chunk, as in robot/rollout.py
             ids = self.codec.prompt_ids(await self.prompt_tokens(prompt))
             chunks.insert(0, ("prompt", AppendRequest(token_ids=ids, kind="text", deadline_ms=deadline_ms)))
-        tick = Tick(self.session_id, self.length())
+        tick = Tick(self.session_id, self.length(), step)
         self.tick = tick
         for what, req in chunks:
             tick.unacked += 1
@@ -118,9 +127,12 @@ class Episode:
                 tick.unacked -= 1
                 raise
         self.prompt = prompt
+        draft = None
+        if self.draft and self.last is not None and step is not None:
+            draft = self.codec.draft_ids(self.last[1], step - self.last[0])
         self.service.respond(self.ctx, self.session_id, {
             "max_tokens": self.codec.n_action_tokens, "temperature": 0.0, "stop_token_ids": (),
-            "allowed_token_ids": self.codec.action_ids})
+            "allowed_token_ids": self.codec.action_ids, "draft_token_ids": draft, "detokenize": False})
         return tick
 
     def on_result(self, result: Pushed) -> None:
@@ -138,6 +150,7 @@ class Episode:
         elif isinstance(result, ReplyDelta):
             t.tokens.extend(result.token_ids)
         elif isinstance(result, ReplyDone):
+            t.usage = result.usage
             if not t.done.done():
                 t.done.set_result(result.reason)
         elif isinstance(result, ServiceError):
@@ -148,7 +161,10 @@ class Episode:
         """Wait for the tick's chunk and reply to end; -> whether the reply is a whole chunk (H*D tokens)."""
         await tick.acked
         reason = await tick.done
-        return reason == "length" and len(tick.tokens) == self.codec.n_action_tokens
+        whole = reason == "length" and len(tick.tokens) == self.codec.n_action_tokens
+        if whole and tick.step is not None:
+            self.last = (tick.step, list(tick.tokens))
+        return whole
 
     async def close(self) -> None:
         """Free the session's KV pages now (not parked for a resume: an episode is not resumable)."""

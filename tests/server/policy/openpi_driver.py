@@ -23,6 +23,7 @@ def main() -> None:
                                                                                                       np.uint8)})
         out["ticks"].append({"shape": list(r["actions"].shape), "dtype": str(r["actions"].dtype),
                              "timing": sorted(r["server_timing"]), "stale": r["stale"],
+                             "policy_timing": r["policy_timing"],
                              "actions": r["actions"].tolist()})
     broker = action_chunk_broker.ActionChunkBroker(policy, horizon)
     out["broker"] = [list(broker.infer({"observation/state": np.zeros(3, np.float64)})["actions"].shape)

@@ -33,6 +33,8 @@ async def test_openpi_client_drives_the_policy_port(policy_checkpoint: Path) -> 
     assert [t["shape"] for t in out["ticks"]] == [[h, d]] * 5 and {t["dtype"] for t in out["ticks"]} == {"float32"}
     assert out["ticks"][0]["timing"] == ["infer_ms"]
     assert all(t["timing"] == ["infer_ms", "prev_total_ms"] and t["stale"] is False for t in out["ticks"][1:])
+    assert all(t["policy_timing"]["infer_ms"] > 0 and 1 <= t["policy_timing"]["forwards"] <= h * d
+               for t in out["ticks"])
     assert np.isfinite(np.array([t["actions"] for t in out["ticks"]])).all()
     assert out["broker"] == [[d]] * (h + 1)  # openpi's chunk broker steps through our chunks
     assert out["error"] is not None and "invalid_observation" in out["error"] and "NaN" in out["error"]
