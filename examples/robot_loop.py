@@ -41,6 +41,9 @@ class Episode:
     stale: int = 0  # replies that came back stale (past their deadline)
     latencies_ms: list[float] = field(default_factory=list)  # observation sent -> reply received
     fresh_ms: list[float] = field(default_factory=list)  # the same, replies that were not stale
+    forwards: list[int] = field(default_factory=list)  # per fresh reply: the model forwards that made its chunk
+    drafted: int = 0  # draft tokens the server verified (its chunk drafted from the last one), and accepted
+    accepted: int = 0
 
 
 async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int = 5, deadline_ms: float | None = None,
@@ -66,8 +69,13 @@ async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int
         reply = await request(obs)
         ms = (time.monotonic() - sent) * 1000  # when it came, not the tick that reads it
         ep.latencies_ms.append(ms)
+        timing = reply.get("policy_timing") or {}
         if not reply.get("stale"):
             ep.fresh_ms.append(ms)
+            if "forwards" in timing:  # a streamserve server says how its chunk was made
+                ep.forwards.append(int(timing["forwards"]))
+                ep.drafted += int(timing.get("draft_tokens", 0))
+                ep.accepted += int(timing.get("accepted_tokens", 0))
         return reply
 
     def take(reply: dict[str, Any], tick: int) -> None:
@@ -157,7 +165,17 @@ def summary(episodes: list[Episode], **extra: Any) -> dict[str, Any]:
             "latency_ms_p50": round(percentile(lat, 50), 1), "latency_ms_p99": round(percentile(lat, 99), 1),
             "fresh_latency_ms_p50": round(percentile(fresh, 50), 1), "fresh_replies": len(fresh),
             "requests": len(lat), "ticks": sum(e.ticks for e in episodes), "held_ticks": sum(e.held for e in episodes),
-            "missed_ticks": sum(e.missed for e in episodes), "stale": sum(e.stale for e in episodes), **extra}
+            "missed_ticks": sum(e.missed for e in episodes), "stale": sum(e.stale for e in episodes),
+            **chunk_costs(episodes), **extra}
+
+
+def chunk_costs(episodes: list[Episode]) -> dict[str, float | None]:
+    """What a streamserve server said about its chunks: forwards per chunk (H*D without a draft) and the share
+    of draft tokens accepted (None from a server that does not say)."""
+    forwards = [f for e in episodes for f in e.forwards]
+    drafted = sum(e.drafted for e in episodes)
+    return {"forwards_per_chunk": round(float(np.mean(forwards)), 2) if forwards else None,
+            "draft_acceptance": round(sum(e.accepted for e in episodes) / drafted, 3) if drafted else None}
 
 
 def default_replan(metadata: dict[str, Any]) -> int:
