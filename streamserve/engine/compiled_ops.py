@@ -94,4 +94,5 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, w_gat
 
 COMPILED_CPU_OPS: Ops = replace(TORCH_OPS, name="torch-compiled", attention=paged_attention,
                                 attention_rolling=paged_attention_rolling, attention_batch=paged_attention_batch,
+                                attention_rolling_batch=None,  # compiled steps keep one rolling call per session
                                 moe_experts=moe_experts)

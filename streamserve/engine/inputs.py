@@ -64,3 +64,17 @@ def check_embeds(embeds: object, hidden: int, device: torch.device, dtype: torch
 def check_time(name: str, t: float | None) -> None:
     if t is not None and (isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t)):
         raise InvalidInputError(f"{name} must be a finite number, got {t!r}")
+
+
+def check_reply_ids(vocab: int, eos_ids: Sequence[int], max_tokens: int, stop_token_ids: Sequence[int] | None,
+                    allowed_token_ids: Sequence[int] | None, draft_token_ids: Sequence[int] | None
+                    ) -> tuple[frozenset[int], tuple[int, ...] | None, tuple[int, ...]]:
+    """A reply's id arguments (`Session.stream`), checked -> (stop ids: default `eos_ids`; the allowed ids or None;
+    the draft, at most max_tokens long)."""
+    stop_ids = frozenset(eos_ids if stop_token_ids is None else check_ids(list(stop_token_ids), vocab))
+    allowed = None
+    if allowed_token_ids is not None:
+        allowed = tuple(check_ids(list(allowed_token_ids), vocab))
+        if not allowed:
+            raise InvalidInputError("allowed_token_ids is empty: a constrained reply needs at least one id")
+    return stop_ids, allowed, tuple(check_ids(list(draft_token_ids or ()), vocab))[:max_tokens]

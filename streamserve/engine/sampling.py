@@ -88,13 +88,6 @@ def sample_rows(logits: torch.Tensor, temperature: Sequence[float], top_p: Seque
     return sample_tokens(logits, floats[0], ints[0], floats[1], noise=noise)
 
 
-def check_allowed(ids: Sequence[int]) -> tuple[int, ...]:
-    """Checked ids of a constrained reply -> a tuple (the mask is made on the engine thread: `allowed_mask`)."""
-    if not ids:
-        raise InvalidInputError("allowed_token_ids is empty: a constrained reply needs at least one id")
-    return tuple(ids)
-
-
 def allowed_mask(ids: Sequence[int], vocab: int, device: torch.device) -> torch.Tensor:
     """Checked ids -> a bool mask [vocab] on `device`, True where a constrained reply may emit the id. Called on
     the engine thread: the caller's thread (the server's event loop) never touches torch."""

@@ -27,9 +27,9 @@ from streamserve.config import SAMPLING_DEFAULTS as SD
 from streamserve.config import SESSION_DEFAULTS
 from streamserve.engine.admission import Admission
 from streamserve.engine.guard import BetweenSteps
-from streamserve.engine.inputs import check_embeds, check_ids, check_time
+from streamserve.engine.inputs import check_embeds, check_ids, check_reply_ids, check_time
 from streamserve.engine.loop import EngineLoop
-from streamserve.engine.sampling import MAX_SEED, Draws, check_allowed, check_sampling, check_seed, check_stop
+from streamserve.engine.sampling import MAX_SEED, Draws, check_sampling, check_seed, check_stop
 from streamserve.engine.snapshot import ChunkRecord, Snapshot
 from streamserve.engine.state import SessionState, SessionStatus
 from streamserve.engine.streams import Outbox, ResponseStream, TokenIterator
@@ -272,22 +272,17 @@ class Session:
         It starts after the chunks appended before it. Ends after `max_tokens`, at a stop token
         (`stop_token_ids`, default the model's EOS ids; `()` never stops early; the stop token is
         delivered), before a stop string of `stop` (not delivered in the text), at the model's context, or
-        at `cancel()`. `allowed_token_ids` constrains every token of the reply to those ids (a logits mask in the
-        sampler: robot action tokens); drafts of it are verified against the masked logits. `draft_token_ids`:
-        the caller's guess at the reply's tokens by position (a robot's last chunk, shifted): verified in the
-        forwards that run anyway, so a right guess yields several tokens per forward (the first ones in the
-        forward of the chunks appended just before) and a wrong one changes nothing in the output; not used with
-        stop strings. `detokenize=False`: token ids only, no text. Bad parameters, a closed session or a reply
-        already running raise here."""
+        at `cancel()`. `allowed_token_ids`: every token among those ids (a logits mask; drafts are verified
+        against the masked logits). `draft_token_ids`: a guess at the reply's tokens by position (a robot's last
+        chunk, shifted), verified in forwards that run anyway (the first in the append's just before): a right
+        guess gives several tokens per forward, a wrong one changes nothing (ignored with stop strings).
+        `detokenize=False`: ids only. Bad parameters, a closed session or a reply already running raise here."""
         self._check_open()
         check_sampling(max_tokens, temperature, top_p, top_k)
         stops = tuple(check_stop(stop))
-        stop_ids = frozenset(self.engine.eos_token_ids if stop_token_ids is None
-                             else check_ids(list(stop_token_ids), self.engine.config.vocab_size))
         check_seed(seed)
-        allowed = None if allowed_token_ids is None else check_allowed(
-            check_ids(list(allowed_token_ids), self.engine.config.vocab_size))
-        draft = tuple(check_ids(list(draft_token_ids or ()), self.engine.config.vocab_size))[:max_tokens]
+        stop_ids, allowed, draft = check_reply_ids(self.engine.config.vocab_size, self.engine.eos_token_ids,
+                                                   max_tokens, stop_token_ids, allowed_token_ids, draft_token_ids)
         loop, gen = self.engine.loop, self.core.generator
         with loop.cv:  # the draw and the submission under one hold: a refused reply takes no draw
             if not self.core.token_ids and not loop.scheduler.queued_chunks(self.id):

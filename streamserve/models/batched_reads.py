@@ -1,6 +1,7 @@
 """The reads of a step's batched sessions, built once per step and shared by every layer of a layer group:
-`block_reads` (block tables, lengths, windows and sinks for the Triton block-table kernel) and `padded_reads`
-(padded query rows and key slots for the torch reference's batched attention)."""
+`block_reads` (block tables, lengths, windows and sinks for the Triton block-table kernel), `padded_reads`
+(padded query rows and key slots for the torch reference's batched attention) and `rolling_reads` (the same for
+rolling sessions, with their rotations)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from streamserve.kernels.reference import AttentionBatch
+from streamserve.kernels.rolling_batch import RollingBatch, rolling_batch_rope
 from streamserve.models.layer_kv import LayerKV
 
 if TYPE_CHECKING:
@@ -49,3 +51,14 @@ def padded_reads(kvs: list[LayerKV], starts: list[int], group: int, no_position:
     return AttentionBatch(q_rows, q_pos, slots, k_pos, torch.tensor([p.sinks for p in pols], device=dev),
                           torch.tensor([no_position if p.window is None else p.window for p in pols], device=dev),
                           out_rows)
+
+
+def rolling_reads(kvs: list[LayerKV], starts: list[int], group: int, inv_freq: torch.Tensor, scaling: float,
+                  dtype: torch.dtype, no_position: int) -> RollingBatch:
+    """The padded queries, keys and rotations of a few rolling sessions' steps for layer group `group` and one
+    RoPE kind (`inv_freq` [hd/2], `scaling`), shared by every layer of both (kernels/rolling_batch.py)."""
+    plain = padded_reads(kvs, starts, group, no_position)
+    windows = torch.tensor([kv.policy.window for kv in kvs], device=plain.k_pos.device)
+    rot = rolling_batch_rope(plain.q_pos, plain.k_pos, plain.sinks, windows, inv_freq, scaling, dtype, no_position)
+    return RollingBatch(plain.q_rows, plain.q_pos, plain.slots, plain.k_pos, plain.sinks, windows, plain.out_rows,
+                        *rot)

@@ -16,49 +16,14 @@ local (sliding-window) and global layers rotate with two RoPE tables: every tabl
 from __future__ import annotations
 
 import functools
-import itertools
-from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 from torch import nn
 
-from streamserve.kernels.reference import AttentionBatch, RollingRope
-from streamserve.models.batched_reads import block_reads, padded_reads
 from streamserve.models.config import ModelConfig
 from streamserve.models.layer_kv import LayerKV
 from streamserve.models.ops import TORCH_OPS, Ops
-
-if TYPE_CHECKING:  # the block-table kernel's module imports triton: only the Triton backend loads it
-    from streamserve.kernels.batch_attention import BlockBatch
-
-
-NO_POSITION = 1 << 62  # a key position past every query (padding), and "no window"
-BATCH_MAX_QUERIES = 16  # sessions running at most this many tokens share one padded attention call
-
-
-class Rope(NamedTuple):
-    cos: torch.Tensor  # [T, hd] for this step's absolute positions (absolute mode)
-    sin: torch.Tensor
-    rolling: list[RollingRope | None] | None  # rolling mode: per layer group, its keys' rotations inside the cache
-
-
-class StepRopes(NamedTuple):
-    """One RoPE kind's rotations of a step, shared by every layer of that kind."""
-
-    sessions: list[Rope]  # per session
-    joint: Rope | None  # cos/sin [N, hd] when every session numbers absolute positions: one rotation for all
-
-
-class StepLayout(NamedTuple):
-    """How one forward's N tokens split into sessions, shared by every layer."""
-
-    ropes: list[StepRopes]  # per RoPE kind (`ModelConfig.ropes`; a layer reads `ropes[cfg.rope_kind(layer)]`)
-    starts: list[int]  # [sessions + 1] token offsets
-    batched: list[int]  # absolute-position sessions of few tokens: their attention runs in one `attention_batch` call
-    batch: list[AttentionBatch] | None  # per layer group: the batched sessions' padded queries and keys
-    blocked: tuple[int, ...] = ()  # sessions of few tokens (absolute or rolling) in one `attention_blocks` launch
-    blocks: list[BlockBatch] | None = None  # per layer group: their block tables, lengths, windows and sinks
-    rope_tables: tuple[tuple[torch.Tensor, float], ...] = ()  # per RoPE kind: (inv_freq [hd/2] fp32, scaling)
+from streamserve.models.step_layout import LayoutPlanner, Rope, StepLayout
 
 
 class Attention(nn.Module):
@@ -151,6 +116,18 @@ class Attention(nn.Module):
                 return self.o_proj(out)
             off = 0
             for i in layout.batched:
+                pieces[i], off = out[off:off + st[i + 1] - st[i]], off + st[i + 1] - st[i]
+        if layout.rolling is not None:
+            assert ops.attention_rolling_batch is not None
+            for i in layout.rolled:  # keys are cached as they are: the call rotates them by their place
+                paged = kvs[i].update(self.layer, k[st[i]:st[i + 1]], v[st[i]:st[i + 1]])
+            batch = layout.rolling[self.rope_kind][group]
+            assert batch is not None
+            out = ops.attention_rolling_batch(q, paged.k_pool, paged.v_pool, batch, self.scale, self.window)
+            if len(layout.rolled) == len(kvs):  # rows already in token order
+                return self.o_proj(out)
+            off = 0
+            for i in layout.rolled:
                 pieces[i], off = out[off:off + st[i + 1] - st[i]], off + st[i + 1] - st[i]
         for i, kv in enumerate(kvs):
             if pieces[i] is None:
@@ -273,7 +250,7 @@ class CausalLM(nn.Module):
         # [kinds, hd/2] fp32; recomputed by `reset_rope` wherever the model is materialised
         self.register_buffer("rope_inv_freq", torch.stack([f for f, _ in tables]), persistent=False)
         # (RoPE kind, the pool's layer -> group map) -> the layer groups with layers of that kind
-        self._groups_of_kind: dict[tuple[int, tuple[int, ...]], list[int]] = {}
+        self.planner = LayoutPlanner(self.cfg)  # how each forward's tokens split into sessions
 
     def reset_rope(self, device: torch.device | str) -> None:
         """Recompute the RoPE tables (fp32) on `device`: a model built on "meta" and materialised with `to_empty`,
@@ -304,7 +281,7 @@ class CausalLM(nn.Module):
         x = self.embed_tokens(ids)  # [N, D] (scaled: Gemma 3)
         if embeds is not None:
             x = x.index_copy(0, embeds[0], embeds[1].to(x.dtype))
-        layout = self._layout(kvs, x.dtype)
+        layout = self.planner.plan(kvs, x.dtype, self.ops, self.rope_inv_freq, self.rope_scalings)
         for layer in self.layers:
             x = layer(x, kvs, layout, ops)
         if isinstance(rows, torch.Tensor):
@@ -316,56 +293,3 @@ class CausalLM(nn.Module):
         if cap is not None:  # in the model dtype, as transformers does
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
-
-    def _layout(self, kvs: list[LayerKV], dtype: torch.dtype) -> StepLayout:
-        starts = [0, *itertools.accumulate(kv.q_pos.shape[0] for kv in kvs)]
-        joint = len(kvs) > 1 and not any(kv.rolling for kv in kvs)
-        ropes = [self._step_ropes(kind, kvs, dtype, joint) for kind in range(len(self.rope_scalings))]
-        if self.ops.attention_blocks is not None:
-            blocked = [i for i, kv in enumerate(kvs) if kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
-            # graph replays hand in static buffers without page tables: they keep the per-session kernels
-            if blocked and all(hasattr(g, "table") for i in blocked for g in kvs[i].groups):
-                part, at = [kvs[i] for i in blocked], [starts[i] for i in blocked]
-                tables = tuple((self.rope_inv_freq[kind], scaling) for kind, scaling in enumerate(self.rope_scalings))
-                return StepLayout(ropes, starts, [], None, tuple(blocked),
-                                  [block_reads(part, at, g) for g in range(len(kvs[0].groups))], tables)
-        if len(kvs) == 1:
-            return StepLayout(ropes, starts, [], None)
-        batched = [i for i, kv in enumerate(kvs) if not kv.rolling and kv.q_pos.shape[0] <= BATCH_MAX_QUERIES]
-        if self.ops.attention_batch is None or len(batched) < 2:
-            return StepLayout(ropes, starts, [], None)
-        part, at = [kvs[i] for i in batched], [starts[i] for i in batched]
-        return StepLayout(ropes, starts, batched,
-                          [padded_reads(part, at, g, NO_POSITION) for g in range(len(kvs[0].groups))])
-
-    def _step_ropes(self, kind: int, kvs: list[LayerKV], dtype: torch.dtype, joint: bool) -> StepRopes:
-        """RoPE kind `kind`'s rotations of every session of the step (and their concatenation if `joint`)."""
-        groups = self._kind_groups(kind, kvs[0].layer_group)
-        ropes = [self._rope(kind, kv, dtype, groups) for kv in kvs]
-        if not joint:
-            return StepRopes(ropes, None)
-        return StepRopes(ropes, Rope(torch.cat([r.cos for r in ropes]), torch.cat([r.sin for r in ropes]), None))
-
-    def _kind_groups(self, kind: int, layer_group: tuple[int, ...]) -> list[int]:
-        """The layer groups that have layers of RoPE kind `kind` (rolling rotations are made for those only)."""
-        key = (kind, layer_group)
-        if key not in self._groups_of_kind:
-            self._groups_of_kind[key] = sorted({g for layer, g in enumerate(layer_group)
-                                                if self.cfg.rope_kind(layer) == kind})
-        return self._groups_of_kind[key]
-
-    def _rope(self, kind: int, kv: LayerKV, dtype: torch.dtype, groups: list[int]) -> Rope:
-        """The rotations of one session's step with RoPE kind `kind`, shared by every layer of that kind
-        (rolling: per layer group in `groups`, each over the keys that group reads)."""
-        ops = self.ops
-        inv_freq, scaling = self.rope_inv_freq[kind], self.rope_scalings[kind]  # [hd/2] fp32
-        if kv.rolling:  # rotations happen inside attention
-            assert kv.policy.window is not None
-            empty = torch.empty(0, dtype=dtype, device=kv.q_pos.device)
-            rolling: list[RollingRope | None] = [None] * len(kv.groups)
-            for g in groups:
-                rolling[g] = ops.rolling_rope(kv.q_pos, kv.groups[g].k_pos, inv_freq, scaling, kv.policy.sinks,
-                                              kv.policy.window, dtype)
-            return Rope(empty, empty, rolling)
-        cos, sin = ops.rope_cos_sin(kv.q_pos, inv_freq, scaling, dtype)  # [T, hd]
-        return Rope(cos, sin, None)

@@ -16,6 +16,7 @@ import torch
 
 from streamserve.errors import InvalidInputError
 from streamserve.kernels import reference as ref
+from streamserve.kernels.rolling_batch import paged_attention_rolling_batch
 
 log = logging.getLogger("streamserve")
 
@@ -53,6 +54,8 @@ class Ops:
     attention_rolling: Callable[..., torch.Tensor]
     # a few tokens of each of several sessions in one call (absolute positions); None: one call per session
     attention_batch: Callable[..., torch.Tensor] | None
+    # a few tokens of each of several rolling-position sessions in one call; None: one call per session
+    attention_rolling_batch: Callable[..., torch.Tensor] | None
     # every session of a step with at most 16 tokens, absolute and rolling, over block tables in one launch
     # (kernels/batch_attention.py); None: `attention_batch` / one call per session
     attention_blocks: Callable[..., torch.Tensor] | None
@@ -72,6 +75,7 @@ TORCH_OPS = Ops(
     rolling_rope=ref.rolling_rope,
     attention_rolling=ref.paged_attention_rolling,
     attention_batch=ref.paged_attention_batch,
+    attention_rolling_batch=paged_attention_rolling_batch,
     attention_blocks=None,
     moe_route=ref.moe_route,
     moe_experts=moe_experts_torch,
@@ -97,6 +101,7 @@ def triton_ops(device: torch.device) -> Ops:
                    attention=tb.paged_attention,
                    attention_rolling=tb.paged_attention_rolling,
                    attention_batch=None,  # the block-table kernel below takes these steps
+                   attention_rolling_batch=None,
                    attention_blocks=tb.batch_attention,
                    moe_experts=tb.moe_experts)
 
