@@ -29,7 +29,7 @@ NEEDS_VOICE = pytest.mark.skipif(
                                     ["gpu_check.py", "--smoke"], ["robot_loop.py", "--quick"],
                                     ["cpu_decode.py", "--quick"], ["quant_accuracy.py", "--quick"],
                                     ["cpu_linear.py", "--quick"], ["cpu_compile_options.py", "--quick"],
-                                    ["soak.py", "--quick"],
+                                    ["soak.py", "--quick"], ["rolling_batch.py", "--quick"],
                                     ["sessions_held.py", "--quick"], ["handoff_pause.py", "2", "200"],
                                     pytest.param(["voice_latency.py", "--quick"], marks=NEEDS_VOICE,
                                                  id="voice_latency"),
@@ -50,6 +50,8 @@ def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert isinstance(last, dict) and last
+    if script[0] == "rolling_batch.py":  # batched and per-session attention give every robot the same tokens
+        assert all(level["same_tokens"] for level in last["levels"]), last
     if script[0] == "stt_wer.py":  # its own correctness figures: a batch hears what one pass at a time hears
         assert last["batched_same_words"] == last["utterances"] and last["wer_batched"] == last["wer_held"], last
 
