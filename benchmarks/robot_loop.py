@@ -127,17 +127,20 @@ def stateless_ratio(ticks_before: int, measured: int) -> dict[str, Any]:
             out = [i for d in s.stream(**kw) for i in d.token_ids]
         return time.perf_counter() - t0, codec.actions(out)
 
+    history: list[int] = []  # every token the episode's session took (its own token log keeps only the recent)
     with EnginePolicy(engine, codec) as policy:
         for t in range(ticks_before + measured):
             if t and t % 150 == 0:  # a new target now and then: the arm keeps moving
                 target = arm.random_target(rng)
+            before = len(policy.session) if policy.session is not None else 0
             t0 = time.perf_counter()
             chunk = policy(arm.observation(q, target))
             dt = time.perf_counter() - t0
+            assert policy.session is not None
+            history += list(policy.session.token_ids)[before - len(policy.session):]
             if t >= ticks_before:
                 cost["stateful"] += dt
-                assert policy.session is not None
-                hist = list(policy.session.token_ids)[:-codec.n_action_tokens]  # the tick's input, whole
+                hist = history[:-codec.n_action_tokens]  # the tick's input, whole
                 tail = hist[:codec.sinks] + hist[codec.sinks:][-(codec.window + codec.n_action_tokens):]
                 for name, ids in (("full_history", hist), ("window_tail", tail)):
                     sec, actions = fresh(ids)
