@@ -6,9 +6,12 @@
 
 Each episode is one session on the server (the first observation carries `reset`). The control loop ticks at
 `--hz` in real time and never waits for the policy: every `--replan` ticks (default half the chunk) it sends the
-observation (with its step, so the reply says which tick its chunk starts at) and keeps executing the chunk it has.
-A reply later than `--deadline-ms` comes back `stale` at the deadline; when the arm has no fresh action for a tick
-(the chunk ran out, or the reply was stale) it holds still — zero joint velocity — and counts the tick as held.
+observation (with its step, so the reply says which tick its chunk starts at) and keeps executing the rows it has
+queued (streamserve-client's ActionQueue: row r of a reply is for step `valid_from_step + r`). A reply later than
+`--deadline-ms` comes back `stale` at the deadline with the last chunk's rows still ahead, which stay queued; where a
+newer chunk overlaps rows still queued, `--blend` says what runs (the newer row, the average of all, or a weighted
+average). A tick with no row queued (the chunk ran out before the next arrived) holds still — zero joint velocity —
+and counts as held.
 `--lockstep` waits for every reply instead (no real time): the result is then deterministic, the same as the
 in-process policy's.
 
@@ -28,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from streamserve.robot import arm
+from streamserve_client.actions import ActionQueue
 
 Request = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # observation -> reply (one in flight)
 
@@ -36,7 +40,7 @@ Request = Callable[[dict[str, Any]], Awaitable[dict[str, Any]]]  # observation -
 class Episode:
     success: bool = False
     ticks: int = 0
-    held: int = 0  # ticks without a fresh action: the arm held still
+    held: int = 0  # ticks with no row queued: the arm held still
     missed: int = 0  # ticks that ran more than a period late (the loop itself fell behind)
     stale: int = 0  # replies that came back stale (past their deadline)
     latencies_ms: list[float] = field(default_factory=list)  # observation sent -> reply received
@@ -47,13 +51,14 @@ class Episode:
 
 
 async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int = 5, deadline_ms: float | None = None,
-                      lockstep: bool = False, time_limit: int = arm.TIME_LIMIT) -> Episode:
+                      lockstep: bool = False, time_limit: int = arm.TIME_LIMIT, blend: str | float = "latest"
+                      ) -> Episode:
     """One seeded episode of the arm against `request`. Real time: the loop sleeps to each tick and sends an
     observation every `replan` ticks without waiting (one in flight); lockstep: it waits for each reply."""
     q, target = arm.episode_start(seed)
     ep, period = Episode(), 1.0 / hz
-    chunk: np.ndarray | None = None  # [H, 2] joint velocities, row 0 for tick `valid_from`
-    valid_from = 0
+    queue = ActionQueue(blend)  # joint velocities [2] by tick, from every reply's chunk
+    valid_from: int | None = None  # the tick the last fresh chunk starts at
     pending: asyncio.Task[dict[str, Any]] | None = None
     first = True
     start = time.monotonic()
@@ -79,11 +84,13 @@ async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int
         return reply
 
     def take(reply: dict[str, Any], tick: int) -> None:
-        nonlocal chunk, valid_from
+        nonlocal valid_from
+        rows = np.asarray(reply["actions"], dtype=np.float64)
+        if len(rows):  # a stale reply's rows are the last chunk's still ahead: they stay queued
+            queue.add(rows, int(reply.get("valid_from_step", tick)))
         if reply.get("stale"):
-            ep.stale += 1  # hold what we have: a stale chunk is never executed
+            ep.stale += 1  # ask again at once: the observation it answers is old
             return
-        chunk = np.asarray(reply["actions"], dtype=np.float64)
         valid_from = int(reply.get("valid_from_step", tick))
 
     try:
@@ -97,16 +104,14 @@ async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int
             if pending is not None and pending.done():
                 take(pending.result(), tick)
                 pending = None
-            if pending is None and (chunk is None or tick - valid_from >= replan):
+            if pending is None and (valid_from is None or tick - valid_from >= replan):
                 if lockstep:
                     take(await ask(tick), tick)
                 else:
                     pending = asyncio.create_task(ask(tick))
-            i = tick - valid_from
-            if chunk is not None and 0 <= i < len(chunk):
-                qd = chunk[i]
-            else:
-                qd, ep.held = np.zeros(2), ep.held + 1  # nothing fresh for this tick: hold still
+            qd = queue.pop(tick)
+            if qd is None:
+                qd, ep.held = np.zeros(2), ep.held + 1  # no row for this tick: hold still
             q = arm.step(q, qd)
             ep.ticks = tick + 1
             if np.linalg.norm(arm.hand(q) - target) <= arm.TOLERANCE:
@@ -178,6 +183,10 @@ def chunk_costs(episodes: list[Episode]) -> dict[str, float | None]:
             "draft_acceptance": round(sum(e.accepted for e in episodes) / drafted, 3) if drafted else None}
 
 
+def blend_arg(text: str) -> str | float:
+    return text if text in ("latest", "average") else float(text)
+
+
 def default_replan(metadata: dict[str, Any]) -> int:
     """Half the chunk: the next chunk is asked for while half of this one is still there to execute."""
     return max(1, int(metadata["action_horizon"]) // 2)
@@ -200,7 +209,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for n in range(args.episodes):
             seed = arm.EVAL_SEEDS[n % len(arm.EVAL_SEEDS)] if args.seed is None else args.seed + n
-            e = await run_episode(conn.request, seed, args.hz, replan, deadline, args.lockstep)
+            e = await run_episode(conn.request, seed, args.hz, replan, deadline, args.lockstep, blend=args.blend)
             episodes.append(e)
             print(f"episode {n + 1}/{args.episodes} (seed {seed}): {'reached' if e.success else 'missed'} in "
                   f"{e.ticks} ticks; held {e.held}, stale {e.stale}, p50 {percentile(e.latencies_ms, 50):.0f} ms",
@@ -220,6 +229,9 @@ def main() -> None:
     p.add_argument("--episodes", type=int, default=10)
     p.add_argument("--seed", type=int, default=None, help="first arm seed (default: the evaluation seeds)")
     p.add_argument("--hz", type=float, default=50.0, help="control rate")
+    p.add_argument("--blend", type=blend_arg, default="latest",
+                   help="where a newer chunk overlaps rows still queued: latest (its rows), average (of every "
+                        "chunk's), or a weight in (0, 1] for the newer chunk (default latest)")
     p.add_argument("--replan", type=int, default=None,
                    help="ticks between observations sent (default: half the chunk's horizon)")
     p.add_argument("--deadline-ms", type=float, default=None,

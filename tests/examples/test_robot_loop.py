@@ -1,7 +1,7 @@
 """examples/robot_loop.py against a real `streamserve serve --model default-policy` (a subprocess on a loopback
 port): in lockstep the trained policy reaches its targets through the native SDK and through openpi's unchanged
 client (the same episodes: lockstep is deterministic), and in real time with a deadline no reply can meet every
-reply is stale and the arm holds still on every tick (it never executes a stale chunk)."""
+reply is stale and the arm still moves on the rows stale replies carry (the last chunk's still ahead)."""
 
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ def url() -> Iterator[str]:
     env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}
     proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--device", "cpu",
                              "--model", "default-policy", "--offline", "--no-voice", "--no-vision",
-                             "--min-deadline-ms", "1"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
+                             "--min-deadline-ms", "0"], stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     assert proc.stderr is not None
     port, lines = None, collections.deque(maxlen=100)
@@ -72,8 +72,9 @@ def test_lockstep_episodes_reach_their_targets_through_the_sdk_and_openpi_client
         {k: first4[k] for k in ("success_rate", "ticks", "requests")}
 
 
-def test_a_robot_whose_replies_are_all_stale_holds_still(url: str) -> None:
-    # real time, a 1 ms deadline (the server's floor is 1 ms here): every reply comes back stale at its deadline
-    out = run(sys.executable, url, "--episodes", "1", "--deadline-ms", "1")
-    assert out["requests"] > 0 and out["stale"] == out["requests"], out
-    assert out["held_ticks"] == out["ticks"] == arm.TIME_LIMIT and out["success_rate"] == 0.0, out
+def test_a_robot_whose_replies_are_all_stale_executes_their_rows(url: str) -> None:
+    # real time, a 0 ms deadline (the server's floor is 0 here): every reply comes back stale at once, but each late
+    # chunk is still decoded and the next stale reply carries its rows still ahead: the arm executes them
+    out = run(sys.executable, url, "--episodes", "1", "--deadline-ms", "0")
+    assert out["requests"] > 0 and out["stale"] == out["requests"] and out["fresh_replies"] == 0, out
+    assert out["held_ticks"] < out["ticks"] / 2, out  # it moves on stale rows instead of holding still

@@ -7,6 +7,7 @@
             print(delta.text, end="")
 """
 
+from streamserve_client.actions import ActionQueue
 from streamserve_client.channel import Channel
 from streamserve_client.client import Client, connect
 from streamserve_client.errors import (
@@ -49,4 +50,4 @@ __all__ = ["Ack", "CallTimeoutError", "CapacityError", "Channel", "Client", "Con
            "SpeechStarted", "SpeechStopped", "StepFailedError", "StreamserveClientError", "SyncClient", "SyncSession",
            "TranscriptDelta", "TranscriptFinal", "TranscriptPartial", "UnauthorizedError", "UnknownSessionError",
            "UnsupportedModalityError", "connect"]
-__all__ += ["PolicyClient", "SyncPolicyClient"]  # the robot policy endpoint (policy.py)
+__all__ += ["ActionQueue", "PolicyClient", "SyncPolicyClient"]  # the robot policy endpoint (policy.py, actions.py)
