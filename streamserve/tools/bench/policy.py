@@ -4,10 +4,11 @@ Each loop drives the simulated two-link arm (streamserve.robot.arm) through seed
 connection for all of them (an episode's first observation carries `reset`: a new session on the server). It
 ticks every 20 ms and never waits for the policy: every --policy-replan ticks (default half the action chunk H) it
 sends the observation with its step and a deadline of H - 1 ticks (the reply's chunk still has a row left to run
-then) and keeps executing the chunk it has; a stale reply (the server's answer at the deadline) is not executed.
+then) and executes the rows queued for each tick (streamserve-client's ActionQueue, latest chunk first); a stale
+reply (the server's answer at the deadline) carries the last chunk's rows still ahead, which stay queued.
 
-Every tick is a 20 ms deadline for an action. A missed deadline: a tick with no fresh action to execute (the
-chunk ran out, or replies came stale), except the ticks of an episode before its first observation's deadline
+Every tick is a 20 ms deadline for an action. A missed deadline: a tick with no row to execute (the last chunk ran
+out before the next arrived), except the ticks of an episode before its first observation's deadline
 (no policy can answer sooner). Measures (ms): `action_ms` (observation sent -> reply), `fresh_action_ms` (replies
 that were not stale), `server_infer_ms` (the reply's server_timing). Counts: ticks, startup ticks, held ticks
 (no action, startup included), stale replies, replies, episodes, successes, client_late_ticks (this process
@@ -26,6 +27,7 @@ from streamserve.robot import arm
 from streamserve.tools.bench.config import PROBE_TIMEOUT_S, BenchConfig
 from streamserve.tools.bench.record import SessionRecord, code_of, wind_down
 from streamserve_client import StreamserveClientError
+from streamserve_client.actions import ActionQueue
 from streamserve_client.policy import PolicyClient
 
 HZ = 50.0
@@ -61,8 +63,8 @@ async def policy_session(cfg: BenchConfig, url: str, key: str | None, rec: Sessi
         rec.started = True
         t0, seed = time.monotonic(), 300_000 + 1_000 * rec.index
         q, target = arm.episode_start(seed)
-        chunk: np.ndarray | None = None  # [H, 2] joint velocities, row 0 for episode tick `valid_from`
-        valid_from, ep_tick, asked_at, episode_first = 0, 0, -replan, True
+        queue = ActionQueue()  # joint velocities [2] by episode tick
+        ep_tick, asked_at, episode_first = 0, -replan, True
         tick = 0
         while (due := t0 + tick * PERIOD_S) < t0 + cfg.duration:
             late = time.monotonic() - due
@@ -72,18 +74,16 @@ async def policy_session(cfg: BenchConfig, url: str, key: str | None, rec: Sessi
                 rec.counts["client_late_ticks"] += 1
             if pending is not None and pending.done():
                 reply, pending = pending.result(), None
-                if not reply.get("stale"):  # a stale reply's actions are never executed
-                    chunk, valid_from = np.asarray(reply["actions"], dtype=np.float64), int(reply["valid_from_step"])
+                if len(reply["actions"]):  # a stale reply's rows are the last chunk's still ahead
+                    queue.add(reply["actions"], int(reply["valid_from_step"]))
             if pending is None and ep_tick - asked_at >= replan:
                 obs = {**arm.observation(q, target), "step": ep_tick, "deadline_ms": deadline_ms}
                 if episode_first:
                     obs["reset"], episode_first = True, False
                 pending = asyncio.create_task(ask(client, obs, rec, cfg.turn_timeout))
                 asked_at = ep_tick
-            i = ep_tick - valid_from
-            if chunk is not None and 0 <= i < len(chunk):
-                qd = chunk[i]
-            else:
+            qd = queue.pop(ep_tick)
+            if qd is None:
                 qd = np.zeros(2)
                 rec.counts["held_ticks"] += 1
                 if ep_tick < startup:
@@ -102,7 +102,8 @@ async def policy_session(cfg: BenchConfig, url: str, key: str | None, rec: Sessi
                     pending = None
                 seed += 1
                 q, target = arm.episode_start(seed)
-                chunk, valid_from, ep_tick, asked_at, episode_first = None, 0, 0, -replan, True
+                queue = ActionQueue()
+                ep_tick, asked_at, episode_first = 0, -replan, True
         if pending is not None:
             await pending
         rec.completed = True
