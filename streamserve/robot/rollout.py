@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamserve.errors import ModelLoadError
-from streamserve.robot.codec import PolicyCodec, PolicyConfigError, StateProjector
+from streamserve.robot.codec import PolicyCodec, PolicyConfigError
+from streamserve.robot.projector import StateProjector
 
 if TYPE_CHECKING:
     from streamserve.engine import Engine, Session

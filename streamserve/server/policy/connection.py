@@ -36,7 +36,8 @@ import numpy as np
 from prometheus_client import Counter
 
 from streamserve.errors import SessionClosedError
-from streamserve.robot.codec import PolicyCodec, StateProjector
+from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.projector import StateProjector
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
 from streamserve.server.auth import Grant

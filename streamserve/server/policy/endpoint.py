@@ -23,7 +23,8 @@ from prometheus_client import Counter
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
-from streamserve.robot.codec import PolicyCodec, StateProjector
+from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.projector import StateProjector
 from streamserve.server.auth import Grant
 from streamserve.server.clients import answer_unmatched_expectations, expect
 from streamserve.server.policy.connection import PolicyConnection

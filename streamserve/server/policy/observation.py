@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from streamserve.media.vision import MAX_IMAGE_BYTES, MAX_PIXELS
-from streamserve.robot.codec import PolicyCodec, PolicyInputError, StateProjector
+from streamserve.robot.codec import PolicyCodec, PolicyInputError
+from streamserve.robot.projector import StateProjector
 
 MAX_PROMPT_CHARS = 4096  # an instruction longer than this is refused before tokenizing
 EXTENSION_KEYS = ("reset", "deadline_ms", "deadline", "timestamp", "step")

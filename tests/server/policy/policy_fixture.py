@@ -17,7 +17,7 @@ from serving import RunningServer
 
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
-from streamserve.robot.codec import save_state_projector
+from streamserve.robot.projector import save_state_projector
 from streamserve.server.policy import wire
 
 STATE_KEY = "observation/state"

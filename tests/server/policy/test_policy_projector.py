@@ -28,7 +28,8 @@ from policy_fixture import (
 from policy_fixture import sessions as live_sessions
 from serving import RunningServer
 
-from streamserve.robot.codec import PolicyCodec, StateProjector, save_state_projector
+from streamserve.robot.codec import PolicyCodec
+from streamserve.robot.projector import StateProjector, save_state_projector
 from streamserve.robot.rollout import EnginePolicy
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")

@@ -14,13 +14,8 @@ from policy_fixture import POLICY, policy_checkpoint_at, projector_checkpoint
 from safetensors.numpy import save_file
 
 from streamserve import Engine
-from streamserve.robot.codec import (
-    STATE_PROJECTOR_FILE,
-    PolicyCodec,
-    PolicyConfigError,
-    StateProjector,
-    save_state_projector,
-)
+from streamserve.robot.codec import PolicyCodec, PolicyConfigError
+from streamserve.robot.projector import STATE_PROJECTOR_FILE, StateProjector, save_state_projector
 from streamserve.robot.rollout import EnginePolicy
 
 H, D = POLICY["action_horizon"], POLICY["action_dims"]
