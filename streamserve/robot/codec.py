@@ -25,17 +25,19 @@ This module needs NumPy only (no torch, nothing from the engine or server): robo
 
 from __future__ import annotations
 
+import functools
 import itertools
 import json
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import MISSING, asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from streamserve.robot.errors import PolicyConfigError, PolicyInputError
+from streamserve.robot.normalize import Normalization, parse_norm_stats
 from streamserve.robot.projector import StateProjector
 
 POLICY_FILE = "policy.json"
@@ -83,6 +85,12 @@ class PolicyCodec:
     window: int = 256  # an episode's session keeps `sinks` first tokens + the last `window` (rolling positions)
     sinks: int = 8
     control_hz: float = 50.0
+    # observation keys concatenated, in order, into the state (e.g. joints then gripper); () : state_key alone.
+    # When given, state_key is its first
+    state_keys: tuple[str, ...] = ()
+    # {"state": {mean, std} | {q01, q99}, "actions": ...} (robot/normalize.py): the ranges above are then in
+    # normalised units; None: values are binned as they come
+    norm_stats: dict[str, Any] | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -95,6 +103,9 @@ class PolicyCodec:
                 raise PolicyConfigError(f"policy.json: {name} must be a string")
         if not self.state_key or not self.prompt_key:
             raise PolicyConfigError("policy.json: state_key and prompt_key must not be empty")
+        if not all(isinstance(k, str) and k for k in self.state_keys) or len(set(self.state_keys)) != len(
+                self.state_keys) or (self.state_keys and self.state_keys[0] != self.state_key):
+            raise PolicyConfigError("policy.json: state_keys must be distinct non-empty strings, state_key the first")
         if not all(isinstance(k, str) and k for k in self.image_keys):
             raise PolicyConfigError("policy.json: image_keys must be a list of non-empty strings")
         if self.state_encoding not in STATE_ENCODINGS:
@@ -110,6 +121,7 @@ class PolicyCodec:
                 raise PolicyConfigError(f"policy.json: {kind}_low and {kind}_high must both have {dims} values")
             if not all(lo < hi for lo, hi in zip(low, high, strict=True)):
                 raise PolicyConfigError(f"policy.json: every {kind}_low must be below its {kind}_high")
+        parse_norm_stats(self.norm_stats, len(self.state_low), self.action_dims)
         _int("sinks", self.sinks, 0)
         if _int("window", self.window, 1) < self.sinks:
             raise PolicyConfigError(f"policy.json: window ({self.window}) must be at least sinks ({self.sinks})")
@@ -147,10 +159,11 @@ class PolicyCodec:
         kw = {k: v for k, v in data.items() if k != "format"}
         for name in ("state_low", "state_high", "action_low", "action_high"):
             kw[name] = _floats(name, kw[name])
-        if "image_keys" in kw:
-            if not isinstance(kw["image_keys"], list):
-                raise PolicyConfigError("policy.json: image_keys must be a list of strings")
-            kw["image_keys"] = tuple(kw["image_keys"])
+        for name in ("image_keys", "state_keys"):
+            if name in kw:
+                if not isinstance(kw[name], list):
+                    raise PolicyConfigError(f"policy.json: {name} must be a list of strings")
+                kw[name] = tuple(kw[name])
         return cls(**kw)
 
     @classmethod
@@ -199,12 +212,33 @@ class PolicyCodec:
         return len(self.state_low)
 
     def state_of(self, obs: Mapping[str, Any]) -> np.ndarray:
-        """The state vector [Ds] float64 of an observation dict (PolicyInputError when missing or malformed)."""
+        """The state vector [Ds] float64 of an observation dict, raw (PolicyInputError when missing or malformed):
+        its state key's, or its state keys' values flattened and concatenated in order."""
         if not isinstance(obs, Mapping):
             raise PolicyInputError(f"an observation must be a dict, got {type(obs).__name__}")
-        if self.state_key not in obs:
-            raise PolicyInputError(f"the observation has no {self.state_key!r} (keys: {sorted(map(str, obs))})")
-        return self._vector(obs[self.state_key], (self.state_dims,), self.state_key)
+        keys = self.state_keys or (self.state_key,)
+        missing = [k for k in keys if k not in obs]
+        if missing:
+            raise PolicyInputError(f"the observation has no {', '.join(map(repr, missing))} (keys: "
+                                   f"{sorted(map(str, obs))})")
+        if len(keys) == 1:
+            return self._vector(obs[keys[0]], (self.state_dims,), keys[0])
+        parts = [self._vector(obs[k], None, k).reshape(-1) for k in keys]
+        if sum(p.size for p in parts) != self.state_dims:
+            sizes = ", ".join(f"{k!r} {p.size}" for k, p in zip(keys, parts, strict=True))
+            raise PolicyInputError(f"the state keys hold {sizes} values: together they must be {self.state_dims}")
+        return np.concatenate(parts)
+
+    @functools.cached_property
+    def norms(self) -> dict[str, Normalization]:
+        """The normalisations of norm_stats ({"state"?, "actions"?}; empty without)."""
+        return parse_norm_stats(self.norm_stats, self.state_dims, self.action_dims)
+
+    def normalized_state(self, state: Any) -> np.ndarray:
+        """A raw state [Ds] -> in the units of state_low/state_high (norm_stats' "state" applied, if any)."""
+        x = self._vector(state, (self.state_dims,), "state")
+        norm = self.norms.get("state")
+        return x if norm is None else norm.apply(x)
 
     def prompt_of(self, obs: Mapping[str, Any]) -> str:
         """The instruction of an observation (its prompt key; the codec's default when absent)."""
@@ -215,8 +249,7 @@ class PolicyCodec:
 
     def state_ids(self, state: Any) -> list[int]:
         """[<obs>, s_1 .. s_Ds, <act>] for a state vector [Ds]; values outside the ranges are clipped."""
-        x = self._vector(state, (self.state_dims,), "state")
-        bins = _bin(x, self.state_low, self.state_high, self.state_bins)
+        bins = _bin(self.normalized_state(state), self.state_low, self.state_high, self.state_bins)
         return [self.obs_token, *(self.state_token_offset + bins).tolist(), self.act_token]
 
     def state_parts(self, state: Any, projector: StateProjector | None = None) -> list[list[int] | np.ndarray]:
@@ -227,8 +260,7 @@ class PolicyCodec:
             return [self.state_ids(state)]
         if projector is None:
             raise PolicyConfigError("this policy encodes its state with a projector, and none was loaded")
-        x = self._vector(state, (self.state_dims,), "state")
-        return [[self.obs_token], projector.embed(x), [self.act_token]]
+        return [[self.obs_token], projector.embed(self.normalized_state(state)), [self.act_token]]
 
     def prompt_ids(self, prompt_tokens: Sequence[int]) -> list[int]:
         """[<task>, *prompt_tokens] (the text tokenized by the checkpoint's own tokenizer)."""
@@ -259,7 +291,8 @@ class PolicyCodec:
         low, high = np.asarray(self.action_low), np.asarray(self.action_high)
         width = (high - low) / self.action_bins  # [D]
         centres = low + (bins.reshape(self.action_horizon, self.action_dims) + 0.5) * width
-        return centres.astype(np.float32)
+        norm = self.norms.get("actions")
+        return (centres if norm is None else norm.invert(centres)).astype(np.float32)
 
     def draft_ids(self, last: Sequence[int], shift: int) -> list[int]:
         """The last chunk's H*D ids moved `shift` control steps on (the rows executed since dropped, its last row
@@ -274,7 +307,8 @@ class PolicyCodec:
     def action_tokens(self, actions: Any) -> list[int]:
         """A chunk [H, D] -> its H*D ids (step-major); values outside the ranges are clipped."""
         x = self._vector(actions, (self.action_horizon, self.action_dims), "actions")
-        bins = _bin(x, self.action_low, self.action_high, self.action_bins)
+        norm = self.norms.get("actions")
+        bins = _bin(x if norm is None else norm.apply(x), self.action_low, self.action_high, self.action_bins)
         return (self.action_token_offset + bins).reshape(-1).tolist()
 
     def metadata(self) -> dict[str, Any]:
@@ -286,18 +320,19 @@ class PolicyCodec:
                 "action_bins": self.action_bins, "prompt_key": self.prompt_key,
                 "default_prompt": self.default_prompt, "image_keys": list(self.image_keys),
                 "state_encoding": self.state_encoding,
-                "control_hz": float(self.control_hz), "window": self.window, "sinks": self.sinks}
+                "control_hz": float(self.control_hz), "window": self.window, "sinks": self.sinks,
+                "state_keys": list(self.state_keys or (self.state_key,)), "norm_stats": self.norm_stats}
 
     # ---- helpers ------------------------------------------------------------------------------------------
     @staticmethod
-    def _vector(value: Any, shape: tuple[int, ...], name: str) -> np.ndarray:
+    def _vector(value: Any, shape: tuple[int, ...] | None, name: str) -> np.ndarray:
         try:
             x = np.asarray(value)
         except (TypeError, ValueError) as e:
             raise PolicyInputError(f"{name} is not an array of numbers: {e}") from e
         if x.dtype == np.bool_ or not (np.issubdtype(x.dtype, np.integer) or np.issubdtype(x.dtype, np.floating)):
             raise PolicyInputError(f"{name} must hold numbers, got dtype {x.dtype}")
-        if x.shape != shape:
+        if shape is not None and x.shape != shape:
             raise PolicyInputError(f"{name} must have shape {list(shape)}, got {list(x.shape)}")
         x = x.astype(np.float64)
         if not np.isfinite(x).all():
