@@ -36,13 +36,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import os
 import signal
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, replace
 from functools import partial
-from pathlib import Path
 
 from aiohttp import web
 from prometheus_client import Counter, Gauge
@@ -53,10 +51,18 @@ from streamserve.config import (
     SessionConfig,
 )
 from streamserve.engine import Engine
-from streamserve.errors import InvalidInputError, StreamserveError
+from streamserve.errors import StreamserveError
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
-from streamserve.server.auth import Authenticator, Grant, bearer, origin_allowed, parse_origins, split_protocols
+from streamserve.server.auth import (
+    Authenticator,
+    Grant,
+    bearer,
+    origin_allowed,
+    parse_origins,
+    resolve_api_key,
+    split_protocols,
+)
 from streamserve.server.clients import (
     UNKNOWN,
     ConnectionCounts,
@@ -83,23 +89,6 @@ log = logging.getLogger("streamserve.server")
 
 REAP_SECONDS = 1.0
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
-
-
-def resolve_api_key(config: ServerConfig) -> str | None:
-    """--api-key, else the first line of --api-key-file, else STREAMSERVE_API_KEY, else none."""
-    if config.api_key is not None:
-        if not config.api_key.strip():  # it would let in anyone offering an empty credential
-            raise InvalidInputError("the API key given is empty")
-        return config.api_key
-    if config.api_key_file is not None:
-        try:
-            key = Path(config.api_key_file).read_text().strip().splitlines()
-        except OSError as e:
-            raise InvalidInputError(f"cannot read the API key file {config.api_key_file!r}: {e.strerror}") from None
-        if not key or not key[0].strip():
-            raise InvalidInputError(f"the API key file {config.api_key_file!r} is empty")
-        return key[0].strip()
-    return os.environ.get("STREAMSERVE_API_KEY") or None
 
 
 @dataclass

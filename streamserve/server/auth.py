@@ -16,12 +16,16 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import os
 import re
 import secrets
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
+from streamserve.config import ServerConfig
+from streamserve.errors import InvalidInputError
 from streamserve.server.results import ClientSecretScopeError
 
 SECRET_PROTOCOL_PREFIXES = ("openai-insecure-api-key.", "streamserve-key.")
@@ -192,3 +196,20 @@ def origin_allowed(origin: str | None, host_header: str | None, patterns: tuple[
         if p.endswith(":*") and f"{scheme}://{host}" == p[:-2] and port is not None:
             return True
     return False
+
+
+def resolve_api_key(config: ServerConfig) -> str | None:
+    """--api-key, else the first line of --api-key-file, else STREAMSERVE_API_KEY, else none."""
+    if config.api_key is not None:
+        if not config.api_key.strip():  # it would let in anyone offering an empty credential
+            raise InvalidInputError("the API key given is empty")
+        return config.api_key
+    if config.api_key_file is not None:
+        try:
+            key = Path(config.api_key_file).read_text().strip().splitlines()
+        except OSError as e:
+            raise InvalidInputError(f"cannot read the API key file {config.api_key_file!r}: {e.strerror}") from None
+        if not key or not key[0].strip():
+            raise InvalidInputError(f"the API key file {config.api_key_file!r} is empty")
+        return key[0].strip()
+    return os.environ.get("STREAMSERVE_API_KEY") or None
