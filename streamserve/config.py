@@ -157,6 +157,10 @@ class ServerConfig:
     policy_port: int | None = field(default=None, metadata={
         "help": "also serve the robot policy endpoint (WS /v1/policy) at / on this port: openpi clients connect to a "
                 "bare host and port (needs a model with a policy codec, e.g. --model default-policy; same host)"})
+    policy_model: str | None = field(default=None, metadata={
+        "help": "serve this robot policy checkpoint (a name such as default-policy, or a path) on the policy endpoint "
+                "beside the main model, on an engine of its own: one server for the browser demo and a robot loop "
+                "(default: the policy endpoint serves the main model, if it is a policy)"})
     snapshot_store: str | None = field(default=None, metadata={
         "help": "a directory shared by the instances behind one proxy: a draining instance (SIGUSR1 or POST "
                 "/admin/drain) writes its sessions' snapshots there and tells clients to reconnect, and an instance "

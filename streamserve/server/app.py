@@ -163,6 +163,14 @@ class Server:
         self.server_metrics.connections.set_function(lambda: len(self.connections))
         self.service.metrics(reg)  # media bytes and refusals; the STT queue, passes and latencies
         self.engine = engine
+        try:  # --policy-model: the robot policy beside it, on an engine of its own
+            await self.policy.load_model(step, vision)
+        except Exception as e:
+            self.load_error = e
+            log.error("streamserve: the policy model failed to load: %s", e)
+            self.ready.set()
+            return
+        self.service.policy_model = self.policy.model_name()
         loop = asyncio.get_running_loop()
         engine.loop.on_death(lambda fault: loop.call_soon_threadsafe(self.engine_failed.set))
         self.ready.set()
@@ -174,7 +182,9 @@ class Server:
             if self.service is None:
                 continue
             try:
-                await self.service.reap()
+                for service in (self.service, self.policy.service):
+                    if service is not None:
+                        await service.reap()
             except Exception:  # never let one bad close end the reaping
                 log.exception("streamserve: reaping sessions failed")
 
@@ -198,6 +208,7 @@ class Server:
             t.cancel()
         if self.service is not None:
             await self.service.shutdown()
+        await self.policy.close_model()
 
     @property
     def engine_died(self) -> BaseException | None:
@@ -374,7 +385,7 @@ def run(server: Server, announce: Callable[[str], None] = print) -> None:
             await runner.cleanup()
             raise SystemExit(1)
         if ready in done and server.engine is not None:
-            announce(f"streamserve: ready: {server.engine.name} on {server.engine.device}")
+            announce(f"streamserve: ready: {server.engine.name} on {server.engine.device}{server.policy.note()}")
         failed = asyncio.create_task(server.engine_failed.wait())
         await asyncio.wait({stopped, failed, drained}, return_when=asyncio.FIRST_COMPLETED)
         if server.engine_died is not None:

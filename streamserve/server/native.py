@@ -55,7 +55,8 @@ MAX_BAD_MESSAGES = 16  # malformed frames tolerated per connection before it is 
 def render_hello(info: ServerInfo) -> dict[str, Any]:
     lim = info.limits
     return {"type": "hello", "protocol": P.PROTOCOL_VERSION, "server": f"streamserve {__version__}",
-            "model": info.model, "architecture": info.architecture, "modalities": list(info.modalities),
+            "model": info.model, "policy_model": info.policy_model, "architecture": info.architecture,
+            "modalities": list(info.modalities),
             "chat_template": info.chat_template, "capabilities": list(info.capabilities),
             "vocab_size": info.vocab_size, "max_context": info.max_context,
             "limits": {"max_frame_bytes": lim.max_frame_bytes, "max_chunk_tokens": lim.max_chunk_tokens,

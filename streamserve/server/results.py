@@ -80,6 +80,7 @@ class ServerInfo:
     audio: AudioInfo | None = None  # None: no voice on this server (audio is refused)
     image: ImageInfo | None = None  # None: no image input on this server (images are refused)
     capabilities: tuple[str, ...] = ()  # what sessions can do besides append/reply/cancel/close (engine.CAPABILITIES)
+    policy_model: str | None = None  # the model WS /v1/policy serves (None: no policy on this server)
 
 
 @dataclass(frozen=True)

@@ -77,6 +77,7 @@ class SessionService(ServiceLifecycle):
             voice.speculations.enabled = not config.no_speculation
         self.vision = vision  # the vision model (server/vision.py): None when not loaded, and images are refused
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
+        self.policy_model: str | None = None  # what WS /v1/policy serves (set by the server once it knows; hello)
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
                                         config.max_chunk_tokens, config.max_sessions, config.max_sessions_per_ip)
         self.engine_executor = ThreadPoolExecutor(ENGINE_WORKERS, thread_name_prefix="streamserve-engine")
@@ -112,7 +113,8 @@ class SessionService(ServiceLifecycle):
                               c.max_frame_bytes, c.max_chunk_tokens, c.max_sessions_per_connection,
                               c.messages_per_second, c.bytes_per_second, c.resume_ttl, c.max_reply_tokens,
                               self.max_window(), c.max_pages_per_connection, c.max_queued_tokens_per_connection,
-                              c.min_deadline_ms), self.chats.available, audio, image, tuple(e.capabilities))
+                              c.min_deadline_ms), self.chats.available, audio, image, tuple(e.capabilities),
+                          self.policy_model)
 
     def max_window(self) -> int:
         """The largest window + sinks a session may ask for."""

@@ -4,6 +4,10 @@
 limits, those per client address included, transport) and the same session service; the second site's routes
 answer `Expect` as the main site's do (server/clients.py).
 
+With --policy-model, the endpoint serves that checkpoint on an engine and a session service of its own (loaded
+after the main model, before the server is ready; the same config, auth and limits), so one server serves a chat
+model and a robot policy. Otherwise it serves the main model. The native `hello` says which (`policy_model`).
+
 The codec is the served checkpoint's `policy.json` (robot/codec.py), read once the model has loaded: a model
 without one has no policy, and a client is told so (text frame, close 1011) instead of being sent metadata. So is a
 client of a policy that reads camera images when the server takes none (no vision model loaded and no image encoder
@@ -13,6 +17,7 @@ state_projector.safetensors is loaded with the codec (robot/codec.py StateProjec
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
@@ -20,13 +25,14 @@ from typing import Any, Protocol
 from aiohttp import web
 from prometheus_client import Counter
 
-from streamserve.config import ServerConfig
+from streamserve.config import EngineConfig, ServerConfig, SessionConfig
 from streamserve.engine import Engine
-from streamserve.errors import StreamserveError
+from streamserve.errors import ModelLoadError, StreamserveError
 from streamserve.robot.codec import PolicyCodec
 from streamserve.robot.projector import StateProjector
 from streamserve.server.auth import Grant
 from streamserve.server.clients import answer_unmatched_expectations, expect
+from streamserve.server.loaders import engine_loader
 from streamserve.server.policy.connection import PolicyConnection
 from streamserve.server.service import SessionService
 from streamserve.server.transport import Transport
@@ -43,6 +49,7 @@ class Host(Protocol):
     app: web.Application
     config: ServerConfig
     engine: Engine | None
+    session_defaults: SessionConfig
 
     async def guard(self, request: web.Request, handler: Any) -> web.StreamResponse: ...
 
@@ -59,14 +66,46 @@ class PolicyEndpoint:
         self.port: int | None = None  # the policy site's bound port (with --policy-port 0: the one chosen)
         self.codec_of: tuple[object, PolicyCodec | None, str, StateProjector | None] | None = None
         # (engine, codec, refusal, the codec's state projector)
+        self.service: SessionService | None = None  # --policy-model's (None: the server's main service)
         server.app.add_routes([web.get(PATH, self.route, expect_handler=expect)])
         server.app.on_shutdown.append(self.on_shutdown)  # after the server's goodbyes (registered first)
+
+    async def load_model(self, step_tokens: int, vision: Any) -> None:
+        """With --policy-model: load it (in a worker thread) on an engine of its own, with a session service of its
+        own (no voice: a policy reads states and camera images). Its failure is the server's load failure."""
+        name = self.server.config.policy_model
+        main = self.server.engine
+        if name is None or main is None:
+            return
+        load = engine_loader(EngineConfig(model=name, device=getattr(main.device, "type", str(main.device))))
+        engine = await asyncio.to_thread(load)
+        self.service = SessionService(engine, self.server.config, self.server.session_defaults, step_tokens, None,
+                                      vision)
+        codec, refusal, _ = self.resolve()
+        if codec is None:
+            raise ModelLoadError(f"--policy-model {name}: {refusal.split(': ', 1)[-1]}")
+        log.info("streamserve: serving the robot policy %s on /v1/policy", engine.name)
+
+    def model_name(self) -> str | None:
+        """The model /v1/policy serves (None: the main model is no policy and no --policy-model was given)."""
+        if self.server.engine is None:
+            return None
+        codec = self.resolve()[0]
+        return None if codec is None else self.engine().name
+
+    def note(self) -> str:
+        """For the server's ready line: the policy served beside the main model (with --policy-model)."""
+        return "" if self.service is None else f"; robot policy {self.service.engine.name} on {PATH}"
+
+    def engine(self) -> Engine:
+        engine = self.service.engine if self.service is not None else self.server.engine
+        assert engine is not None
+        return engine
 
     def resolve(self) -> tuple[PolicyCodec | None, str, StateProjector | None]:
         """The served model's codec and its state projector (read once per engine), or None and what to tell a
         client."""
-        engine = self.server.engine
-        assert engine is not None
+        engine = self.engine()
         if self.codec_of is None or self.codec_of[0] is not engine:
             codec, refusal, projector = None, "", None
             try:
@@ -80,12 +119,14 @@ class PolicyEndpoint:
                 codec, refusal = None, "no_policy: this model's policy.json is unusable (the server log says why)"
             if codec is None and not refusal:
                 refusal = (f"no_policy: the served model ({engine.name}) is not a robot policy (its checkpoint has no "
-                           "policy.json); start the server with `--model default-policy` or another policy checkpoint")
+                           "policy.json); start the server with `--policy-model default-policy` (beside it) or "
+                           "`--model default-policy`")
             self.codec_of = (engine, codec, refusal, projector)
         return self.codec_of[1], self.codec_of[2], self.codec_of[3]
 
     def connection(self, service: SessionService, transport: Transport, grant: Grant,
                    messages: Counter) -> PolicyConnection:
+        service = self.service or service  # --policy-model: its own service
         codec, refusal, projector = self.resolve()
         if codec is not None and codec.image_keys and service.images.info() is None:  # no vision path to feed
             refusal, codec = (f"unsupported_observation: this policy reads camera images {list(codec.image_keys)}; "
@@ -123,6 +164,12 @@ class PolicyEndpoint:
     def where(self) -> str:
         """For the server's start-up line: where openpi clients connect (with --policy-port), else nothing."""
         return "" if self.port is None else f"; robot policy ws://{self.server.config.host}:{self.port}"
+
+    async def close_model(self) -> None:
+        """--policy-model's sessions closed and its engine stopped (the server's cleanup)."""
+        if self.service is not None:
+            service, self.service = self.service, None
+            await service.shutdown()
 
     async def on_shutdown(self, app: web.Application) -> None:
         if self.runner is not None:
