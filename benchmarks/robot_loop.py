@@ -1,13 +1,16 @@
 """The robot policy endpoint under simulated robots: observation -> action latency, control rate and success.
 
-    python benchmarks/robot_loop.py [--robots 1,8,32] [--seconds 20] [--quick]
+    python benchmarks/robot_loop.py [--robots 1,8,16,32] [--hz 50,10] [--seconds 20] [--quick]
 
 1. `streamserve serve --model default-policy` runs as a subprocess on a free loopback port. N simulated two-link
    arms (examples/robot_loop.py's real-time loop, streamserve-client's PolicyClient, one connection and one
-   session each) run back-to-back seeded episodes at 50 Hz for `--seconds`; each sends an observation every H/2
-   ticks (H: the chunk's horizon) with the deadline of the chunk in hand, and holds still on a tick with no fresh
-   action. Per level: latency p50/p99 (observation sent -> reply read), the control rate the loops held (ticks
-   run / seconds / 50), ticks that ran more than a period late, held ticks, stale replies, success rate.
+   session each) run back-to-back seeded episodes at each rate of `--hz` for `--seconds`; each sends an
+   observation every H/2 ticks (H: the chunk's horizon) with the deadline of the chunk in hand, and holds still on
+   a tick with no row queued. Per level: latency p50/p99 (observation sent -> reply read), the control rate the
+   loops held (ticks run / seconds / hz), ticks that ran more than a period late, held ticks and the share of
+   ticks with a row to run, stale replies, success rate, forwards per chunk and draft acceptance (from the
+   replies' policy_timing). `held_max`: per rate, the most arms of the levels tried with >= 95% of ticks served
+   and the loops on their clock.
 2. Stateful vs stateless at step 1,000 (in process, the same engine): a persistent episode session has run 1,000
    ticks; each further tick appends only the new observation. A stateless server re-sends the history every tick:
    all of it, or at best the tail the model still attends to (its sinks and window). All three are timed side by
@@ -36,6 +39,7 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parent.parent
 HZ = 50.0
+HELD_SHARE = 0.95  # a level is held when >= 95% of its ticks had a row to run and the loops kept their clock
 
 
 def load_example() -> Any:
@@ -70,18 +74,18 @@ def start_server() -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
     return proc, port, lines
 
 
-async def robots(ex: Any, url: str, n: int, seconds: float) -> dict[str, Any]:
-    """`n` arms at HZ for `seconds`, each on its own connection, episodes back to back."""
+async def robots(ex: Any, url: str, n: int, seconds: float, hz: float = HZ) -> dict[str, Any]:
+    """`n` arms at `hz` for `seconds`, each on its own connection, episodes back to back."""
 
     async def one(k: int) -> list[Any]:
         conn = await ex.native_connection(url, None)
         replan = ex.default_replan(conn.metadata)
-        deadline = ex.default_deadline_ms(conn.metadata, HZ, replan)
+        deadline = ex.default_deadline_ms(conn.metadata, hz, replan)
         out, end, e = [], time.monotonic() + seconds, 0
         try:
             while time.monotonic() < end:
                 seed = 200_000 + 1_000 * k + e
-                out.append(await ex.run_episode(conn.request, seed, HZ, replan, deadline))
+                out.append(await ex.run_episode(conn.request, seed, hz, replan, deadline))
                 e += 1
         finally:
             await conn.close()
@@ -92,8 +96,10 @@ async def robots(ex: Any, url: str, n: int, seconds: float) -> dict[str, Any]:
     wall = time.monotonic() - t0
     episodes = [e for r in per_robot for e in r]
     s = ex.summary(episodes)
-    s["robots"] = n
-    s["control_rate_held"] = round(s["ticks"] / (n * wall * HZ), 3)  # 1.0: every loop ran all its ticks on time
+    s["robots"], s["hz"] = n, hz
+    s["control_rate_held"] = round(s["ticks"] / (n * wall * hz), 3)  # 1.0: every loop ran all its ticks on time
+    s["fresh_tick_share"] = round(1.0 - s["held_ticks"] / max(1, s["ticks"]), 3)  # ticks with a row to run
+    s["held"] = s["fresh_tick_share"] >= HELD_SHARE and s["control_rate_held"] >= HELD_SHARE
     return s
 
 
@@ -160,12 +166,14 @@ def stateless_ratio(ticks_before: int, measured: int) -> dict[str, Any]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--robots", default=None, help="comma-separated robot counts (default 1,2,4,8,32; --quick 1,2)")
+    ap.add_argument("--robots", default=None, help="comma-separated robot counts (default 1,8,16,32; --quick 1,2)")
     ap.add_argument("--seconds", type=float, default=None, help="seconds per level (default 20; --quick 4)")
     ap.add_argument("--step", type=int, default=None, help="ticks before the stateless comparison (default 1000)")
+    ap.add_argument("--hz", default=None, help="comma-separated control rates (default 50,10; --quick 50)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
     args = ap.parse_args()
-    levels = [int(x) for x in (args.robots or ("1,2" if args.quick else "1,2,4,8,32")).split(",")]
+    rates = [float(x) for x in (args.hz or ("50" if args.quick else "50,10")).split(",")]
+    levels = [int(x) for x in (args.robots or ("1,2" if args.quick else "1,8,16,32")).split(",")]
     seconds = args.seconds or (4.0 if args.quick else 20.0)
     step = args.step if args.step is not None else (60 if args.quick else 1000)
     ex = load_example()
@@ -173,10 +181,14 @@ def main() -> None:
                               "seconds": seconds, "load_avg_1m_at_start": round(os.getloadavg()[0], 2), "levels": []}
     proc, port, log = start_server()
     try:
-        for n in levels:
-            r = asyncio.run(robots(ex, f"ws://127.0.0.1:{port}/v1/policy", n, seconds))
-            print(json.dumps(r), file=sys.stderr, flush=True)
-            result["levels"].append(r)
+        for hz in rates:
+            for n in levels:
+                r = asyncio.run(robots(ex, f"ws://127.0.0.1:{port}/v1/policy", n, seconds, hz))
+                print(json.dumps(r), file=sys.stderr, flush=True)
+                result["levels"].append(r)
+        # the most arms held at each rate (levels tried only; None: not even the fewest)
+        result["held_max"] = {str(hz): max((r["robots"] for r in result["levels"] if r["hz"] == hz and r["held"]),
+                                           default=None) for hz in rates}
     except BaseException:
         print("".join(log)[-3000:], file=sys.stderr)
         raise
