@@ -24,12 +24,10 @@ stop_lag: speech_stopped received - send time of the frame holding its audio_end
 VAD runs behind the audio it is sent (a server that keeps pace is within a VAD window, 32 ms, plus a frame), and
 audio_end_after_eos: speech_stopped's audio_end_ms - the end of the last voiced frame on the session's audio clock
 (silence_duration_ms when the VAD ends speech where the audio does); vad_hangover is about their sum.
-Concurrency: 1, 2, 4 sessions streaming at once (each its own connection, starts staggered by STAGGER_S,
---session-turns turns each), first model, silence 500 ms: eos -> first audio p50 and the stop lag; `kept_up` =
-every turn answered and the stop lag p99 under KEPT_UP_LAG_MS.
-Media real-time factors (compute time / audio duration), measured in this process before any server starts, with
-the threads the server gives each model: Silero VAD over 10 s of speech fed in 20 ms pieces, one Whisper pass
-over 2 s and over 5 s, Piper synthesis of one sentence.
+Concurrency: 1, 2, 4 sessions at once (own connections, starts staggered by STAGGER_S, --session-turns turns
+each), first model, silence 500 ms: eos -> first audio p50, the stages' p50 and the stop lag; `kept_up` = every
+turn answered and the stop lag p99 under KEPT_UP_LAG_MS. Media real-time factors (compute / audio time), in this
+process with the server's threads: Silero over 10 s in 20 ms pieces, Whisper over 2 s and 5 s, Piper one sentence.
 Word error rate: benchmarks/stt_wer.py (36 utterances, several voices, speeds and noise; the held-audio path
 against Whisper's 30 s window) runs first, its JSON under `wer`.
 Speculation: by default the server starts a reply at the first silence when the words look complete, held until
@@ -89,6 +87,9 @@ class Utterance:
     text: str
     pcm: bytes  # PCM16 mono 24 kHz
     eos_frame: int  # index of the 20 ms frame holding the last voiced sample
+
+
+STAGES = ("vad_hangover", "transcript_final", "ttft", "first_tts_chunk")  # a turn's split, in order
 
 
 def pct(xs: list[float], q: float) -> float | None:
@@ -268,8 +269,7 @@ def analyse(events: list[tuple[float, dict[str, Any]]], t_eos: float, eos_ms: in
 def summarise(turns: list[dict[str, Any]], stream: Stream | None = None) -> dict[str, Any]:
     done = [t for t in turns if "error" not in t]
     out: dict[str, Any] = {"turns_answered": f"{len(done)}/{len(turns)}"}
-    for key in ("eos_to_first_audio", "vad_hangover", "transcript_final", "ttft", "first_tts_chunk", "stop_lag",
-                "audio_end_after_eos"):
+    for key in ("eos_to_first_audio", *STAGES, "stop_lag", "audio_end_after_eos"):
         out[f"{key}_ms"] = spread([t[key] for t in done if key in t])
     out["final_event"] = sorted({t["final_event"] for t in done if "final_event" in t})
     out["early_stops"] = sum(t["early_stops"] for t in done)
@@ -316,8 +316,7 @@ async def concurrent(url: str, utts: list[Utterance], sessions: int, n: int, max
     kept_up = all("error" not in t for t in turns) and bool(lags) and (pct(lags, 0.99) or 0) < KEPT_UP_LAG_MS
     return {"sessions": sessions, "turns_answered": s["turns_answered"],
             "eos_to_first_audio_p50_ms": s["eos_to_first_audio_ms"]["p50"], "stop_lag_ms": s["stop_lag_ms"],
-            "stages_p50_ms": {k: s[f"{k}_ms"]["p50"] for k in ("vad_hangover", "transcript_final", "ttft",
-                                                               "first_tts_chunk")},
+            "stages_p50_ms": {k: s[f"{k}_ms"]["p50"] for k in STAGES},
             "stop_lag_max_ms": round(max(lags), 1) if lags else None, "kept_up": kept_up,
             "client_send_lag_max_ms": round(max(lag for _, lag in results) * 1e3, 1), "problems": s["problems"]}
 
