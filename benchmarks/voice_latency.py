@@ -17,9 +17,8 @@ EOS_LEVEL, -40 dBFS) to the first `response.output_audio.delta`, split into:
                    committed event when no transcription event comes) - speech_stopped
   ttft             first reply text (response.output_audio_transcript.delta / output_text.delta) - that
   first_tts_chunk  first response.output_audio.delta - first reply text
-p50 and p99 (nearest rank, so with few turns p99 is the slowest turn) over the turns, with server_vad at
-silence_duration_ms 500 (the server default) and 200, and semantic_vad (eagerness auto) side by side, for each model
-asked (SmolLM2 only when pulled).
+p50 and p99 (nearest rank: with few turns p99 is the slowest turn), server_vad at silence_duration_ms 500 (the
+default) and 200 and semantic_vad (eagerness auto) side by side, for each model asked (SmolLM2 only when pulled).
 stop_lag: speech_stopped received - send time of the frame holding its audio_end_ms, i.e. how far the server's
 VAD runs behind the audio it is sent (a server that keeps pace is within a VAD window, 32 ms, plus a frame), and
 audio_end_after_eos: speech_stopped's audio_end_ms - the end of the last voiced frame on the session's audio clock
