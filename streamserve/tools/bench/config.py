@@ -28,7 +28,7 @@ class BenchConfig:
                 "sampled on a server that has a key"})
     text: int = field(default=0, metadata={"help": "native text sessions (client SDK) at once"})
     voice: int = field(default=0, metadata={"help": "/v1/realtime voice sessions (synthesised speech) at once"})
-    policy: int = field(default=0, metadata={"help": "robot policy loops (50 Hz, /v1/policy) at once"})
+    policy: int = field(default=0, metadata={"help": "robot policy loops (at --policy-hz, /v1/policy) at once"})
     duration: float = field(default=30.0, metadata={"help": "seconds each session runs"})
     chunk_ms: int = field(default=200, metadata={
         "help": "text sessions append one chunk every CHUNK_MS; an append acked later than that (after the chunk's "
@@ -43,6 +43,8 @@ class BenchConfig:
     voice_turn_ms: float = field(default=5000.0, metadata={
         "help": "a voice turn answered later than this (end of speech -> first reply audio) is a missed deadline "
                 "(5 s suits the voice models on a CPU; set what your users can bear)"})
+    policy_hz: float = field(default=50.0, metadata={
+        "help": "the policy loops' control rate: every tick is a deadline for an action (default 50 Hz)"})
     policy_replan: int | None = field(default=None, metadata={
         "help": "control ticks between a policy loop's observations (default: half the policy's action chunk)"})
     turn_timeout: float = field(default=30.0, metadata={
@@ -71,6 +73,9 @@ class BenchConfig:
             raise InvalidInputError("--reply-tokens and --voice-reply-tokens must be >= 1")
         if self.window < 0 or (self.policy_replan is not None and self.policy_replan < 1):
             raise InvalidInputError("--window must be >= 0 and --policy-replan >= 1")
+        if isinstance(self.policy_hz, bool) or not isinstance(self.policy_hz, (int, float)) \
+                or not math.isfinite(self.policy_hz) or not 0 < self.policy_hz <= 1000:
+            raise InvalidInputError(f"--policy-hz must be a rate in (0, 1000], got {self.policy_hz!r}")
         if not (math.isfinite(self.voice_turn_ms) and self.voice_turn_ms > 0):
             raise InvalidInputError(f"--voice-turn-ms must be > 0, got {self.voice_turn_ms!r}")
         if not (math.isfinite(self.turn_timeout) and self.turn_timeout > 0):

@@ -1,13 +1,14 @@
-"""Robot policy loops on `WS /v1/policy` (streamserve-client's PolicyClient), at 50 Hz in real time.
+"""Robot policy loops on `WS /v1/policy` (streamserve-client's PolicyClient), at --policy-hz (50) in real time.
 
 Each loop drives the simulated two-link arm (streamserve.robot.arm) through seeded episodes back to back, one
 connection for all of them (an episode's first observation carries `reset`: a new session on the server). It
-ticks every 20 ms and never waits for the policy: every --policy-replan ticks (default half the action chunk H) it
-sends the observation with its step and a deadline of H - 1 ticks (the reply's chunk still has a row left to run
-then) and executes the rows queued for each tick (streamserve-client's ActionQueue, latest chunk first); a stale
-reply (the server's answer at the deadline) carries the last chunk's rows still ahead, which stay queued.
+ticks every 1 / --policy-hz s (20 ms at 50 Hz) and never waits for the policy: every --policy-replan ticks
+(default half the action chunk H) it sends the observation with its step and a deadline of H - 1 ticks (the
+reply's chunk still has a row left to run then) and executes the rows queued for each tick (streamserve-client's
+ActionQueue, latest chunk first); a stale reply (the server's answer at the deadline) carries the last chunk's
+rows still ahead, which stay queued.
 
-Every tick is a 20 ms deadline for an action. A missed deadline: a tick with no row to execute (the last chunk ran
+Every tick is a deadline for an action. A missed deadline: a tick with no row to execute (the last chunk ran
 out before the next arrived), except the ticks of an episode before its first observation's deadline
 (no policy can answer sooner). Measures (ms): `action_ms` (observation sent -> reply), `fresh_action_ms` (replies
 that were not stale), `server_infer_ms` (the reply's server_timing). Counts: ticks, startup ticks, held ticks
@@ -30,8 +31,6 @@ from streamserve_client import StreamserveClientError
 from streamserve_client.actions import ActionQueue
 from streamserve_client.policy import PolicyClient
 
-HZ = 50.0
-PERIOD_S = 1.0 / HZ
 SKIP_CODES = ("no_policy", "unsupported_observation")  # the served model cannot be a policy: the kind is skipped
 
 
@@ -58,19 +57,20 @@ async def policy_session(cfg: BenchConfig, url: str, key: str | None, rec: Sessi
         meta = await asyncio.wait_for(client.connect(), cfg.turn_timeout)
         horizon = int(meta["action_horizon"])
         replan = cfg.policy_replan or max(1, horizon // 2)
-        deadline_ms = max(1, horizon - 1) * PERIOD_S * 1e3
-        startup = int(np.ceil(deadline_ms / 1e3 / PERIOD_S))  # ticks before the first reply is due
+        period = 1.0 / cfg.policy_hz
+        deadline_ms = max(1, horizon - 1) * period * 1e3
+        startup = int(np.ceil(deadline_ms / 1e3 / period))  # ticks before the first reply is due
         rec.started = True
         t0, seed = time.monotonic(), 300_000 + 1_000 * rec.index
         q, target = arm.episode_start(seed)
         queue = ActionQueue()  # joint velocities [2] by episode tick
         ep_tick, asked_at, episode_first = 0, -replan, True
         tick = 0
-        while (due := t0 + tick * PERIOD_S) < t0 + cfg.duration:
+        while (due := t0 + tick * period) < t0 + cfg.duration:
             late = time.monotonic() - due
             if late < 0:
                 await asyncio.sleep(-late)
-            elif late > PERIOD_S:
+            elif late > period:
                 rec.counts["client_late_ticks"] += 1
             if pending is not None and pending.done():
                 reply, pending = pending.result(), None
