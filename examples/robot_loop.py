@@ -12,6 +12,9 @@ queued (streamserve-client's ActionQueue: row r of a reply is for step `valid_fr
 newer chunk overlaps rows still queued, `--blend` says what runs (the newer row, the average of all, or a weighted
 average). A tick with no row queued (the chunk ran out before the next arrived) holds still — zero joint velocity —
 and counts as held.
+`--rtc K` turns on real-time chunking: each observation carries the K rows queued from its tick on (what the arm
+executes while the reply is computed) as `action_prefix`, the reply's chunk starts with them and the server decodes
+only the other H - K rows, conditioned on them: a shorter reply, and no jump where the new chunk takes over.
 `--lockstep` waits for every reply instead (no real time): the result is then deterministic, the same as the
 in-process policy's.
 
@@ -24,7 +27,7 @@ import argparse
 import asyncio
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -51,10 +54,11 @@ class Episode:
 
 
 async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int = 5, deadline_ms: float | None = None,
-                      lockstep: bool = False, time_limit: int = arm.TIME_LIMIT, blend: str | float = "latest"
-                      ) -> Episode:
+                      lockstep: bool = False, time_limit: int = arm.TIME_LIMIT, blend: str | float = "latest",
+                      rtc: int = 0) -> Episode:
     """One seeded episode of the arm against `request`. Real time: the loop sleeps to each tick and sends an
-    observation every `replan` ticks without waiting (one in flight); lockstep: it waits for each reply."""
+    observation every `replan` ticks without waiting (one in flight); lockstep: it waits for each reply. `rtc`:
+    the rows queued from the observation's tick on that it sends as `action_prefix` (at most `rtc`)."""
     q, target = arm.episode_start(seed)
     ep, period = Episode(), 1.0 / hz
     queue = ActionQueue(blend)  # joint velocities [2] by tick, from every reply's chunk
@@ -63,13 +67,21 @@ async def run_episode(request: Request, seed: int, hz: float = 50.0, replan: int
     first = True
     start = time.monotonic()
 
-    async def ask(tick: int) -> dict[str, Any]:
+    def ask(tick: int) -> Coroutine[Any, Any, dict[str, Any]]:
+        """The observation of this tick, built now (its action_prefix before the tick's row is popped)."""
         nonlocal first
         obs = {**arm.observation(q, target), "step": tick, "timestamp": time.time()}
         if deadline_ms is not None:
             obs["deadline_ms"] = float(deadline_ms)
         if first:  # a new episode: a new session on the server
             obs["reset"], first = True, False
+        elif rtc > 0:  # real-time chunking: the rows it executes meanwhile start the reply's chunk
+            prefix = queue.rows(tick, rtc)
+            if len(prefix):
+                obs["action_prefix"] = prefix.astype(np.float32)
+        return reply_to(obs)
+
+    async def reply_to(obs: dict[str, Any]) -> dict[str, Any]:
         sent = time.monotonic()
         reply = await request(obs)
         ms = (time.monotonic() - sent) * 1000  # when it came, not the tick that reads it
@@ -209,7 +221,8 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     try:
         for n in range(args.episodes):
             seed = arm.EVAL_SEEDS[n % len(arm.EVAL_SEEDS)] if args.seed is None else args.seed + n
-            e = await run_episode(conn.request, seed, args.hz, replan, deadline, args.lockstep, blend=args.blend)
+            e = await run_episode(conn.request, seed, args.hz, replan, deadline, args.lockstep, blend=args.blend,
+                                  rtc=args.rtc)
             episodes.append(e)
             print(f"episode {n + 1}/{args.episodes} (seed {seed}): {'reached' if e.success else 'missed'} in "
                   f"{e.ticks} ticks; held {e.held}, stale {e.stale}, p50 {percentile(e.latencies_ms, 50):.0f} ms",
@@ -217,7 +230,7 @@ async def main_async(args: argparse.Namespace) -> dict[str, Any]:
     finally:
         await conn.close()
     return summary(episodes, client=args.client, hz=args.hz, replan=replan, lockstep=args.lockstep,
-                   deadline_ms=deadline)
+                   deadline_ms=deadline, rtc=args.rtc)
 
 
 def main() -> None:
@@ -236,6 +249,9 @@ def main() -> None:
                    help="ticks between observations sent (default: half the chunk's horizon)")
     p.add_argument("--deadline-ms", type=float, default=None,
                    help="reply deadline per observation (default: while the reply's chunk has a row left, H - 1 ticks)")
+    p.add_argument("--rtc", type=int, default=0, metavar="K",
+                   help="real-time chunking: send the K rows queued from each observation's tick on as its "
+                        "action_prefix (K < H; default 0, off)")
     p.add_argument("--lockstep", action="store_true", help="wait for every reply (deterministic; not real time)")
     args = p.parse_args()
     print(json.dumps(asyncio.run(main_async(args))))

@@ -8,10 +8,11 @@ Gauges of pool and sessions are read when scraped, so they are never stale.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.metrics_core import Metric
 
 from streamserve.engine.work import ChunkAcked, Event, Plan, SessionFailed, StepOutput, TokenProduced
 
@@ -93,6 +94,23 @@ class EngineMetrics:
                 for _ in range(n):
                     self.itl.observe((out.finished - r.prev_token_at) / n)
 
-    def exposition(self) -> bytes:
-        """The Prometheus text format of every metric."""
-        return generate_latest(self.registry)
+    def exposition(self, prefix: str = "streamserve_") -> bytes:
+        """The Prometheus text format of every metric, named `prefix`... (a second engine beside the main one, e.g.
+        --policy-model's, is exposed as `streamserve_policy_*` on the same /metrics)."""
+        return generate_latest(self.registry if prefix == "streamserve_" else _Renamed(self.registry, prefix))
+
+
+class _Renamed:
+    """A registry's metrics with `streamserve_` in their names (and their samples') swapped for another prefix."""
+
+    def __init__(self, registry: CollectorRegistry, prefix: str) -> None:
+        self.registry, self.prefix = registry, prefix
+
+    def collect(self) -> Iterator[Metric]:
+        def name(n: str) -> str:
+            return self.prefix + n.removeprefix("streamserve_")
+
+        for m in self.registry.collect():
+            out = Metric(name(m.name), m.documentation, m.type, m.unit)
+            out.samples = [s._replace(name=name(s.name)) for s in m.samples]
+            yield out

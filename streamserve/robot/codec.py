@@ -306,7 +306,20 @@ class PolicyCodec:
 
     def action_tokens(self, actions: Any) -> list[int]:
         """A chunk [H, D] -> its H*D ids (step-major); values outside the ranges are clipped."""
-        x = self._vector(actions, (self.action_horizon, self.action_dims), "actions")
+        return self._action_ids(self._vector(actions, (self.action_horizon, self.action_dims), "actions"))
+
+    def prefix_ids(self, rows: Any) -> list[int]:
+        """Real-time chunking: the actions [k, D] (0 <= k < H) a robot executes from the observation's step on while
+        the next chunk is computed -> their k*D ids, forced as that chunk's first rows (only the rest is decoded)."""
+        x = self._vector(rows, None, "action_prefix")
+        if x.size == 0:
+            return []
+        if x.ndim != 2 or x.shape[1] != self.action_dims or x.shape[0] >= self.action_horizon:
+            raise PolicyInputError(f"action_prefix must have shape [k, {self.action_dims}] with k < "
+                                   f"{self.action_horizon} (the chunk's horizon), got {list(x.shape)}")
+        return self._action_ids(x)
+
+    def _action_ids(self, x: np.ndarray) -> list[int]:
         norm = self.norms.get("actions")
         bins = _bin(x if norm is None else norm.apply(x), self.action_low, self.action_high, self.action_bins)
         return (self.action_token_offset + bins).reshape(-1).tolist()

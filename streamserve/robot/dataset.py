@@ -30,6 +30,7 @@ class Stream:
     ids: np.ndarray  # [N] int64 token ids of the whole episode
     query: np.ndarray  # [N] int64: index of the <obs> token of the query each token belongs to (-1: prompt)
     is_action: np.ndarray  # [N] bool: the token is an action id (a training target)
+    replan: int = 1  # control steps executed between two queries
 
 
 def expert_stream(rng: np.random.Generator, codec: PolicyCodec, tokenize: Callable[[str], list[int]],
@@ -70,7 +71,8 @@ def expert_stream(rng: np.random.Generator, codec: PolicyCodec, tokenize: Callab
             target, since, reached_at = arm.random_target(rng), 0, None
             if rng.random() < 0.05:  # a new instruction mid-episode (the server appends it on change)
                 put(codec.prompt_ids(tokenize(str(rng.choice(PROMPTS)))), -1, False)
-    return Stream(np.asarray(ids, dtype=np.int64), np.asarray(query, dtype=np.int64), np.asarray(act, dtype=bool))
+    return Stream(np.asarray(ids, dtype=np.int64), np.asarray(query, dtype=np.int64), np.asarray(act, dtype=bool),
+                  replan)
 
 
 def kept(end: int, sinks: int, window: int) -> np.ndarray:
@@ -94,13 +96,21 @@ def crop(stream: Stream, end: int, sinks: int, window: int) -> tuple[np.ndarray,
 
 
 def training_crop(streams: list[Stream], i: int, end: int, sinks: int, window: int, n_act: int,
-                  rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+                  rng: np.random.Generator, dims: int = 2, prefix_share: float = 0.0, prefix_noise: float = 0.0,
+                  action_id_range: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray]:
     """A training example: stream i as a rolling session holds it at the end of a reply, with a history of random
     length up to the window, the loss on that last reply only, and every earlier reply in the crop swapped for an
     expert chunk of a random other state. Why: the real previous chunk predicts the next one so well (commands
     are smooth) that a model trained on it learns to copy its own history instead of reading the state, and then
     drifts in closed loop (the copycat problem). Swapped chunks look like real replies yet say nothing about this
-    state, so the model learns to ignore past actions and act on the latest observation, as the expert does."""
+    state, so the model learns to ignore past actions and act on the latest observation, as the expert does.
+
+    With probability `prefix_share` the last reply starts with a forced prefix, as real-time chunking sends it (the
+    rows the robot executes while the chunk is computed): its first k rows (1 <= k < H) are the previous query's
+    chunk moved on by the steps between them, with no loss on them, each id moved by Gaussian noise of
+    `prefix_noise` bins (kept in `action_id_range`, [first, last] action id). Without this a model copies a forced
+    prefix into the rest of its chunk; with it, it learns to finish the chunk from the state: at run time the prefix
+    is its own earlier guess, errors included, which the noise stands for."""
     st = streams[i]
     last = int(st.query[end - 1])  # the <obs> position of the reply the loss is on
     need = end - last  # its observation and reply, kept whole
@@ -117,6 +127,14 @@ def training_crop(streams: list[Stream], i: int, end: int, sinks: int, window: i
     labels = np.full(len(ids), -100, dtype=np.int64)
     mine = np.flatnonzero(st.is_action[keep] & (owner == last))
     labels[mine - 1] = ids[mine]  # causal LM: position i predicts token i + 1
+    prev = st.query[(st.query >= 0) & (st.query < last)]
+    if len(prev) and rng.random() < prefix_share:
+        old = st.ids[(st.query == prev.max()) & st.is_action]  # the previous chunk's H*D ids, step-major
+        shifted = np.concatenate([old[st.replan * dims:], np.tile(old[-dims:], min(st.replan, n_act // dims))])
+        k = int(rng.integers(1, n_act // dims)) * dims
+        noise = np.rint(rng.normal(0.0, prefix_noise, k)).astype(np.int64) if prefix_noise else 0
+        ids[mine[:k]] = np.clip(shifted[:k] + noise, *action_id_range) if prefix_noise else shifted[:k]
+        labels[mine[:k] - 1] = -100
     return ids, labels
 
 

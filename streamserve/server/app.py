@@ -270,7 +270,7 @@ class Server:
             return unauthorized()
         if self.engine is None:
             return web.Response(status=503, text="loading\n")
-        return web.Response(body=self.engine.metrics.exposition(),
+        return web.Response(body=self.engine.metrics.exposition() + self.policy.metrics_text(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
 
     async def client_secrets(self, request: web.Request) -> web.Response:

@@ -95,16 +95,20 @@ def smooth_bin_embeddings(model, codec: PolicyCodec, seed: int, features: int = 
             emb[offset:offset + bins] = 0.5 * emb[offset:offset + bins] + 0.1 * (f @ proj)
 
 
-def batches(streams: list[Stream], codec: PolicyCodec, batch: int, rng: np.random.Generator):
+def batches(streams: list[Stream], codec: PolicyCodec, batch: int, rng: np.random.Generator,
+            prefix_share: float = 0.0, prefix_noise: float = 0.0):
     """Endless batches of crops (input ids [B, T], labels [B, T]): a random stream, a random reply's end
     (`training_crop`: a random history length, earlier replies swapped, the loss on the last reply)."""
     ends = [query_ends(s) for s in streams]
+    # rad/s -> bins (the default policy's dims share one range)
+    noise_bins = prefix_noise * codec.action_bins / (codec.action_high[0] - codec.action_low[0])
     while True:
         rows = []
         for _ in range(batch):
             i = int(rng.integers(len(streams)))
             rows.append(training_crop(streams, i, int(rng.choice(ends[i])), codec.sinks, codec.window,
-                                      codec.n_action_tokens, rng))
+                                      codec.n_action_tokens, rng, codec.action_dims, prefix_share, noise_bins,
+                                      (codec.action_ids[0], codec.action_ids[-1])))
         t = max(len(r[0]) for r in rows)
         ids = torch.zeros(batch, t, dtype=torch.long)  # right-padded with <pad> (0); causal: pads see, are unseen
         labels = torch.full((batch, t), -100, dtype=torch.long)
@@ -165,6 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--first-step-weight", type=float, default=4.0, help="loss weight of each reply's first step")
+    p.add_argument("--prefix-share", type=float, default=0.5,
+                   help="share of crops whose last chunk starts with a forced prefix of the previous chunk's rows, "
+                        "as real-time chunking sends it (default 0.5)")
+    p.add_argument("--prefix-noise", type=float, default=0.3,
+                   help="rad/s of Gaussian noise on a forced prefix's rows (default 0.3: the model's own errors)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--eval-episodes", type=int, default=50, help="closed-loop episodes scored at the end (0: none)")
     args = p.parse_args(argv)
@@ -200,7 +209,7 @@ def main(argv: list[str] | None = None) -> None:
                             lr=args.lr, betas=(0.9, 0.98))
     budget = args.minutes * 60.0
     warmup = max(1, min(100, args.steps // 10))
-    data = batches(streams, codec, args.batch, rng)
+    data = batches(streams, codec, args.batch, rng, args.prefix_share, args.prefix_noise)
     model.train()
     step, t_train, loss_avg, err_avg = 0, time.perf_counter(), float("nan"), float("nan")
     while step < args.steps:
@@ -248,7 +257,8 @@ def main(argv: list[str] | None = None) -> None:
         "task": "planar two-link arm reaching (streamserve.robot.arm), behaviour cloning of the scripted expert",
         "steps": step, "batch": args.batch, "loss": round(loss_avg, 4), "first_command_error_rad_s": round(err_avg, 4),
         "train_seconds": round(train_s, 1), "seed": args.seed, "lr": args.lr, "minutes": args.minutes,
-        "first_step_weight": args.first_step_weight, "threads": args.threads,
+        "first_step_weight": args.first_step_weight, "threads": args.threads, "prefix_share": args.prefix_share,
+        "prefix_noise": args.prefix_noise,
         "data": {"episodes": args.episodes, "queries_per_episode": args.queries, "tokens": n_tokens},
         "model": {"architecture": "LlamaForCausalLM", "layers": args.layers, "hidden": args.hidden,
                   "heads": args.heads, "vocab": vocab, "parameters": n_params},

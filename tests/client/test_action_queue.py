@@ -60,3 +60,13 @@ def test_a_stale_reply_with_no_rows_changes_nothing_and_bad_input_is_refused() -
     with pytest.raises(InvalidInputError, match="pop them"):
         small.add(np.ones((4, 2)), 0)
     assert len(small) == 0  # refused whole
+
+
+def test_rows_are_the_queued_actions_ahead_up_to_the_first_gap() -> None:
+    q = ActionQueue()
+    q.add(chunk(1.0), valid_from_step=3)  # steps 3..6
+    assert np.allclose(q.rows(4, 2), [[1.01, 1.01], [1.02, 1.02]])  # the real-time chunking prefix
+    assert q.rows(5, 9).shape == (2, 2) and len(q) == 4  # up to the last queued step; nothing leaves the queue
+    assert q.rows(7, 2).shape[0] == 0 and q.rows(2, 3).shape[0] == 0  # nothing queued there (step 2: a gap first)
+    q.pop(5)
+    assert np.allclose(q.rows(6, 4), [[1.03, 1.03]])

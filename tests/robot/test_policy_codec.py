@@ -139,3 +139,18 @@ def test_codec_and_arm_import_without_torch() -> None:
             "bad = [m for m in sys.modules if m == 'torch' or m.startswith(('streamserve.engine', "
             "'streamserve.server', 'streamserve.models'))]; assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_action_prefix_ids_are_the_chunks_first_rows() -> None:
+    c = make()
+    chunk = np.array([[0.9, -0.4], [-0.3, 0.2], [0.0, 0.1]])
+    ids = c.action_tokens(chunk)
+    assert c.prefix_ids(chunk[:2]) == ids[:4] and c.prefix_ids(chunk[:1]) == ids[:2]
+    assert c.prefix_ids([]) == [] and c.prefix_ids(np.zeros((0, 2))) == []  # k = 0: nothing forced
+
+
+@pytest.mark.parametrize("rows", [np.zeros((3, 2)), np.zeros((1, 3)), np.zeros(2), [[0.0, np.nan]], [["a", "b"]],
+                                  np.zeros((1, 2), dtype=bool)])
+def test_bad_action_prefixes_raise_naming_it(rows: Any) -> None:
+    with pytest.raises(PolicyInputError, match="action_prefix"):
+        make().prefix_ids(rows)  # k = H (nothing left to decode), a wrong D, a vector, NaN, text, bools

@@ -97,3 +97,15 @@ def test_training_crops_swap_earlier_replies_and_score_only_the_last() -> None:
                 assert st.is_action[v % 1000] and (v % 1000 - p) % 5 == 0
                 changed += v != p
     assert changed > 0
+
+
+def test_prefix_crops_force_the_previous_chunk_moved_on_without_loss_on_it() -> None:
+    st = _stream(10, n_act=4)  # H = 2 rows of D = 2; queries of 7 tokens from 3 on, replan 1 step
+    end = int(query_ends(st)[-1])  # 73: the last query's obs at 66..68, its actions at 69..72
+    rng = np.random.default_rng(0)
+    ids, labels = training_crop([st], 0, end, sinks=4, window=24, n_act=4, rng=rng, dims=2, prefix_share=1.0)
+    # the first row (1 <= k < H rows) is the previous chunk's (62..65) second row: moved on by one step
+    assert ids[-4:].tolist() == [64, 65, 71, 72]
+    assert [int(y) for y in labels if y != -100] == [71, 72]  # no loss on the forced row
+    ids, labels = training_crop([st], 0, end, sinks=4, window=24, n_act=4, rng=rng, dims=2, prefix_share=0.0)
+    assert ids[-4:].tolist() == [69, 70, 71, 72] and [int(y) for y in labels if y != -100] == [69, 70, 71, 72]

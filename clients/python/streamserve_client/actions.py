@@ -3,6 +3,7 @@
     queue = ActionQueue(blend="latest")              # or "average", or a weight for the newer chunk, e.g. 0.7
     queue.add(reply["actions"], reply["valid_from_step"])   # fresh and stale replies alike
     row = queue.pop(step)                            # the action for this step, or None: nothing is due
+    prefix = queue.rows(step, k)                     # real-time chunking: the next k rows, sent as action_prefix
 
 A reply's row r is for control step `valid_from_step + r`. While the next chunk is computed the robot goes on with
 the rows of the last one that are still ahead (openpi's ActionChunkBroker steps through one chunk the same way), and
@@ -76,6 +77,14 @@ class ActionQueue:
         while step + n in self._rows:
             n += 1
         return n
+
+    def rows(self, step: int, n: int) -> np.ndarray:
+        """The queued rows for steps `step` .. `step + n - 1`, up to the first step with none: [k, D], k <= n (the
+        `action_prefix` of real-time chunking: what the robot executes while its next chunk is computed)."""
+        out = []
+        while len(out) < n and step + len(out) in self._rows:
+            out.append(self._rows[step + len(out)][0])
+        return np.stack(out) if out else np.zeros((0, 0))
 
     def clear(self) -> None:
         """Forget every queued row (a new episode)."""

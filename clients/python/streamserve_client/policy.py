@@ -143,8 +143,11 @@ class PolicyClient:
 
     @staticmethod
     def observation(obs: dict[str, Any], deadline_ms: float | None = None, deadline: float | None = None,
-                    timestamp: float | None = None, step: int | None = None, reset: bool = False) -> dict[str, Any]:
-        """An observation with streamserve's extension fields set (those given)."""
+                    timestamp: float | None = None, step: int | None = None, reset: bool = False,
+                    action_prefix: Any = None) -> dict[str, Any]:
+        """An observation with streamserve's extension fields set (those given). `action_prefix` (real-time
+        chunking): the actions [k, D], k < H, the robot executes from `step` on while the reply is computed (e.g.
+        `ActionQueue.rows(step, k)`); the reply's first k rows are these, and only the rest is decoded."""
         out = dict(obs)
         for key, v in (("deadline_ms", deadline_ms), ("deadline", deadline), ("timestamp", timestamp)):
             if v is not None:
@@ -155,6 +158,11 @@ class PolicyClient:
             out["step"] = int(step)
         if reset:
             out["reset"] = True
+        if action_prefix is not None:
+            prefix = np.asarray(action_prefix, dtype=np.float32)
+            if prefix.size and (prefix.ndim != 2 or not np.isfinite(prefix).all()):
+                raise InvalidInputError(f"action_prefix is a finite [k, D] array, got shape {list(prefix.shape)}")
+            out["action_prefix"] = prefix
         return out
 
     async def send(self, obs: dict[str, Any], **extensions: Any) -> None:
@@ -205,13 +213,15 @@ class PolicyClient:
         return self.failed.copy()
 
     async def infer(self, obs: dict[str, Any], deadline_ms: float | None = None, deadline: float | None = None,
-                    timestamp: float | None = None, step: int | None = None) -> dict[str, Any]:
+                    timestamp: float | None = None, step: int | None = None,
+                    action_prefix: Any = None) -> dict[str, Any]:
         """One observation -> its reply: `actions` float32 [H, D], `server_timing`, and streamserve's `stale`,
         `valid_from_step`, `episode` (and `timestamp`, echoed). `deadline_ms` / `deadline` (Unix seconds): a
         reply that would be late comes at the deadline with `stale: True` and the previous chunk's remaining
-        actions."""
+        actions. `action_prefix`: see `observation` (real-time chunking)."""
         async with self._lock:
-            await self.send(obs, deadline_ms=deadline_ms, deadline=deadline, timestamp=timestamp, step=step)
+            await self.send(obs, deadline_ms=deadline_ms, deadline=deadline, timestamp=timestamp, step=step,
+                            action_prefix=action_prefix)
             return await self.receive()
 
     async def reset(self, obs: dict[str, Any] | None = None, **extensions: Any) -> dict[str, Any]:

@@ -200,11 +200,13 @@ class PolicyConnection(ProtocolAdapter):
         ep = self.episode
         left = None if obs.deadline is None else max(0.0, (obs.deadline - time.monotonic()) * 1e3)
         began = time.monotonic()
-        tick = await ep.start(obs.parts, obs.prompt, left, obs.images, obs.step)
+        tick = await ep.start(obs.parts, obs.prompt, left, obs.images, obs.step, obs.prefix)
         whole = await ep.settle(tick)  # past the deadline too: the stale reply went out, the chunk is still kept
         ep.tick = None
         policy_timing = {"infer_ms": round((time.monotonic() - began) * 1e3, 3),
                          **{k: v for k, v in tick.usage.items() if k in POLICY_TIMING_KEYS}}
+        if obs.prefix:
+            policy_timing["prefix_tokens"] = len(obs.prefix)
         if not whole:
             raise SessionClosedError(f"the policy's reply ended after {len(tick.tokens)} of "
                                      f"{self.codec.n_action_tokens} action tokens (its session was closed)")

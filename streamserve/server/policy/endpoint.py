@@ -97,6 +97,11 @@ class PolicyEndpoint:
         """For the server's ready line: the policy served beside the main model (with --policy-model)."""
         return "" if self.service is None else f"; robot policy {self.service.engine.name} on {PATH}"
 
+    def metrics_text(self) -> bytes:
+        """--policy-model's engine metrics as Prometheus text, named `streamserve_policy_*` (none without it: the
+        policy then runs on the main engine, whose metrics /metrics shows)."""
+        return b"" if self.service is None else self.service.engine.metrics.exposition("streamserve_policy_")
+
     def engine(self) -> Engine:
         engine = self.service.engine if self.service is not None else self.server.engine
         assert engine is not None

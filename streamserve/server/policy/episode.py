@@ -6,7 +6,9 @@ each camera image of the codec's `image_keys`, in that order, through the servic
 as a native `append(image=...)`): a chunk of kind "image" holding a text note of its labels for a text-only model
 (none, 0 tokens, while the labels stay the same) or the model's image-encoder embeddings; then the observation's
 state, chunks of kind "state": `[<obs>, s_1 .. s_Ds, <act>]`, or for a "projector" policy `[<obs>]`, one embedding
-vector [1, hidden], `[<act>]` (codec.state_parts); then asks for a reply of exactly H*D tokens
+vector [1, hidden], `[<act>]` (codec.state_parts), followed in the same chunk by the observation's `action_prefix`
+ids when it sent one (real-time chunking: the k rows the robot executes meanwhile, forced as the chunk's first
+rows); then asks for a reply of exactly H*D - k tokens
 constrained to the action ids (a logits mask in the engine's sampler), greedy, with no stop token, ids only, and
 drafted from the last chunk moved on by the control steps since (codec.draft_ids): the engine verifies the draft in
 the state chunk's own forward, so a chunk like the last one takes one forward instead of H*D, and the actions are
@@ -62,7 +64,7 @@ class Tick:
     start: int  # the session's length before the tick's tokens
     step: int | None = None  # the control step of its first action (valid_from_step)
     usage: dict[str, int] = field(default_factory=dict)  # the reply's (forwards, draft_tokens, accepted_tokens)
-    tokens: list[int] = field(default_factory=list)  # the reply's action ids so far
+    tokens: list[int] = field(default_factory=list)  # the chunk's ids so far: the forced prefix, then the reply's
     unacked: int = 0  # chunks appended and not acked yet (the prompt's, the observation's)
     acked: asyncio.Future[int] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     done: asyncio.Future[str] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
@@ -96,10 +98,12 @@ class Episode:
                                           lambda: tok.encode(prompt, add_special_tokens=False))
 
     async def start(self, parts: list[list[int] | np.ndarray], prompt: str, deadline_ms: float | None,
-                    images: list[tuple[str, Any]] | None = None, step: int | None = None) -> Tick:
-        """Append the tick's chunks (prompt, images, state parts: ids or [1, hidden] vectors) and ask for its
-        chunk of actions (for control step `step`: drafted from the last chunk moved on by the steps since);
-        the results arrive through on_result."""
+                    images: list[tuple[str, Any]] | None = None, step: int | None = None,
+                    prefix: list[int] | None = None) -> Tick:
+        """Append the tick's chunks (prompt, images, state parts: ids or [1, hidden] vectors; then `prefix`, the
+        chunk's forced first rows, real-time chunking) and ask for the rest of its chunk of actions (for control
+        step `step`: drafted from the last chunk moved on by the steps since); the results arrive through
+        on_result."""
         if self.session_id is None:
             await self.open()
         assert self.session_id is not None
@@ -108,13 +112,17 @@ class Episode:
         # (what it is, the request): the images' keys name them in errors
         chunks = [(key, AppendRequest(image=image, kind="image", deadline_ms=deadline_ms)) for key, image in images
                   or ()]
+        prefix = list(prefix or ())
+        if prefix:  # the forced rows follow <act> in the state's last (token) part: one chunk, one forward
+            assert isinstance(parts[-1], list)
+            parts = [*parts[:-1], [*parts[-1], *prefix]]
         chunks += [("state", AppendRequest(token_ids=list(p), kind="state", deadline_ms=deadline_ms)
                     if isinstance(p, list) else AppendRequest(embeds=torch.from_numpy(p), kind="state",
                                                               deadline_ms=deadline_ms)) for p in parts]
         if prompt != self.prompt:  # the first tick, or the instruction changed: its own chunk, as in robot/rollout.py
             ids = self.codec.prompt_ids(await self.prompt_tokens(prompt))
             chunks.insert(0, ("prompt", AppendRequest(token_ids=ids, kind="text", deadline_ms=deadline_ms)))
-        tick = Tick(self.session_id, self.length(), step)
+        tick = Tick(self.session_id, self.length(), step, tokens=list(prefix))
         self.tick = tick
         for what, req in chunks:
             tick.unacked += 1
@@ -129,9 +137,9 @@ class Episode:
         self.prompt = prompt
         draft = None
         if self.draft and self.last is not None and step is not None:
-            draft = self.codec.draft_ids(self.last[1], step - self.last[0])
+            draft = self.codec.draft_ids(self.last[1], step - self.last[0])[len(prefix):]
         self.service.respond(self.ctx, self.session_id, {
-            "max_tokens": self.codec.n_action_tokens, "temperature": 0.0, "stop_token_ids": (),
+            "max_tokens": self.codec.n_action_tokens - len(prefix), "temperature": 0.0, "stop_token_ids": (),
             "allowed_token_ids": self.codec.action_ids, "draft_token_ids": draft, "detokenize": False})
         return tick
 

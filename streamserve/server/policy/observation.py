@@ -13,6 +13,9 @@ openpi's server):
     deadline     the same as an absolute time, Unix seconds (time.time() of a clock synchronised with the server's)
     timestamp    the client's time of the observation, any clock, seconds: echoed, and the episode's step clock
     step         the client's control step of the observation (int >= 0): overrides the step clock
+    action_prefix  real-time chunking: the actions [k, D] (0 <= k < H) the robot executes from `step` on while this
+                 observation's chunk is computed; they become the chunk's first k rows (appended with the state as
+                 forced tokens) and only the other H - k rows are decoded, conditioned on them
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ from streamserve.robot.codec import PolicyCodec, PolicyInputError
 from streamserve.robot.projector import StateProjector
 
 MAX_PROMPT_CHARS = 4096  # an instruction longer than this is refused before tokenizing
-EXTENSION_KEYS = ("reset", "deadline_ms", "deadline", "timestamp", "step")
+EXTENSION_KEYS = ("reset", "deadline_ms", "deadline", "timestamp", "step", "action_prefix")
 
 
 @dataclass
@@ -46,6 +49,7 @@ class Observation:
     answered: bool = False  # its one reply went out (or it was replaced while queued: it gets none)
     timer: asyncio.TimerHandle | None = None  # fires at the deadline: the stale reply
     images: list[tuple[str, np.ndarray | bytes]] = field(default_factory=list)  # (key, image), image_keys' order
+    prefix: list[int] = field(default_factory=list)  # action_prefix's k*D ids: the chunk's forced first rows
 
     @property
     def state_ids(self) -> list[int] | None:
@@ -92,7 +96,7 @@ def parse_observation(obs: Any, codec: PolicyCodec, min_deadline_ms: float, arri
     reset = reset.item() if isinstance(reset, np.generic) else reset
     if not isinstance(reset, bool):
         raise PolicyInputError(f"'reset' must be true or false, got {reset!r:.40}")
-    parts, images = None, []
+    parts, images, prefix = None, [], []
     if not reset or codec.state_key in obs:  # a bare reset carries no state (nor images)
         parts = codec.state_parts(codec.state_of(obs), projector)
         for key in codec.image_keys:
@@ -100,6 +104,8 @@ def parse_observation(obs: Any, codec: PolicyCodec, min_deadline_ms: float, arri
                 raise PolicyInputError(f"the observation has no image {key!r} (this policy reads "
                                        f"{list(codec.image_keys)})")
             images.append((key, check_image(key, obs[key])))
+        if obs.get("action_prefix") is not None:
+            prefix = codec.prefix_ids(obs["action_prefix"])
     prompt = codec.prompt_of(obs)
     if len(prompt) > MAX_PROMPT_CHARS:
         raise PolicyInputError(f"the prompt is {len(prompt)} characters, over the limit of {MAX_PROMPT_CHARS}")
@@ -117,4 +123,5 @@ def parse_observation(obs: Any, codec: PolicyCodec, min_deadline_ms: float, arri
     step = step.item() if isinstance(step, np.generic) else step
     if step is not None and (isinstance(step, bool) or not isinstance(step, int) or not 0 <= step < 1 << 53):
         raise PolicyInputError(f"'step' must be an integer >= 0, got {step!r:.40}")
-    return Observation(arrival, reset, parts, prompt, deadline, _number(obs, "timestamp"), step, images=images)
+    return Observation(arrival, reset, parts, prompt, deadline, _number(obs, "timestamp"), step, images=images,
+                       prefix=prefix)

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from pathlib import Path
 
+import aiohttp
 import msgpack
 import numpy as np
 import pytest
@@ -53,6 +55,13 @@ async def test_a_policy_beside_the_main_model(tmp_path: Path, policy_checkpoint:
         ack = msgpack.unpackb(await native.recv())
         assert ack["type"] == "ack" and ack["session"] == opened["session"], ack
         assert policy.registry.all() and srv.engine.stats()["sessions_open"] == 1  # the text session only
+        async with aiohttp.ClientSession() as http, http.get(f"{srv.http}/metrics") as r:
+            text = await r.text()
+        # each engine's metrics, the policy's under streamserve_policy_*: its 4 observations counted there
+        policy_tokens = re.search(r'^streamserve_policy_tokens_total\{kind="append"\} (\S+)$', text, re.M)
+        assert r.status == 200 and policy_tokens and float(policy_tokens.group(1)) > 0, text[:2000]
+        assert "streamserve_sessions_open 1.0" in text and "streamserve_policy_sessions_open 1.0" in text
+        assert text.count("# TYPE streamserve_policy_step_seconds histogram") == 1
         await ws.close()
         await native.close()  # (its text session is kept for a resume, as the native protocol does)
         end = asyncio.get_running_loop().time() + 30

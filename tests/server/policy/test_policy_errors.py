@@ -56,6 +56,9 @@ BAD_FRAMES = {  # name -> (frame, a word the error text must hold)
     "both deadlines": (wire.packb(obs(deadline_ms=5.0, deadline=1e9)), "not both"),
     "negative step": (wire.packb(obs(step=-1)), "step"),
     "reset not bool": (wire.packb(obs(reset="yes")), "reset"),
+    "action_prefix of the whole chunk": (wire.packb(obs(action_prefix=np.zeros((4, 2), np.float32))), "action_prefix"),
+    "action_prefix of wrong width": (wire.packb(obs(action_prefix=np.zeros((1, 3), np.float32))), "action_prefix"),
+    "NaN action_prefix": (wire.packb(obs(action_prefix=np.array([[0.0, np.nan]], np.float32))), "action_prefix"),
     "frame over the limit": (wire.packb({**obs(), "pad": b"\0" * (1 << 16)}), "over the limit"),
     "prompt too long": (wire.packb(obs(prompt="y" * 5000)), "prompt"),
     # refused by the session service in the worker (a chunk over --max-chunk-tokens), not by the read loop
