@@ -1,12 +1,13 @@
 """The robot policy endpoint under simulated robots: observation -> action latency, control rate and success.
 
-    python benchmarks/robot_loop.py [--robots 1,8,16,32] [--hz 50,10] [--seconds 20] [--quick]
+    python benchmarks/robot_loop.py [--robots 1,8,16,32] [--hz 50,10] [--seconds 20] [--rtc K] [--quick]
 
 1. `streamserve serve --model default-policy` runs as a subprocess on a free loopback port. N simulated two-link
    arms (examples/robot_loop.py's real-time loop, streamserve-client's PolicyClient, one connection and one
    session each) run back-to-back seeded episodes at each rate of `--hz` for `--seconds`; each sends an
    observation every H/2 ticks (H: the chunk's horizon) with the deadline of the chunk in hand, and holds still on
-   a tick with no row queued. Per level: latency p50/p99 (observation sent -> reply read), the control rate the
+   a tick with no row queued (`--rtc K`: with real-time chunking, the K rows queued from the observation's tick
+   on sent as its action_prefix). Per level: latency p50/p99 (observation sent -> reply read), the control rate the
    loops held (ticks run / seconds / hz), ticks that ran more than a period late, held ticks and the share of
    ticks with a row to run, stale replies, success rate, forwards per chunk and draft acceptance (from the
    replies' policy_timing). `held_max`: per rate, the most arms of the levels tried with >= 95% of ticks served
@@ -51,12 +52,12 @@ def load_example() -> Any:
     return mod
 
 
-def start_server() -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
-    """`streamserve serve --model default-policy` on a free loopback port, ready -> (process, port, its log's tail).
-    A thread keeps reading its stderr: a pipe nobody reads would fill and stall it."""
+def start_server(model: str = "default-policy") -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
+    """`streamserve serve --model default-policy` (or `model`) on a free loopback port, ready -> (process, port, its
+    log's tail). A thread keeps reading its stderr: a pipe nobody reads would fill and stall it."""
     env = {k: v for k, v in os.environ.items() if k != "STREAMSERVE_API_KEY"}
     proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--device", "cpu",
-                             "--model", "default-policy", "--offline", "--no-voice", "--no-vision"],
+                             "--model", model, "--offline", "--no-voice", "--no-vision"],
                             stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True,
                             env={**env, "PYTHONUNBUFFERED": "1"}, cwd=ROOT)
     port, lines = None, collections.deque(maxlen=200)
@@ -74,8 +75,9 @@ def start_server() -> tuple[subprocess.Popen[str], int, collections.deque[str]]:
     return proc, port, lines
 
 
-async def robots(ex: Any, url: str, n: int, seconds: float, hz: float = HZ) -> dict[str, Any]:
-    """`n` arms at `hz` for `seconds`, each on its own connection, episodes back to back."""
+async def robots(ex: Any, url: str, n: int, seconds: float, hz: float = HZ, rtc: int = 0) -> dict[str, Any]:
+    """`n` arms at `hz` for `seconds`, each on its own connection, episodes back to back (`rtc`: real-time
+    chunking's prefix rows)."""
 
     async def one(k: int) -> tuple[list[Any], float]:
         conn = await ex.native_connection(url, None)
@@ -85,7 +87,7 @@ async def robots(ex: Any, url: str, n: int, seconds: float, hz: float = HZ) -> d
         try:
             while time.monotonic() < t0 + seconds:
                 seed = 200_000 + 1_000 * k + e
-                out.append(await ex.run_episode(conn.request, seed, hz, replan, deadline))
+                out.append(await ex.run_episode(conn.request, seed, hz, replan, deadline, rtc=rtc))
                 e += 1
         finally:
             await conn.close()
@@ -94,7 +96,7 @@ async def robots(ex: Any, url: str, n: int, seconds: float, hz: float = HZ) -> d
     per_robot = await asyncio.gather(*(one(k) for k in range(n)))
     episodes = [e for r, _ in per_robot for e in r]
     s = ex.summary(episodes)
-    s["robots"], s["hz"] = n, hz
+    s["robots"], s["hz"], s["rtc"] = n, hz, rtc
     # 1.0: every loop ran all its ticks on time (each over its own running time)
     s["control_rate_held"] = round(s["ticks"] / (sum(wall for _, wall in per_robot) * hz), 3)
     s["fresh_tick_share"] = round(1.0 - s["held_ticks"] / max(1, s["ticks"]), 3)  # ticks with a row to run
@@ -103,7 +105,7 @@ async def robots(ex: Any, url: str, n: int, seconds: float, hz: float = HZ) -> d
     return s
 
 
-def stateless_ratio(ticks_before: int, measured: int) -> dict[str, Any]:
+def stateless_ratio(ticks_before: int, measured: int, model: str = "default-policy") -> dict[str, Any]:
     """Per-tick cost on a persistent session at step `ticks_before` vs a stateless server's, which runs each tick
     on a fresh session: re-sending the whole history (the issue's comparison), or only the tail the model still
     attends to (the sinks and a window's worth: the least a stateless server could re-send and get the same
@@ -115,7 +117,7 @@ def stateless_ratio(ticks_before: int, measured: int) -> dict[str, Any]:
     from streamserve.robot.rollout import EnginePolicy, engine_codec
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    engine = Engine.from_pretrained("default-policy", device="cpu")
+    engine = Engine.from_pretrained(model, device="cpu")
     codec = engine_codec(engine)
     kw = {"max_tokens": codec.n_action_tokens, "temperature": 0.0, "stop_token_ids": (),
           "allowed_token_ids": codec.action_ids}
@@ -170,6 +172,9 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=None, help="seconds per level (default 20; --quick 4)")
     ap.add_argument("--step", type=int, default=None, help="ticks before the stateless comparison (default 1000)")
     ap.add_argument("--hz", default=None, help="comma-separated control rates (default 50,10; --quick 50)")
+    ap.add_argument("--rtc", type=int, default=0, metavar="K",
+                    help="real-time chunking: each observation's action_prefix is the K rows queued (default 0: off)")
+    ap.add_argument("--model", default="default-policy", help="the policy checkpoint served (default-policy)")
     ap.add_argument("--quick", action="store_true", help="a short smoke run (CI)")
     args = ap.parse_args()
     rates = [float(x) for x in (args.hz or ("50" if args.quick else "50,10")).split(",")]
@@ -178,12 +183,13 @@ def main() -> None:
     step = args.step if args.step is not None else (60 if args.quick else 1000)
     ex = load_example()
     result: dict[str, Any] = {"benchmark": "robot_loop", "cpu_count": os.cpu_count(), "hz": HZ,
-                              "seconds": seconds, "load_avg_1m_at_start": round(os.getloadavg()[0], 2), "levels": []}
-    proc, port, log = start_server()
+                              "seconds": seconds, "rtc": args.rtc, "model": args.model,
+                              "load_avg_1m_at_start": round(os.getloadavg()[0], 2), "levels": []}
+    proc, port, log = start_server(args.model)
     try:
         for hz in rates:
             for n in levels:
-                r = asyncio.run(robots(ex, f"ws://127.0.0.1:{port}/v1/policy", n, seconds, hz))
+                r = asyncio.run(robots(ex, f"ws://127.0.0.1:{port}/v1/policy", n, seconds, hz, args.rtc))
                 print(json.dumps(r), file=sys.stderr, flush=True)
                 result["levels"].append(r)
         # the most arms held at each rate (levels tried only; None: not even the fewest)
@@ -195,7 +201,7 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(30)
-    result["stateless"] = stateless_ratio(step, 10 if args.quick else 30)
+    result["stateless"] = stateless_ratio(step, 10 if args.quick else 30, args.model)
     result["load_avg_1m_at_end"] = round(os.getloadavg()[0], 2)
     print(json.dumps(result))
 

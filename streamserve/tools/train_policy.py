@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--first-step-weight", type=float, default=4.0, help="loss weight of each reply's first step")
-    p.add_argument("--prefix-share", type=float, default=0.5,
+    p.add_argument("--prefix-share", type=float, default=0.0,
                    help="share of crops whose last chunk starts with a forced prefix of the previous chunk's rows, "
-                        "as real-time chunking sends it (default 0.5)")
-    p.add_argument("--prefix-noise", type=float, default=0.3,
-                   help="rad/s of Gaussian noise on a forced prefix's rows (default 0.3: the model's own errors)")
+                        "as real-time chunking sends it (default 0: the shipped policy)")
+    p.add_argument("--prefix-noise", type=float, default=0.0,
+                   help="rad/s of Gaussian noise on a forced prefix's rows (its own errors at run time; default 0)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--eval-episodes", type=int, default=50, help="closed-loop episodes scored at the end (0: none)")
     args = p.parse_args(argv)
