@@ -152,8 +152,8 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(prog="python -m streamserve.tools.train_policy", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", type=Path, required=True, help="output folder for the checkpoint")
-    p.add_argument("--minutes", type=float, default=10.0, help="training time budget in minutes (default 10)")
-    p.add_argument("--steps", type=int, default=3000, help="the most optimizer steps (default 3000)")
+    p.add_argument("--minutes", type=float, default=15.0, help="training time budget in minutes (default 15)")
+    p.add_argument("--steps", type=int, default=2800, help="the most optimizer steps (default 2800)")
     p.add_argument("--seed", type=int, default=0, help="seeds the data, the initial weights and the crops")
     p.add_argument("--episodes", type=int, default=600, help="expert episodes generated (default 600)")
     p.add_argument("--queries", type=int, default=60, help="policy calls per generated episode (default 60)")
@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--lr", type=float, default=2e-3)
     p.add_argument("--first-step-weight", type=float, default=4.0, help="loss weight of each reply's first step")
-    p.add_argument("--prefix-share", type=float, default=0.0,
+    p.add_argument("--prefix-share", type=float, default=0.5,
                    help="share of crops whose last chunk starts with a forced prefix of the previous chunk's rows, "
-                        "as real-time chunking sends it (default 0: the shipped policy)")
-    p.add_argument("--prefix-noise", type=float, default=0.0,
-                   help="rad/s of Gaussian noise on a forced prefix's rows (its own errors at run time; default 0)")
+                        "as real-time chunking sends it (default 0.5)")
+    p.add_argument("--prefix-noise", type=float, default=1.0,
+                   help="rad/s of Gaussian noise on a forced prefix's rows (its own errors at run time; default 1)")
     p.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
     p.add_argument("--eval-episodes", type=int, default=50, help="closed-loop episodes scored at the end (0: none)")
     args = p.parse_args(argv)
