@@ -112,5 +112,5 @@ class _Renamed:
 
         for m in self.registry.collect():
             out = Metric(name(m.name), m.documentation, m.type, m.unit)
-            out.samples = [s._replace(name=name(s.name)) for s in m.samples]
+            out.samples = [type(s)(name(s.name), *s[1:]) for s in m.samples]  # a Sample is a named tuple
             yield out
