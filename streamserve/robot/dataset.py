@@ -97,7 +97,7 @@ def crop(stream: Stream, end: int, sinks: int, window: int) -> tuple[np.ndarray,
 
 def training_crop(streams: list[Stream], i: int, end: int, sinks: int, window: int, n_act: int,
                   rng: np.random.Generator, dims: int = 2, prefix_share: float = 0.0, prefix_noise: float = 0.0,
-                  action_id_range: tuple[int, int] = (0, 0)) -> tuple[np.ndarray, np.ndarray]:
+                  action_id_range: tuple[int, int] | None = None) -> tuple[np.ndarray, np.ndarray]:
     """A training example: stream i as a rolling session holds it at the end of a reply, with a history of random
     length up to the window, the loss on that last reply only, and every earlier reply in the crop swapped for an
     expert chunk of a random other state. Why: the real previous chunk predicts the next one so well (commands
@@ -132,8 +132,12 @@ def training_crop(streams: list[Stream], i: int, end: int, sinks: int, window: i
         old = st.ids[(st.query == prev.max()) & st.is_action]  # the previous chunk's H*D ids, step-major
         shifted = np.concatenate([old[st.replan * dims:], np.tile(old[-dims:], min(st.replan, n_act // dims))])
         k = int(rng.integers(1, n_act // dims)) * dims
-        noise = np.rint(rng.normal(0.0, prefix_noise, k)).astype(np.int64) if prefix_noise else 0
-        ids[mine[:k]] = np.clip(shifted[:k] + noise, *action_id_range) if prefix_noise else shifted[:k]
+        forced = shifted[:k]
+        if prefix_noise:
+            if action_id_range is None:
+                raise ValueError("prefix_noise needs action_id_range, the first and last action ids")
+            forced = np.clip(forced + np.rint(rng.normal(0.0, prefix_noise, k)).astype(np.int64), *action_id_range)
+        ids[mine[:k]] = forced
         labels[mine[:k] - 1] = -100
     return ids, labels
 

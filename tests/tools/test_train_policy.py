@@ -109,3 +109,17 @@ def test_prefix_crops_force_the_previous_chunk_moved_on_without_loss_on_it() -> 
     assert [int(y) for y in labels if y != -100] == [71, 72]  # no loss on the forced row
     ids, labels = training_crop([st], 0, end, sinks=4, window=24, n_act=4, rng=rng, dims=2, prefix_share=0.0)
     assert ids[-4:].tolist() == [69, 70, 71, 72] and [int(y) for y in labels if y != -100] == [69, 70, 71, 72]
+
+
+def test_noisy_prefixes_stay_action_ids_and_need_their_range() -> None:
+    st = _stream(10, n_act=4)
+    end, rng = int(query_ends(st)[-1]), np.random.default_rng(1)
+    moved = 0
+    for _ in range(20):
+        ids, labels = training_crop([st], 0, end, sinks=4, window=24, n_act=4, rng=rng, dims=2, prefix_share=1.0,
+                                    prefix_noise=3.0, action_id_range=(63, 66))
+        assert all(63 <= v <= 66 for v in ids[-4:-2]) and [int(y) for y in labels if y != -100] == [71, 72]
+        moved += ids[-4:-2].tolist() != [64, 65]
+    assert moved > 0  # the noise moves the forced ids (within the action ids)
+    with pytest.raises(ValueError, match="action_id_range"):
+        training_crop([st], 0, end, sinks=4, window=24, n_act=4, rng=rng, dims=2, prefix_share=1.0, prefix_noise=1.0)

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,16 @@ POLICY_CONFIG = ServerConfig(policy_port=0, messages_per_second=1000.0, max_fram
 
 def loader(folder: Path) -> Callable[[], Engine]:
     return lambda: Engine.from_pretrained(folder, device="cpu", kv_memory="64MiB")
+
+
+async def without_drafts(folder: Path, run: Callable[[RunningServer], Awaitable[Any]]) -> Any:
+    """`run` against a server of its own on `folder` started with --no-policy-draft (every action token decoded in
+    a forward of its own): the reference drafted replies must equal."""
+    srv = await RunningServer.start(dataclasses.replace(POLICY_CONFIG, no_policy_draft=True), loader(folder))
+    try:
+        return await run(srv)
+    finally:
+        await srv.stop()
 
 
 def obs(state: Any = (0.1, -0.2, 0.5), **extra: Any) -> dict[str, Any]:

@@ -4,12 +4,11 @@ observation's own forward) are the undrafted replies exactly, on a recorded epis
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
-from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader, obs
+from policy_fixture import POLICY, connect, freed, infer, obs, without_drafts
 from serving import RunningServer
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -30,12 +29,7 @@ async def run(srv: RunningServer) -> list[dict]:
 async def test_drafted_replies_are_the_undrafted_ones_in_fewer_forwards(policy_server: RunningServer,
                                                                        policy_checkpoint: Path) -> None:
     drafted = await run(policy_server)
-    plain_server = await RunningServer.start(dataclasses.replace(POLICY_CONFIG, no_policy_draft=True),
-                                             loader(policy_checkpoint))
-    try:
-        plain = await run(plain_server)
-    finally:
-        await plain_server.stop()
+    plain = await without_drafts(policy_checkpoint, run)
     for d, p in zip(drafted, plain, strict=True):
         assert np.array_equal(d["actions"], p["actions"]) and d["valid_from_step"] == p["valid_from_step"]
         assert d["stale"] is p["stale"] is False

@@ -4,12 +4,11 @@ the rest is decoded (fewer forwards); drafted and undrafted replies stay identic
 
 from __future__ import annotations
 
-import dataclasses
 from pathlib import Path
 
 import numpy as np
 import pytest
-from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader, obs, sessions
+from policy_fixture import POLICY, connect, freed, infer, obs, sessions, without_drafts
 from serving import RunningServer
 
 from streamserve.robot.codec import PolicyCodec
@@ -70,12 +69,7 @@ async def test_a_prefix_starts_the_chunk_and_only_the_rest_is_decoded(policy_ser
 async def test_drafted_replies_with_prefixes_are_the_undrafted_ones(policy_server: RunningServer,
                                                                     policy_checkpoint: Path) -> None:
     drafted = await run(policy_server)
-    plain_server = await RunningServer.start(dataclasses.replace(POLICY_CONFIG, no_policy_draft=True),
-                                             loader(policy_checkpoint))
-    try:
-        plain = await run(plain_server)
-    finally:
-        await plain_server.stop()
+    plain = await without_drafts(policy_checkpoint, run)
     for d, p, (_, step, k) in zip(drafted, plain, EPISODE, strict=True):
         assert np.array_equal(d["actions"], p["actions"]) and d["valid_from_step"] == p["valid_from_step"] == step
         assert p["policy_timing"]["forwards"] == H * D - k * D  # undrafted: one forward per decoded token
