@@ -165,6 +165,14 @@ class ServerConfig:
         "help": "a directory shared by the instances behind one proxy: a draining instance (SIGUSR1 or POST "
                 "/admin/drain) writes its sessions' snapshots there and tells clients to reconnect, and an instance "
                 "asked to resume a session it does not hold restores it from there (docs/scale.md)"})
+    max_stored_responses_bytes: int = field(default=64 << 20, metadata={
+        "help": "bytes of stored Responses and Conversations (their items and histories) this server keeps, over all "
+                "keys; past it the least recently used go first (docs/openai.md)"})
+    stored_responses_ttl: float = field(default=3600.0, metadata={
+        "help": "seconds a stored response or conversation is kept after its last use"})
+    http_session_ttl: float = field(default=300.0, metadata={
+        "help": "seconds an idle session of the OpenAI HTTP APIs stays resident (its KV cache on the device) for "
+                "the next turn; after it a follow-up is restored from --snapshot-store or re-prefilled"})
     min_deadline_ms: float = field(default=20.0, metadata={
         "help": "floor on client deadlines: deadline_ms and chunk_budget_ms below it are raised to it, so a "
                 "client cannot jump the queue by claiming a 0 ms deadline"})
@@ -177,7 +185,8 @@ class ServerConfig:
         optional = ("max_pages_per_connection", "max_queued_tokens_per_connection")  # None: no quota
         counts = ("max_frame_bytes", "max_chunk_tokens", "max_sessions_per_connection", "max_sessions",
                   "max_connections", "max_reply_tokens", "max_window", "max_calls_per_key", "max_connections_per_ip",
-                  "max_sessions_per_ip", "max_media_bytes", "max_media_bytes_per_connection", *optional)
+                  "max_sessions_per_ip", "max_media_bytes", "max_media_bytes_per_connection",
+                  "max_stored_responses_bytes", *optional)
         for name in counts:
             v = getattr(self, name)
             if v is None and name in optional:
@@ -188,7 +197,8 @@ class ServerConfig:
                 or not 0 < self.video_fps <= 5:
             raise InvalidInputError(f"video_fps must be a number above 0 and at most 5, got {self.video_fps!r}")
         for name, low in (("messages_per_second", None), ("bytes_per_second", None), ("resume_ttl", 0.0),
-                          ("min_deadline_ms", 0.0), ("max_audio_buffer_s", None)):
+                          ("min_deadline_ms", 0.0), ("max_audio_buffer_s", None),
+                          ("stored_responses_ttl", None), ("http_session_ttl", None)):
             v = getattr(self, name)
             ok = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
             if not ok or (v <= 0 if low is None else v < low):

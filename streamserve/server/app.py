@@ -7,8 +7,9 @@ the transport's (server/transport.py).
     GET  /metrics                    Prometheus text (the engine's metrics and the server's)
     WS   /v1/stream                  the native protocol (docs/protocol.md)
     WS   /v1/policy                  a robot policy, openpi's protocol (server/policy/; also `/` on --policy-port)
-    WS   /v1/realtime                the OpenAI Realtime API, GA events (docs/realtime.md); `?model=` is accepted
-                                     (the server serves its one model, which session.created names)
+    WS   /v1/realtime                the OpenAI Realtime API, GA events (docs/realtime.md; `?model=` accepted)
+    /v1/models, /v1/chat/completions, /v1/responses, /v1/conversations, /v1/audio/*: OpenAI's HTTP APIs, their
+                                     stored state and sessions (server/openai_http/, docs/openai.md)
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
     POST /v1/realtime/calls          a WebRTC call (SDP offer in, answer out; server/webrtc/, docs/webrtc.md);
     DELETE /v1/realtime/calls/{id}   hangs it up (only when aiortc, the webrtc extra, is installed)
@@ -16,25 +17,23 @@ the transport's (server/transport.py).
     GET  /                           the browser voice/video demo (clients/web/, installed as streamserve.web)
     GET  /web/{path}                 its modules, worklets and styles (server/static.py: listed at start, in memory)
 
-The engine loads in a worker thread after the port is open, so health checks see the server at once.
-Connections (WebSockets and WebRTC calls) count against --max-connections and, per client address
-(server/clients.py: the peer, or X-Forwarded-For from a --trusted-proxies peer), --max-connections-per-ip; every
-route answers `Expect` with server/clients.py's handler (100-continue or 417, never 500).
-With an API key, /v1/stream, /v1/realtime, /v1/policy and calls need it or a live client secret (server/auth.py),
-/metrics and minting secrets need the key itself, /healthz needs nothing (and says more with the key); a browser
-page from an origin not allowed gets 403 before anything else. No exception text reaches a client: an unexpected
-failure is answered with `internal_error` and a request id that the server log also has.
-SIGINT/SIGTERM shut down gracefully: every connection is told which of its sessions close and is closed with 1001,
-replies end, pages come back. SIGUSR1 (or POST /admin/drain) drains (server/drain.py), then stops. If the engine
-thread dies (engine/loop.py), /healthz says `failed`, new connections are closed with 1011, work on open sessions is
-refused (`engine_failed`), and `run` shuts down the same way and exits with status 1, so that a supervisor restarts
-the server rather than keep a process that cannot serve.
+The engine loads in a worker thread after the port is open, so health checks see the server at once. Connections
+(WebSockets, WebRTC calls) count against --max-connections and, per client address (server/clients.py: the peer, or
+X-Forwarded-For from a --trusted-proxies peer), --max-connections-per-ip; every route answers `Expect` with
+server/clients.py's handler (100-continue or 417, never 500). With an API key, /v1/stream, /v1/realtime, /v1/policy
+and calls need it or a live client secret (server/auth.py), the HTTP APIs, /metrics and minting secrets the key
+itself, /healthz nothing (it says more with the key); a browser page from an origin not allowed gets 403 before
+anything else. No exception text reaches a client: an unexpected failure is answered with `internal_error` and a
+request id that the server log also has. SIGINT/SIGTERM shut down gracefully: every connection is told which of its
+sessions close and is closed with 1001, replies end, pages come back. SIGUSR1 (or POST /admin/drain) drains
+(server/drain.py), then stops. If the engine thread dies (engine/loop.py), /healthz says `failed`, new connections
+are closed with 1011, work on open sessions is refused (`engine_failed`), and `run` shuts down the same way and exits
+with status 1, so that a supervisor restarts the server rather than keep a process that cannot serve.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import signal
 import time
@@ -74,13 +73,14 @@ from streamserve.server.clients import (
     parse_trusted_proxies,
 )
 from streamserve.server.drain import drain_route, start_drain
-from streamserve.server.http_replies import error_response, openai_error, unauthorized, utf8
+from streamserve.server.http_replies import error_response, unauthorized, utf8
 from streamserve.server.loaders import load_vision, load_voice, webrtc_calls
 from streamserve.server.native import NativeConnection
+from streamserve.server.openai_http import OpenAIHttp
 from streamserve.server.policy import PolicyEndpoint
 from streamserve.server.realtime.connection import RealtimeConnection
 from streamserve.server.results import service_error
-from streamserve.server.secrets_route import mint_client_secret
+from streamserve.server.secrets_route import client_secrets_route
 from streamserve.server.service import SessionService
 from streamserve.server.static import StaticFiles
 from streamserve.server.transport import RateLimiter, Transport, WebSocketChannel
@@ -114,17 +114,19 @@ class Server:
         self.started = time.monotonic()
         self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
+        self.openai = OpenAIHttp(self)  # the OpenAI HTTP APIs (server/openai_http/)
         self.app.add_routes([web.get("/healthz", self.healthz, expect_handler=expect),
                              web.post("/admin/drain", partial(drain_route, self), expect_handler=expect),
                              web.get("/metrics", self.metrics, expect_handler=expect),
                              web.get("/v1/stream", self.stream, expect_handler=expect),
                              web.get("/v1/realtime", self.realtime, expect_handler=expect),
-                             web.post("/v1/realtime/client_secrets", self.client_secrets, expect_handler=expect),
-                             *StaticFiles().routes()])
+                             web.post("/v1/realtime/client_secrets", partial(client_secrets_route, self),
+                                      expect_handler=expect),
+                             *StaticFiles().routes(), *self.openai.routes()])
         answer_unmatched_expectations(self.app)  # its 404 and 405 answers too
-        self.app.on_startup.append(self.on_startup)
-        self.app.on_shutdown.append(self.on_shutdown)
-        self.app.on_cleanup.append(self.on_cleanup)
+        for hooks, hook in ((self.app.on_startup, self.on_startup), (self.app.on_shutdown, self.on_shutdown),
+                            (self.app.on_cleanup, self.on_cleanup)):
+            hooks.append(hook)
         self.background: list[asyncio.Task] = []
         self.ready = asyncio.Event()
         self.engine_failed = asyncio.Event()  # set (on the event loop) when the engine thread dies
@@ -185,6 +187,7 @@ class Server:
                 for service in (self.service, self.policy.service):
                     if service is not None:
                         await service.reap()
+                await self.openai.reap()
             except Exception:  # never let one bad close end the reaping
                 log.exception("streamserve: reaping sessions failed")
 
@@ -272,17 +275,6 @@ class Server:
             return web.Response(status=503, text="loading\n")
         return web.Response(body=self.engine.metrics.exposition() + self.policy.metrics_text(),
                             headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
-
-    async def client_secrets(self, request: web.Request) -> web.Response:
-        """Minted with the API key only (a client secret cannot mint more)."""
-        if not self.operator(request):
-            return openai_error(401, "invalid_api_key", "send 'Authorization: Bearer <api key>'")
-        try:
-            body = await request.json() if request.can_read_body else {}
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            return openai_error(400, "invalid_json", "the body must be a JSON object")
-        status, answer = mint_client_secret(self.auth, body, self.engine.name if self.engine else None)
-        return web.json_response(answer, status=status)
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         return await self.websocket(request, NativeConnection, self.config.max_frame_bytes)

@@ -57,6 +57,7 @@ async def drain_server(server: Any, wait_s: float) -> None:
             if server.calls is not None:
                 await server.calls.close_all()
             moved = await service.hand_off(wait_s)
+            await server.openai.hand_off(moved)  # stored responses and conversations, and where their sessions went
             log.info("streamserve: drain: %d sessions handed over to %s", len(moved), service.config.snapshot_store)
             await asyncio.gather(*(move_out(server, c, held[c], moved) for c in native))
     except Exception:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import secrets
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
@@ -199,6 +200,33 @@ class ServiceLifecycle:
         return HandoffRecord(e.session.id, token_hash(e.resume_token), snap,  # type: ignore[arg-type]
                              time.time() + self.config.resume_ttl - detached_for, dict(e.sampling),
                              e.reserved_pages, e.session.chunk_budget, chat, [asdict(r) for r in e.recent])
+
+    # ---- fork: a copy of a session (its KV pages and chat), nothing computed again ---------------------------
+    async def fork(self, ctx: ClientContext, session_id: str) -> Opened:
+        """A new session of `ctx` holding what `session_id` holds (copied through a snapshot, chat state included);
+        the session must be between operations (a reply running: ResponseInProgressError)."""
+        self.check_accepting()
+        entry = self.registry.get(ctx, session_id)
+        ctx.grant.claim_open()
+        copied = None
+        try:
+            copied = await self.run_engine(self.copied, ctx, entry)
+        finally:
+            ctx.grant.opened(copied.session.id if copied is not None else None)
+        return self.opened(copied, resumed=False)
+
+    def copied(self, ctx: ClientContext, entry: Entry) -> Entry:
+        """Blocking: `entry`'s session copied and registered for `ctx` (closed again on any failure)."""
+        chat = self.chats.export(entry.session.id)
+        s: Session = self.engine.restore(entry.session.snapshot())
+        try:
+            self.chats.adopt(s, chat)
+            return self.registry.adopt(ctx, s, secrets.token_urlsafe(32), dict(entry.sampling), entry.reserved_pages,
+                                       [])
+        except BaseException:
+            self.chats.transcripts.pop(s.id, None)
+            s.close()
+            raise
 
     # ---- take-over: a resume of a session another instance handed over ------------------------------------
     async def take_over(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:

@@ -1,6 +1,6 @@
 """`POST /v1/realtime/client_secrets`: OpenAI's request and response shape, so that the official `openai`
-SDK's `client.realtime.client_secrets.create()` works against this server (no I/O here: the route in
-app.py hands the parsed body in and sends what comes out).
+SDK's `client.realtime.client_secrets.create()` works against this server (`client_secrets_route`, at the end, is
+the route; `mint_client_secret` does no I/O).
 
 Request (all optional): `{"expires_after": {"anchor": "created_at", "seconds": 10..7200 (default 600)},
 "session": {"type": "realtime", ...}}`. Response: `{"value": "ek_...", "expires_at": <unix seconds>,
@@ -10,10 +10,14 @@ Errors use OpenAI's shape: `{"error": {"message", "type", "code", "param"}}`.
 
 from __future__ import annotations
 
+import json
 import secrets
 from typing import Any
 
+from aiohttp import web
+
 from streamserve.server.auth import DEFAULT_SECRET_TTL, MAX_SECRET_TTL, MIN_SECRET_TTL, Authenticator
+from streamserve.server.http_replies import openai_error
 
 ECHOED_SESSION_FIELDS = ("instructions", "max_output_tokens", "output_modalities", "include", "tracing")
 
@@ -52,3 +56,15 @@ def mint_client_secret(auth: Authenticator, body: Any, model: str | None) -> tup
                       "model": session.get("model", model), "expires_at": int(record.expires_at),
                       **{k: session[k] for k in ECHOED_SESSION_FIELDS if k in session}}
     return 200, {"value": value, "expires_at": int(record.expires_at), "session": answer_session}
+
+
+async def client_secrets_route(server: Any, request: web.Request) -> web.Response:
+    """The route: minted with the API key only (a client secret cannot mint more)."""
+    if not server.operator(request):
+        return openai_error(401, "invalid_api_key", "send 'Authorization: Bearer <api key>'")
+    try:
+        body = await request.json() if request.can_read_body else {}
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        return openai_error(400, "invalid_json", "the body must be a JSON object")
+    status, answer = mint_client_secret(server.auth, body, server.engine.name if server.engine else None)
+    return web.json_response(answer, status=status)
