@@ -26,6 +26,15 @@ REVIEW = Path(__file__).resolve().parents[2] / "docs" / "security.md"
 ROUTES = {("GET", "/healthz"), ("GET", "/metrics"), ("GET", "/v1/stream"), ("GET", "/v1/realtime"),
           ("POST", "/v1/realtime/client_secrets"), ("GET", "/"), ("GET", "/web/{path}"), ("GET", "/v1/policy"),
           ("POST", "/v1/realtime/calls"), ("DELETE", "/v1/realtime/calls/{call_id}"), ("POST", "/admin/drain")}
+OPENAI_HTTP = {("GET", "/v1/models"), ("GET", "/v1/models/{model}"), ("POST", "/v1/chat/completions"),
+               ("POST", "/v1/responses"), ("GET", "/v1/responses/{id}"), ("DELETE", "/v1/responses/{id}"),
+               ("POST", "/v1/responses/{id}/cancel"), ("GET", "/v1/responses/{id}/input_items"),
+               ("POST", "/v1/conversations"), ("GET", "/v1/conversations/{id}"), ("POST", "/v1/conversations/{id}"),
+               ("DELETE", "/v1/conversations/{id}"), ("GET", "/v1/conversations/{id}/items"),
+               ("POST", "/v1/conversations/{id}/items"), ("GET", "/v1/conversations/{id}/items/{item}"),
+               ("DELETE", "/v1/conversations/{id}/items/{item}"), ("POST", "/v1/audio/transcriptions"),
+               ("POST", "/v1/audio/speech")}
+ROUTES |= OPENAI_HTTP
 WEBSOCKETS = ("/v1/stream", "/v1/realtime", "/v1/policy")
 
 
@@ -81,6 +90,11 @@ async def test_each_route_without_a_credential_with_a_client_secret_and_with_the
             assert await status(http, method, base + path) == 401
             assert await status(http, method, base + path, bearer(secret)) == 401
         assert await status(http, "GET", base + "/metrics", bearer(KEY)) == 200
+        for method, path in sorted(OPENAI_HTTP):  # the HTTP APIs: the key itself, answered in OpenAI's shape
+            url = base + path.replace("{model}", "default").replace("{id}", "resp_x").replace("{item}", "msg_x")
+            assert await status(http, method, url) == 401, path
+            assert await status(http, method, url, bearer(secret)) == 401, path
+            assert await status(http, method, url, bearer(KEY)) != 401, path
         assert await status(http, "POST", base + "/v1/realtime/calls") == 401  # auth before the body is read
         assert await status(http, "DELETE", base + "/v1/realtime/calls/rtc_nope") == 401
         assert await status(http, "DELETE", base + "/v1/realtime/calls/rtc_nope", bearer(KEY)) == 404
@@ -98,7 +112,8 @@ async def test_a_foreign_origin_is_refused_on_every_route_even_with_the_key(keye
     evil = {"Origin": "https://evil.example", **bearer(KEY)}
     async with aiohttp.ClientSession() as http:
         for method, path in sorted(ROUTES):
-            url = keyed.http + path.replace("{path}", "app.js").replace("{call_id}", "rtc_nope")
+            url = keyed.http + path.replace("{path}", "app.js").replace("{call_id}", "rtc_nope").replace(
+                "{model}", "default").replace("{id}", "resp_x").replace("{item}", "msg_x")
             if path in WEBSOCKETS:
                 assert await upgrade(http, url.replace("http://", "ws://"), evil) == 403, path
             else:

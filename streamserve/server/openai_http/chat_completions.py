@@ -9,19 +9,17 @@ token ids, so only the new messages are computed; `usage.prompt_tokens_details.c
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from streamserve.engine.chat import Message
 from streamserve.server.openai_http.errors import bad, from_exception, read_json
+from streamserve.server.openai_http.host import Api
 from streamserve.server.openai_http.items import content_text, new_id
 from streamserve.server.openai_http.params import integer, number, sampling
 from streamserve.server.openai_http.sse import EventStream
 from streamserve.server.openai_http.turns import TurnResult
-
-if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.openai_http.routes import OpenAIHttp
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}
@@ -80,7 +78,7 @@ def request_sampling(body: dict[str, Any]) -> dict[str, Any]:
 
 
 class ChatCompletions:
-    def __init__(self, api: OpenAIHttp) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
 
     def table(self) -> list[tuple[str, str, Any]]:

@@ -16,22 +16,20 @@ to the items (turns.py: what the session holds past the first changed item is re
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from streamserve.server.openai_http.errors import ApiError, bad, not_found, read_json
+from streamserve.server.openai_http.host import Api
 from streamserve.server.openai_http.items import listing, metadata, new_id, parse_input
 from streamserve.server.openai_http.store import StoredConversation
-
-if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.openai_http.routes import OpenAIHttp
 
 BASE = "/v1/conversations"
 
 
 class Conversations:
-    def __init__(self, api: OpenAIHttp) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
 
     def table(self) -> list[tuple[str, str, Any]]:

@@ -9,21 +9,31 @@ that on a server without a key two clients with different keys never see each ot
 from __future__ import annotations
 
 import hashlib
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 from aiohttp import web
 
-from streamserve.server.auth import SECRET_PREFIX, bearer
+from streamserve.server.auth import SECRET_PREFIX, Authenticator, bearer
 from streamserve.server.http_replies import utf8
 from streamserve.server.openai_http.errors import ApiError
+from streamserve.server.openai_http.store import ObjectStore
+from streamserve.server.openai_http.turns import Turns
+from streamserve.server.service import SessionService
 
-if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.app import Server
-    from streamserve.server.service import SessionService
+
+class ServerState(Protocol):
+    """What the HTTP APIs read of the server (server/app.py `Server`)."""
+
+    load_error: BaseException | None
+    service: SessionService | None
+    auth: Authenticator
+
+    @property
+    def engine_died(self) -> BaseException | None: ...
 
 
 class Host:
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: ServerState) -> None:
         self.server = server
 
     def service(self) -> SessionService:
@@ -60,3 +70,11 @@ class Host:
         if model not in (self.model_name(), "default"):
             raise ApiError(404, f"The model '{model}' does not exist: this server serves '{self.model_name()}' "
                            "(GET /v1/models).", "model_not_found", param)
+
+
+class Api(Protocol):
+    """What the routes' halves (chat_completions.py, responses.py, conversations.py) share: routes.py `OpenAIHttp`."""
+
+    host: Host
+    store: ObjectStore
+    turns: Turns

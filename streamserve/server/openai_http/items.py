@@ -20,7 +20,8 @@ MAX_ITEMS = 1024
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}_{secrets.token_hex(24)}"
+    sep = "-" if prefix == "chatcmpl" else "_"  # OpenAI's spelling of each
+    return f"{prefix}{sep}{secrets.token_hex(24)}"
 
 
 def parse_input(value: Any, param: str = "input") -> tuple[list[dict[str, Any]], list[Message]]:

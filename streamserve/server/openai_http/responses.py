@@ -12,20 +12,18 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from aiohttp import web
 
 from streamserve.engine.chat import Message
 from streamserve.server.openai_http.errors import ApiError, bad, from_exception, not_found, read_json
+from streamserve.server.openai_http.host import Api
 from streamserve.server.openai_http.items import item_message, listing, message_item, metadata, new_id, parse_input
 from streamserve.server.openai_http.params import sampling
 from streamserve.server.openai_http.sse import EventStream
 from streamserve.server.openai_http.store import StoredConversation, StoredResponse
 from streamserve.server.openai_http.turns import Resident, TurnResult
-
-if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.openai_http.routes import OpenAIHttp
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "store", "metadata",
           "previous_response_id", "conversation", "stream", "background", "text", "truncation", "user", "tools",
@@ -35,7 +33,7 @@ INCOMPLETE = {"length": "max_output_tokens", "context": "max_output_tokens"}
 
 
 class Responses:
-    def __init__(self, api: OpenAIHttp) -> None:
+    def __init__(self, api: Api) -> None:
         self.api = api
         self.running: dict[str, Resident] = {}  # response id -> the session its turn runs on (for cancel)
         self.tasks: set[asyncio.Task] = set()  # background responses
@@ -87,7 +85,11 @@ class Responses:
             self.tasks.add(task)
             task.add_done_callback(self.tasks.discard)
             return web.json_response(resp.body)
-        await self.finish(resp, turn, conv, None)
+        try:
+            await self.finish(resp, turn, conv, None)
+        except BaseException:  # refused (oversized input...) or the client went: nothing of it is kept
+            self.api.store.drop(resp.id)
+            raise
         return web.json_response(resp.body)
 
     def bases(self, owner_key: str, body: dict[str, Any]) -> tuple[StoredResponse | None, StoredConversation | None]:

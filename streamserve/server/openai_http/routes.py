@@ -6,20 +6,12 @@ import asyncio
 import functools
 import time
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING
+from typing import Any
 
 from aiohttp import web
 
 from streamserve.server.clients import expect
-try:  # TEMPORARY until audio.py lands
-    from streamserve.server.openai_http.audio import AudioRoutes
-except ImportError:
-    class AudioRoutes:  # type: ignore[no-redef]
-        def __init__(self, host):
-            pass
-
-        def table(self):
-            return []
+from streamserve.server.openai_http.audio import AudioRoutes
 from streamserve.server.openai_http.chat_completions import ChatCompletions
 from streamserve.server.openai_http.conversations import Conversations
 from streamserve.server.openai_http.errors import ApiError, from_exception
@@ -27,9 +19,6 @@ from streamserve.server.openai_http.host import Host
 from streamserve.server.openai_http.responses import Responses
 from streamserve.server.openai_http.store import ObjectStore, Resume, Stored
 from streamserve.server.openai_http.turns import Turns
-
-if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.app import Server
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STARTED = int(time.time())
@@ -51,7 +40,7 @@ def answering(handler: Handler) -> Handler:
 class OpenAIHttp:
     """The adapter: owns the HTTP APIs' sessions and stored state for the server's lifetime."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Any) -> None:  # server/app.py `Server` (host.py ServerState, and its config)
         self.host = Host(server)
         c = server.config
         self.store = ObjectStore(c.max_stored_responses_bytes, c.stored_responses_ttl, c.snapshot_store, self.gone)

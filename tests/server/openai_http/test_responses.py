@@ -11,8 +11,8 @@ import openai
 import pytest
 import pytest_asyncio
 from serving import RunningServer
-from smol import GREEDY, QUESTIONS, Reference, smol, user
 
+from openai_http.smol import GREEDY, QUESTIONS, Reference, smol, user
 from streamserve.config import ServerConfig
 
 pytestmark = [pytest.mark.models, pytest.mark.asyncio(loop_scope="module")]
