@@ -36,7 +36,7 @@ class Responses:
     def __init__(self, api: Api) -> None:
         self.api = api
         self.running: dict[str, Resident] = {}  # response id -> the session its turn runs on (for cancel)
-        self.tasks: set[asyncio.Task] = set()  # background responses
+        self.tasks: dict[str, asyncio.Task] = {}  # background responses running, by id
 
     def table(self) -> list[tuple[str, str, Any]]:
         return [("POST", "/v1/responses", self.create), ("GET", "/v1/responses/{id}", self.retrieve),
@@ -70,8 +70,8 @@ class Responses:
         new: list[Message] = ([{"role": "system", "content": instructions}]
                               if instructions and instructions != in_effect else []) + messages
         rid = new_id("resp")
-        resp = StoredResponse(rid, owner_key, int(time.time()), {}, items, [], instructions or in_effect,
-                              in_progress=True)
+        resp = StoredResponse(rid, owner_key, int(time.time()), {}, items, [*history, *new],  # until it ends
+                              instructions or in_effect, in_progress=True)
         resp.body = self.body(resp, body, params, store, background, prev, conv)
         if store:
             api.store.put(resp)
@@ -82,8 +82,8 @@ class Responses:
             return await self.streamed(request, resp, turn)
         if background:
             task = asyncio.create_task(self.finish(resp, turn, conv, None))
-            self.tasks.add(task)
-            task.add_done_callback(self.tasks.discard)
+            self.tasks[rid] = task
+            task.add_done_callback(lambda _: self.tasks.pop(rid, None))
             return web.json_response(resp.body)
         try:
             await self.finish(resp, turn, conv, None)
@@ -249,16 +249,16 @@ class Responses:
         return web.json_response({"id": resp.id, "object": "response", "deleted": True})
 
     async def cancel(self, request: web.Request) -> web.Response:
+        """A background response's turn is cancelled (its session closes: the response's history is its input);
+        one that ended is answered as it is."""
         resp = self.stored(request)
         if not resp.body.get("background"):
             raise bad("Only a background response can be cancelled.", "response_id", "invalid_value")
-        res = self.running.get(resp.id)
-        if res is not None:
-            self.api.host.service().cancel_session(res.id)
-        for _ in range(200):  # the turn ends within a few engine steps; answer with its final state
-            if not resp.in_progress:
-                break
-            await asyncio.sleep(0.01)
+        task = self.tasks.get(resp.id)
+        if task is not None:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
         return web.json_response(resp.body)
 
     async def input_items(self, request: web.Request) -> web.Response:

@@ -168,3 +168,13 @@ async def test_a_client_gone_mid_stream_frees_its_session(srv: RunningServer) ->
     assert not owner.residents  # the cancelled turn's session closed
     r = await c.chat.completions.create(messages=[user("Hi")], **ARGS)  # and the key goes on
     assert r.choices[0].message.content
+
+
+async def test_stop_and_seed(srv: RunningServer) -> None:
+    c = client(srv, "key-seed")
+    messages = [user("List five fruits, separated by commas.")]
+    stopped = await c.chat.completions.create(messages=messages, stop=[","], **ARGS)
+    assert "," not in stopped.choices[0].message.content and stopped.choices[0].finish_reason == "stop"
+    sampled = [await client(srv, f"key-seed-{i}").chat.completions.create(
+        messages=messages, model="default", temperature=1.0, seed=7, max_tokens=16) for i in range(2)]
+    assert sampled[0].choices[0].message.content == sampled[1].choices[0].message.content

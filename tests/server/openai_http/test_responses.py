@@ -180,3 +180,28 @@ async def test_another_keys_ids_are_not_found(srv: RunningServer) -> None:
     await a.responses.delete(r.id)
     await a.conversations.delete(conv.id)
     await clean(srv)
+
+
+async def test_a_background_response_is_polled_or_cancelled(srv: RunningServer) -> None:
+    c = client(srv)
+    long = await c.responses.create(input="Write a long story about a lighthouse.", background=True,
+                                    temperature=0.0, max_output_tokens=400)
+    assert long.status in ("queued", "in_progress") and long.background
+    cancelled = await c.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and (await c.responses.retrieve(long.id)).status == "cancelled"
+    # a follow-up on the cancelled response sees its input (its session closed: prefilled again)
+    after = await c.responses.create(input="Shorter, please.", previous_response_id=long.id, **ARGS)
+    assert after.status in ("completed", "incomplete") and after.usage.input_tokens_details.cached_tokens == 0
+    short = await c.responses.create(input="Say hi.", background=True, **ARGS)
+    for _ in range(600):
+        got = await c.responses.retrieve(short.id)
+        if got.status not in ("queued", "in_progress"):
+            break
+        await asyncio.sleep(0.05)
+    assert got.status in ("completed", "incomplete") and got.output_text
+    assert (await c.responses.cancel(short.id)).status == got.status  # ended: answered as it is
+    with pytest.raises(openai.BadRequestError):
+        await c.responses.cancel(after.id)  # not a background one
+    for r in (long, after, short):
+        await c.responses.delete(r.id)
+    await clean(srv)
