@@ -31,6 +31,10 @@ NEEDS_VOICE = pytest.mark.skipif(
                                     ["cpu_linear.py", "--quick"], ["cpu_compile_options.py", "--quick"],
                                     ["soak.py", "--quick"], ["rolling_batch.py", "--quick"],
                                     ["sessions_held.py", "--quick"], ["handoff_pause.py", "2", "200"],
+                                    pytest.param(["responses_chain.py", "--smoke"], marks=pytest.mark.skipif(
+                                        installed("smollm2-135m-instruct") is None,
+                                        reason="needs `streamserve models pull smollm2-135m-instruct`"),
+                                                 id="responses_chain"),
                                     pytest.param(["voice_latency.py", "--quick"], marks=NEEDS_VOICE,
                                                  id="voice_latency"),
                                     pytest.param(["stt_wer.py", "--quick"], marks=NEEDS_VOICE, id="stt_wer"),
