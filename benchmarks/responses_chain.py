@@ -13,10 +13,11 @@ ways, turn by turn alternately (turn i of the chain, then turn i of the baseline
    own replies fed back; each turn under a fresh API key (the server keys its reusable sessions by the bearer; with
    no --api-key any is accepted), so the whole history is prefilled every turn: `prompt_tokens_details.cached_tokens`
    must be 0 on every baseline turn (reported).
-Per turn the request's wall time (to the full reply) is measured. Reported per way: ms per turn over turns 1-10
-(`first10_ms`) and over the last 10 (`last10_ms`), `last10_over_first10`, `last_ms` (the mean of the last 3 turns),
-and `stateless_over_chain_at_last`; the issue's targets as booleans `chain_flat` (chain last10/first10 <= 1.3) and
-`ten_x_cheaper` (baseline/chain at the last turn >= 10), not asserted. Progress goes to stderr; the last line on
+Both stream; per turn the wall time to the first text and to the full reply are measured. Reported per way: ms per
+turn over turns 1-10 (`first10_ms`) and over the last 10 (`last10_ms`), `last10_over_first10`, `last_ms` (the mean of
+the last 3 turns), and `stateless_over_chain_at_last`, for the full reply and (`first_text`) for the first text; the
+issue's targets as booleans `chain_flat` (chain last10/first10 <= 1.3) and `ten_x_cheaper` (baseline/chain at the last
+turn >= 10), full replies, not asserted. Progress goes to stderr; the last line on
 stdout is one JSON object with every figure, the machine and the commit.
 """
 
@@ -69,18 +70,32 @@ def summary(ms: list[float]) -> dict[str, float]:
             "last_ms": round(sum(last) / len(last), 1)}
 
 
-async def call(way: str, turn: int, request: dict[str, Any], create: Any, **extra: Any) -> tuple[Any, float]:
-    """One timed request -> (the response, ms to the full reply); an API error ends the run with the request."""
+async def call(way: str, turn: int, request: dict[str, Any], create: Any, **extra: Any) -> tuple[Any, float, float]:
+    """One streamed request -> (its final response or usage chunk, ms to the first text, ms to the full reply); an API
+    error ends the run, naming the request."""
     import openai
 
     t0 = time.perf_counter()
+    first, final, text = None, None, []
     try:
-        r = await create(**request, **extra)
+        stream = await create(**request, stream=True, **extra)
+        async for ev in stream:
+            delta = getattr(ev, "delta", None) if way == "chain" else (ev.choices[0].delta.content if ev.choices
+                                                                       else None)
+            if delta and first is None:
+                first = time.perf_counter()
+            if delta and way != "chain":
+                text.append(delta)
+            if way == "chain" and ev.type in ("response.completed", "response.incomplete"):
+                final = ev.response
+            if way != "chain" and ev.usage is not None:
+                final = (ev.usage, "".join(text))
     except openai.APIError as e:
         shown = {k: (v if k != "messages" else f"<{len(v)} messages, last {v[-1]!r}>") for k, v in request.items()}
         print(f"{way} turn {turn}: {shown} -> {type(e).__name__}: {e}", file=sys.stderr, flush=True)
         raise SystemExit(1) from None
-    return r, (time.perf_counter() - t0) * 1000
+    end = time.perf_counter()
+    return final, ((first or end) - t0) * 1000, (end - t0) * 1000
 
 
 async def conversation(args: argparse.Namespace) -> dict[str, Any]:
@@ -111,25 +126,26 @@ async def conversation(args: argparse.Namespace) -> dict[str, Any]:
         rows: dict[str, list[dict[str, Any]]] = {"chain": [], "baseline": []}
         for i in range(args.turns):
             q = QUESTIONS[i % len(QUESTIONS)]
-            r, ms = await call("chain", i + 1, {"model": "default", "input": q, "previous_response_id": prev,
-                                                "temperature": 0, "max_output_tokens": args.max_tokens},
-                               chain.responses.create)
+            r, ttft, ms = await call("chain", i + 1, {"model": "default", "input": q, "previous_response_id": prev,
+                                                      "temperature": 0, "max_output_tokens": args.max_tokens},
+                                     chain.responses.create)
             prev, u = r.id, r.usage
-            rows["chain"].append({"ms": ms, "input": u.input_tokens, "cached": u.input_tokens_details.cached_tokens,
-                                  "output": u.output_tokens, "text": r.output_text})
+            rows["chain"].append({"ms": ms, "ttft": ttft, "input": u.input_tokens, "output": u.output_tokens,
+                                  "cached": u.input_tokens_details.cached_tokens, "text": r.output_text})
             messages.append({"role": "user", "content": q})
             key = f"stateless-{uuid.uuid4().hex}"  # a new owner: none of its sessions holds this conversation
-            c, bms = await call("baseline", i + 1, {"model": "default", "messages": list(messages), "temperature": 0,
-                                                    "max_tokens": args.max_tokens}, stateless.chat.completions.create,
-                                extra_headers={"Authorization": f"Bearer {key}"})
-            text = c.choices[0].message.content or ""
+            (cu, text), bttft, bms = await call(
+                "baseline", i + 1, {"model": "default", "messages": list(messages), "temperature": 0,
+                                    "max_tokens": args.max_tokens, "stream_options": {"include_usage": True}},
+                stateless.chat.completions.create, extra_headers={"Authorization": f"Bearer {key}"})
             messages.append({"role": "assistant", "content": text})
-            cu = c.usage
-            rows["baseline"].append({"ms": bms, "input": cu.prompt_tokens, "output": cu.completion_tokens,
-                                     "cached": cu.prompt_tokens_details.cached_tokens, "text": text})
+            rows["baseline"].append({"ms": bms, "ttft": bttft, "input": cu.prompt_tokens,
+                                     "output": cu.completion_tokens, "cached": cu.prompt_tokens_details.cached_tokens,
+                                     "text": text})
             ch, bl = rows["chain"][-1], rows["baseline"][-1]
-            print(f"turn {i + 1:3d}: chain {ms:8.1f} ms (input {ch['input']}, cached {ch['cached']}) | "
-                  f"baseline {bms:8.1f} ms (prompt {bl['input']}, cached {bl['cached']})", file=sys.stderr, flush=True)
+            print(f"turn {i + 1:3d}: chain {ttft:7.1f} / {ms:7.1f} ms (input {ch['input']}, cached {ch['cached']}) | "
+                  f"baseline {bttft:7.1f} / {bms:7.1f} ms (prompt {bl['input']}, cached {bl['cached']})",
+                  file=sys.stderr, flush=True)
         await chain.close()
         await stateless.close()
         stats = server.engine.stats()
@@ -144,7 +160,8 @@ def main() -> None:
     ap.add_argument("--turns", type=int, default=None, help="user turns (default 50; --smoke 4)")
     ap.add_argument("--max-tokens", type=int, default=None, help="tokens per reply (default 32; --smoke 8)")
     ap.add_argument("--model", default="smollm2-135m-instruct", help="a model in the local cache")
-    ap.add_argument("--kv-memory", default="2GiB", help="the KV pool (default 2GiB)")
+    ap.add_argument("--kv-memory", default="6GiB", help="the KV pool (default 6GiB: the baseline's one-turn sessions, "
+                    "resident until --session-ttl, fit without parking, which would cost both ways)")
     ap.add_argument("--session-ttl", type=float, default=600.0,
                     help="seconds an idle HTTP session stays resident (default 600): it must exceed a baseline turn, "
                          "or the chain's session goes too (chain.turns_continued < turns - 1 shows it); past "
@@ -168,6 +185,7 @@ def main() -> None:
     chain, base = run["rows"]["chain"], run["rows"]["baseline"]
     continued = sum(r["cached"] == p["input"] + p["output"] for p, r in itertools.pairwise(chain))
     c, b = summary([r["ms"] for r in chain]), summary([r["ms"] for r in base])
+    ct, bt = summary([r["ttft"] for r in chain]), summary([r["ttft"] for r in base])
     result |= {
         "chain": c | {"cached_tokens_at_last": chain[-1]["cached"], "input_tokens_at_last": chain[-1]["input"],
                       # turns after the first whose cached_tokens was the previous turn's whole context
@@ -178,8 +196,14 @@ def main() -> None:
                          "cached_tokens_max": max(r["cached"] for r in base),
                          "replies_full_length": sum(r["output"] == args.max_tokens for r in base)},
         "stateless_over_chain_at_last": round(b["last_ms"] / c["last_ms"], 2),
+        # time to the first text: the part of a turn a server that keeps the state can make flat (the rest is the
+        # reply's decode, whose steps read the whole context's KV cache in either way)
+        "first_text": {"chain": ct, "baseline": bt, "stateless_over_chain_at_last": round(bt["last_ms"] / ct["last_ms"],
+                                                                                          2)},
         "same_replies": sum(x["text"] == y["text"] for x, y in zip(chain, base, strict=True)),
         "per_turn_ms": {"chain": [round(r["ms"], 1) for r in chain], "baseline": [round(r["ms"], 1) for r in base]},
+        "first_text_ms": {"chain": [round(r["ttft"], 1) for r in chain],
+                          "baseline": [round(r["ttft"], 1) for r in base]},
         "engine": run["engine"], "load_avg_1m_at_end": round(os.getloadavg()[0], 2)}
     result["chain_flat"] = c["last10_over_first10"] <= 1.3
     result["ten_x_cheaper"] = result["stateless_over_chain_at_last"] >= 10
