@@ -197,8 +197,10 @@ class ServiceLifecycle:
         chat = self.chats.export(e.session.id)
         snap = e.session.snapshot()
         detached_for = 0.0 if e.detached_at is None else time.monotonic() - e.detached_at
+        # a protocol may keep its records longer than a resume (the HTTP APIs: as long as their stored responses)
+        ttl = getattr(getattr(e.owner, "listener", None), "record_ttl", None) or self.config.resume_ttl
         return HandoffRecord(e.session.id, token_hash(e.resume_token), snap,  # type: ignore[arg-type]
-                             time.time() + self.config.resume_ttl - detached_for, dict(e.sampling),
+                             time.time() + ttl - detached_for, dict(e.sampling),
                              e.reserved_pages, e.session.chunk_budget, chat, [asdict(r) for r in e.recent])
 
     # ---- fork: a copy of a session (its KV pages and chat), nothing computed again ---------------------------

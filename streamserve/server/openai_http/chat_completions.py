@@ -97,9 +97,8 @@ class ChatCompletions:
             raise bad("'stream_options' must be an object.", "stream_options", "invalid_type")
         cid, created, model = new_id("chatcmpl"), int(time.time()), api.host.model_name()
         api.host.service().check_sampling(dict(params))  # refused before anything is taken or sent
-        owner = api.turns.owner(owner_key)
         if not body.get("stream"):
-            result = await api.turns.run(owner, messages, [], params, nothing)
+            result = await api.turns.run(owner_key, messages, [], params, nothing)
             return web.json_response({"id": cid, "object": "chat.completion", "created": created, "model": model,
                                       "choices": [{"index": 0, "finish_reason": finish(result), "logprobs": None,
                                                    "message": {"role": "assistant", "content": result.text,
@@ -116,7 +115,7 @@ class ChatCompletions:
             await events.data(head | {"choices": [{"index": 0, "delta": {"content": text}, "finish_reason": None,
                                                    "logprobs": None}]})
         try:
-            result = await api.turns.run(owner, messages, [], params, on_text)
+            result = await api.turns.run(owner_key, messages, [], params, on_text)
         except ConnectionError:
             return events.response
         except Exception as e:  # after the head is sent, an error is an event of the stream

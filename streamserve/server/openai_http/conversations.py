@@ -15,6 +15,7 @@ to the items (turns.py: what the session holds past the first changed item is re
 
 from __future__ import annotations
 
+import json
 import time
 from typing import Any
 
@@ -53,6 +54,7 @@ class Conversations:
         body = await read_json(request) if request.can_read_body else {}
         items, _ = parse_input(body.get("items") or [], "items")
         conv = StoredConversation(new_id("conv"), owner, int(time.time()), metadata(body.get("metadata")), items)
+        self.check_size(conv)
         self.api.store.put(conv)
         return web.json_response(conv.body())
 
@@ -84,10 +86,19 @@ class Conversations:
         items, _ = parse_input(body["items"], "items")
         if not items:
             raise bad("'items' must not be empty.", "items", "empty_array")
+        self.check_size(conv, items)
         conv.items += items
         self.api.store.put(conv)
         return web.json_response({"object": "list", "data": items, "first_id": items[0]["id"],
                                   "last_id": items[-1]["id"], "has_more": False})
+
+    def check_size(self, conv: StoredConversation, more: list[dict[str, Any]] | None = None) -> None:
+        """400 when the conversation (with `more` items) alone would pass --max-stored-responses-bytes."""
+        size = conv.size() + len(json.dumps(more or []))
+        if size > self.api.store.max_bytes:
+            raise bad(f"This conversation would hold {size} bytes, over the server's limit of "
+                      f"{self.api.store.max_bytes} for stored state (--max-stored-responses-bytes).", "items",
+                      "conversation_too_large")
 
     def find(self, conv: StoredConversation, item_id: str) -> int:
         for i, it in enumerate(conv.items):

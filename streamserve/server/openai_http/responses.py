@@ -23,7 +23,7 @@ from streamserve.server.openai_http.items import item_message, listing, message_
 from streamserve.server.openai_http.params import sampling
 from streamserve.server.openai_http.sse import EventStream
 from streamserve.server.openai_http.store import StoredConversation, StoredResponse
-from streamserve.server.openai_http.turns import Resident, TurnResult
+from streamserve.server.openai_http.turns import TurnResult
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "store", "metadata",
           "previous_response_id", "conversation", "stream", "background", "text", "truncation", "user", "tools",
@@ -35,7 +35,6 @@ INCOMPLETE = {"length": "max_output_tokens", "context": "max_output_tokens"}
 class Responses:
     def __init__(self, api: Api) -> None:
         self.api = api
-        self.running: dict[str, Resident] = {}  # response id -> the session its turn runs on (for cancel)
         self.tasks: dict[str, asyncio.Task] = {}  # background responses running, by id
 
     def table(self) -> list[tuple[str, str, Any]]:
@@ -57,6 +56,7 @@ class Responses:
             raise bad("Missing required parameter: 'input'.", "input", "missing_required_parameter")
         items, messages = parse_input(body["input"])
         params = sampling(body, ("max_output_tokens",))
+        api.host.service().check_sampling(dict(params))  # refused now, not as a failed stream
         instructions = body.get("instructions")
         if instructions is not None and not isinstance(instructions, str):
             raise bad("'instructions' must be a string.", "instructions", "invalid_type")
@@ -66,7 +66,7 @@ class Responses:
             raise bad("A background response must be stored: set 'store' to true.", "background")
         prev, conv = self.bases(owner_key, body)
         history = prev.history if prev is not None else [item_message(i) for i in conv.items] if conv else []
-        in_effect = prev.instructions if prev is not None else None
+        in_effect = prev.instructions if prev is not None else conv.instructions if conv is not None else None
         new: list[Message] = ([{"role": "system", "content": instructions}]
                               if instructions and instructions != in_effect else []) + messages
         rid = new_id("resp")
@@ -132,19 +132,15 @@ class Responses:
     def turn(self, resp: StoredResponse, history: list[Message], new: list[Message], params: dict[str, Any],
              prev: StoredResponse | None, conv: StoredConversation | None, store: bool) -> Any:
         """The turn, to be run with `on_text` (the text as it comes)."""
-        owner = self.api.turns.owner(resp.owner)
         base = prev if prev is not None else conv
 
         async def run(on_text: Any) -> TurnResult:
-            def placed(res: Resident) -> None:
-                self.running[resp.id] = res
-            try:
-                return await self.api.turns.run(owner, history, new, params, on_text,
-                                                prefer=None if base is None else base.session_id or "",
-                                                resume=None if base is None else base.resume,
-                                                rewind=conv is not None, placed=placed)
-            finally:
-                self.running.pop(resp.id, None)
+            result = await self.api.turns.run(resp.owner, history, new, params, on_text,
+                                              prefer=None if base is None else base.session_id or "",
+                                              resume=None if base is None else base.resume, rewind=conv is not None)
+            if prev is not None:  # its state is in this session's head now (a parked record is used up)
+                prev.resume, prev.session_id = None, result.session.id
+            return result
         return run
 
     async def finish(self, resp: StoredResponse, turn: Any, conv: StoredConversation | None,
@@ -191,6 +187,9 @@ class Responses:
         if conv is not None:
             conv.in_progress = False
             if result is not None:
+                if resp.instructions and resp.instructions != conv.instructions:  # appended before the input
+                    conv.items.append(message_item("system", resp.instructions))
+                    conv.instructions = resp.instructions
                 conv.items += [*resp.input_items, item]
                 conv.session_id, conv.resume = result.session.id, None
                 self.api.store.put(conv)
@@ -199,18 +198,24 @@ class Responses:
 
     async def streamed(self, request: web.Request, resp: StoredResponse, turn: Any) -> web.StreamResponse:
         events = EventStream(request)
-        await events.start()
         conv_id = (resp.body.get("conversation") or {}).get("id")
-        conv = self.api.store.get(resp.owner, conv_id) if conv_id else None
-        await events.event("response.created", response=dict(resp.body))
-        resp.body["status"] = "in_progress"
-        await events.event("response.in_progress", response=dict(resp.body))
+        found = self.api.store.get(resp.owner, conv_id) if conv_id else None
+        conv = found if isinstance(found, StoredConversation) else None
         item_id = new_id("msg")
-        await events.event("response.output_item.added", output_index=0,
-                           item=message_item("assistant", "", "output_text", item_id, "in_progress") | {"content": []})
-        part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
-        await events.event("response.content_part.added", item_id=item_id, output_index=0, content_index=0, part=part)
-        await self.finish(resp, turn, conv if isinstance(conv, StoredConversation) else None, events)
+        try:
+            await events.start()
+            await events.event("response.created", response=dict(resp.body))
+            resp.body["status"] = "in_progress"
+            await events.event("response.in_progress", response=dict(resp.body))
+            await events.event("response.output_item.added", output_index=0, item=message_item(
+                "assistant", "", "output_text", item_id, "in_progress") | {"content": []})
+            part = {"type": "output_text", "text": "", "annotations": [], "logprobs": []}
+            await events.event("response.content_part.added", item_id=item_id, output_index=0, content_index=0,
+                               part=part)
+        except BaseException:  # the client went away before the turn began: the response ends, cancelled
+            self.ended(resp, conv, "cancelled", None, item_id, "")
+            raise
+        await self.finish(resp, turn, conv, events)
         with contextlib.suppress(ConnectionError):  # the client went away: the response is stored as it ended
             await self.closing(events, resp, item_id)
         return events.response

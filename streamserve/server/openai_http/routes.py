@@ -44,7 +44,7 @@ class OpenAIHttp:
         self.host = Host(server)
         c = server.config
         self.store = ObjectStore(c.max_stored_responses_bytes, c.stored_responses_ttl, c.snapshot_store, self.gone)
-        self.turns = Turns(self.host.service)
+        self.turns = Turns(self.host.service, self.parked, c.stored_responses_ttl)
         self.session_ttl = c.http_session_ttl
         self.audio, self.chat = AudioRoutes(self.host), ChatCompletions(self)
         self.responses, self.conversations = Responses(self), Conversations(self)
@@ -63,15 +63,16 @@ class OpenAIHttp:
         if owner is not None and res is not None and res.holder == obj.id:
             self.host.service().spawn(self.turns.let_go(owner, res.id))
 
-    def parked(self, holder: str, resume: Resume | None) -> None:
+    def parked(self, holder: str, session_id: str, resume: Resume | None) -> None:
+        """A session holding `holder`'s state was parked (`resume`: where) or closed (None)."""
         obj = self.store.objects.get(holder)
-        if obj is not None:
+        if obj is not None and obj.session_id == session_id:
             obj.resume, obj.session_id = resume, None
 
     async def reap(self) -> None:
         """The server's reaper, every second: stored objects past their TTL, sessions idle past theirs."""
         self.store.expire()
-        await self.turns.reap(self.session_ttl, self.parked)
+        await self.turns.reap(self.session_ttl)
 
     async def hand_off(self, moved: set[str]) -> None:
         """A drain handed these sessions over to the snapshot store: their holders say where, and every stored
@@ -81,7 +82,7 @@ class OpenAIHttp:
             res = None if owner is None else owner.residents.get(obj.session_id or "")
             if res is not None and res.id in moved:
                 obj.resume = Resume(res.id, res.token)
-        await asyncio.to_thread(self.store.persist)
+        await asyncio.to_thread(self.store.persist())  # the objects serialised here, on the loop; written there
 
     def held(self) -> int:
         """Sessions the HTTP APIs hold now (for the leak checks)."""

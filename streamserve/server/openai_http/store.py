@@ -64,6 +64,7 @@ class StoredConversation:
     session_id: str | None = None  # the resident session holding a prefix of its items, if any
     resume: Resume | None = None
     in_progress: bool = False
+    instructions: str | None = None  # in effect: appended as a system item when a response's differ
     kind: str = "conversation"
 
     def size(self) -> int:
@@ -141,20 +142,26 @@ class ObjectStore:
         return [o for o in self.objects.values() if o.owner == owner]
 
     # ---- the snapshot store: stored state across a drain -------------------------------------------------------
-    def persist(self) -> int:
-        """Write every object (blocking); -> how many. Objects in progress were ended by the drain first."""
-        if self.directory is None:
-            return 0
-        self.directory.mkdir(parents=True, exist_ok=True)
+    def persist(self) -> Callable[[], int]:
+        """Every object serialised now (on the event loop: nothing changes them meanwhile) -> the blocking write of
+        their files, to run off the loop (-> how many)."""
         expires = time.time() + self.ttl
-        for obj in list(self.objects.values()):
-            data = {"kind": obj.kind, "expires": expires, "object": asdict(obj)}
-            tmp = self.directory / f".{obj.id}.tmp"
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-            with os.fdopen(fd, "w") as f:
-                json.dump(data, f)
-            tmp.replace(self.directory / f"{obj.id}.json")
-        return len(self.objects)
+        texts = {obj.id: json.dumps({"kind": obj.kind, "expires": expires, "object": asdict(obj)})
+                 for obj in self.objects.values()}
+        directory = self.directory
+
+        def write() -> int:
+            if directory is None:
+                return 0
+            directory.mkdir(parents=True, exist_ok=True)
+            for object_id, text in texts.items():
+                tmp = directory / f".{object_id}.tmp"
+                fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(text)
+                tmp.replace(directory / f"{object_id}.json")
+            return len(texts)
+        return write
 
     def load(self, object_id: str) -> Stored | None:
         """An object another instance persisted, now held here (None: none, expired, damaged)."""
@@ -172,5 +179,7 @@ class ObjectStore:
             obj: Stored = StoredResponse(**fields) if data["kind"] == "response" else StoredConversation(**fields)
         except (OSError, ValueError, KeyError, TypeError):
             return None
+        with contextlib.suppress(OSError):  # held here now; written again at this instance's drain
+            path.unlink()
         self.put(obj)
         return obj

@@ -13,46 +13,26 @@ tokens as possible are computed again:
 - **prefill**: else a new session, `history` appended first.
 `cached_tokens` is the session's length when the turn's first new token goes in: what was not computed again.
 
-Sessions belong to one owner (host.py): each owner is one `ClientContext` of the service (its limits: at most
---max-sessions-per-connection resident sessions; the least recently used idle one is parked or closed to make room).
-An idle session is parked after --http-session-ttl. A turn that fails or is cancelled (its client went away) closes
-its session: its KV pages come back at once.
+Sessions belong to one owner and are let go as residents.py says. A turn that fails or is cancelled (its client
+went away) closes its session: its KV pages come back at once; a session it only looked at stays as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import logging
 import time
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass
+from typing import Any
 
 from streamserve.engine.chat import Message
-from streamserve.server.auth import Grant
-from streamserve.server.context import ClientContext
-from streamserve.server.openai_http.errors import ApiError
+from streamserve.server.openai_http.residents import Owner, Resident, Residents, common, groups, log
 from streamserve.server.openai_http.store import Resume
 from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, ReplyDelta, ReplyDone, ServiceError
 
-if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.service import SessionService
-
-log = logging.getLogger("streamserve.server")
-
 QUEUE = 64  # results waiting for a turn's reader (the reply waits when its client reads slower than it decodes)
-CHARS_PER_CHUNK = 2048  # a prefill appends messages in chunks of about this much text (each under max_chunk_tokens)
+TEMPLATE_TOKENS = 16  # per message, for its role header and end of turn, when appends are sized
 OnText = Callable[[str], Awaitable[None]]
-
-
-@dataclass
-class Resident:
-    id: str
-    token: str  # its resume token: the snapshot store's key for it (never sent to a client)
-    busy: bool = False
-    holder: str | None = None  # the stored response or conversation whose state it holds; None: chat completions'
-    used: float = field(default_factory=time.monotonic)
 
 
 @dataclass
@@ -66,69 +46,46 @@ class TurnResult:
     history: list[Message]  # the transcript after the turn: history + new + the reply
 
 
-class Dispatch:
-    """The owner's ResultListener: each session's results go to the queue of the turn running on it."""
+class ServiceFailure(Exception):
+    """A typed error the service pushed for a turn's chunk or reply."""
 
-    hands_off = True  # a drain hands its sessions over to the snapshot store (server/lifecycle.py)
-
-    def __init__(self) -> None:
-        self.queues: dict[str, asyncio.Queue] = {}
-
-    async def push(self, result: Any) -> None:
-        q = self.queues.get(getattr(result, "session", None) or "")
-        if q is not None:
-            await q.put(result)
-
-    def push_nowait(self, result: Any) -> bool:
-        q = self.queues.get(getattr(result, "session", None) or "")
-        if q is not None:
-            try:
-                q.put_nowait(result)
-            except asyncio.QueueFull:
-                return False
-        return True
+    def __init__(self, error: ServiceError) -> None:
+        super().__init__(error.message)
+        self.error = error
 
 
-class Owner:
-    def __init__(self, key: str, service: SessionService) -> None:
-        self.key, self.dispatch = key, Dispatch()
-        self.ctx: ClientContext = service.connect(self.dispatch, Grant())
-        self.residents: dict[str, Resident] = {}
-
-
-class Turns:
-    def __init__(self, service: Callable[[], SessionService]) -> None:
-        self.service = service
-        self.owners: dict[str, Owner] = {}
-
-    def owner(self, key: str) -> Owner:
-        if key not in self.owners:
-            self.owners[key] = Owner(key, self.service())
-        return self.owners[key]
-
-    # ---- the turn ------------------------------------------------------------------------------------------
-    async def run(self, owner: Owner, history: list[Message], new: list[Message], sampling: dict[str, Any],
+class Turns(Residents):
+    async def run(self, key: str, history: list[Message], new: list[Message], sampling: dict[str, Any],
                   on_text: OnText, prefer: str | None = None, resume: Resume | None = None,
-                  rewind: bool = False, placed: Callable[[Resident], None] | None = None) -> TurnResult:
-        """Run a turn (see the module's docstring); `prefer`: the resident session to continue (a response's, a
-        conversation's; None: reuse among the owner's chat-completions sessions); `rewind`: that session may be
-        rewound to `history` (a conversation's) rather than forked; `on_text` gets the reply's text as it comes."""
+                  rewind: bool = False) -> TurnResult:
+        """Run a turn for owner `key` (see the module's docstring); `prefer`: the resident session to continue (a
+        response's, a conversation's; None: reuse among the owner's chat-completions sessions); `rewind`: that
+        session may be rewound to `history` (a conversation's) rather than forked; `on_text` gets the reply's text
+        as it comes."""
         service = self.service()
         params = service.check_sampling(sampling)  # refused before any session is taken
-        res, cached, add = await self.place(owner, history, new, prefer, resume, rewind)
-        if placed is not None:
-            placed(res)
+        owner = self.owner(key)
+        owner.active += 1
+        try:
+            res, cached, add = await self.place(owner, history, new, prefer, resume, rewind)
+            return await self.reply(owner, res, cached, add, params, on_text, [*history, *new])
+        finally:
+            owner.active -= 1
+
+    async def reply(self, owner: Owner, res: Resident, cached: int, add: list[list[Message]], params: dict[str, Any],
+                    on_text: OnText, expected: list[Message]) -> TurnResult:
+        service = self.service()
         q: asyncio.Queue = asyncio.Queue(QUEUE)
         owner.dispatch.queues[res.id] = q
         ok = False
         try:
-            for part in chunks(add):
+            for part in await self.chunks(add):
                 await service.append(owner.ctx, res.id, AppendRequest(text="".join(m["content"] for m in part)),
                                      message=part)
             service.respond(owner.ctx, res.id, params)
             text, done = await self.read(q, on_text)
             chat = service.chats.get(res.id)
-            after = list(chat.messages.kept()) if chat is not None else [*history, *new]
+            after = list(chat.messages.kept()) if chat is not None else expected
             usage = done.usage
             ok = done.reason not in ("error", "closed")
             return TurnResult(text, done.reason, usage["session_tokens"] - usage["completion_tokens"],
@@ -154,10 +111,36 @@ class Turns:
             if isinstance(r, ReplyDone):
                 return "".join(parts), r
 
+    async def chunks(self, message_groups: list[list[Message]]) -> list[list[Message]]:
+        """Groups joined into appends of at most --max-chunk-tokens (counted with the tokenizer, off the event loop,
+        plus TEMPLATE_TOKENS a message); a group over it alone stays one append, and is refused."""
+        service = self.service()
+        limit = service.config.max_chunk_tokens
+        flat = [m for g in message_groups for m in g]
+        if sum(len(m["content"]) for m in flat) + TEMPLATE_TOKENS * len(flat) <= limit:  # surely under (1 char >= 1)
+            return [flat] if flat else []
+        tok = service.engine.tokenizer
+
+        def sizes() -> list[int]:
+            return [sum(len(tok.encode(m["content"], add_special_tokens=False)) + TEMPLATE_TOKENS for m in g)
+                    for g in message_groups]
+
+        counts = await asyncio.get_running_loop().run_in_executor(service.tokenize_executor, sizes)
+        out: list[list[Message]] = []
+        size = 0
+        for g, n in zip(message_groups, counts, strict=True):
+            if out and size + n <= limit:
+                out[-1], size = out[-1] + g, size + n
+            elif g:
+                out.append(list(g))
+                size = n
+        return out
+
     # ---- which session ---------------------------------------------------------------------------------------
     async def place(self, owner: Owner, history: list[Message], new: list[Message], prefer: str | None,
                     resume: Resume | None, rewind: bool) -> tuple[Resident, int, list[list[Message]]]:
-        """-> (the session, now busy; its length kept; the message groups to append)."""
+        """-> (the session, now busy; its length kept; the message groups to append). A session found here that the
+        turn does not take is idle again; one made here is closed on any failure."""
         service = self.service()
         res = self.idle(owner, prefer) if prefer is not None else None
         if res is None and prefer is None:
@@ -168,40 +151,20 @@ class Turns:
             kept = self.transcript(res)
             n = common(kept, history)
             if n == len(kept) or (n > 0 and prefer is not None):
+                if n < len(kept) and not rewind:  # another branch's: copied (the source is idle again)
+                    res = await self.fork(owner, res)
                 try:
-                    if n < len(kept):  # it holds more than `history`: another branch's (fork), or rewound
-                        res = res if rewind else await self.fork(owner, res)
+                    if n < len(kept):  # back to `history`'s head (messages appended together go back together)
                         await service.rewind(owner.ctx, res.id, None, None, to_message=n)
-                        n = len(self.transcript(res))  # messages appended together go back together
+                        n = len(self.transcript(res))
                     held = len(service.registry.get(owner.ctx, res.id).session.token_ids)
                 except BaseException:
-                    await self.drop(owner, res)
+                    service.spawn(self.drop(owner, res))
                     raise
                 return res, held, [*groups(history[n:]), *groups(new)]
             res.busy = False
         res = await self.open(owner)
         return res, 0, [*groups(history), *groups(new)]
-
-    async def drop(self, owner: Owner, res: Resident) -> None:
-        owner.residents.pop(res.id, None)
-        self.service().cancel_session(res.id)
-        await self.close(owner, res.id)
-
-    def idle(self, owner: Owner, session_id: str) -> Resident | None:
-        res = owner.residents.get(session_id)
-        if res is None or self.service().registry.find(session_id) is None:
-            owner.residents.pop(session_id, None)
-            return None
-        if res.busy:
-            return None
-        res.busy = True
-        return res
-
-    def transcript(self, res: Resident) -> list[Message]:
-        chat = self.service().chats.get(res.id)
-        if chat is None or chat.messages.gap is not None:  # an endless session forgot its start: never matched
-            return [{"role": "\x00", "content": ""}]
-        return list(chat.messages.kept())
 
     async def reusable(self, owner: Owner, messages: list[Message]) -> Resident | None:
         """The owner's idle chat-completions session holding the longest prefix of `messages`, by messages and token
@@ -214,10 +177,8 @@ class Turns:
                 if kept and common(kept, messages) == len(kept) < len(messages) and (best is None or
                                                                                      len(kept) > best[0]):
                     best = (len(kept), res)
-        if best is None:
+        if best is None or (res := self.idle(owner, best[1].id)) is None:
             return None
-        res = best[1]
-        res.busy = True
         chat = service.chats.get(res.id)
         session = service.registry.find(res.id).session
 
@@ -225,23 +186,32 @@ class Turns:
             held = list(session.token_ids)
             return chat.encode(chat.render(messages, True))[:len(held)] == held
 
-        if await asyncio.get_running_loop().run_in_executor(service.tokenize_executor, same_tokens):
-            return res
+        try:
+            if await asyncio.get_running_loop().run_in_executor(service.tokenize_executor, same_tokens):
+                return res
+        except BaseException:
+            res.busy = False
+            raise
         res.busy = False
         return None
 
     async def open(self, owner: Owner) -> Resident:
         await self.make_room(owner)
-        opened = await self.service().open(owner.ctx, OpenRequest(), chat=True)
+        opened = await self.service().open(owner.ctx, OpenRequest(), chat=True)  # closed if cancelled (service)
         res = Resident(opened.session, opened.resume_token, busy=True)
         owner.residents[res.id] = res
         return res
 
     async def fork(self, owner: Owner, src: Resident) -> Resident:
         """A copy of `src` (its KV pages and transcript; nothing computed again), busy; `src` is idle again."""
-        await self.make_room(owner, keep=src)
         try:
-            opened = await self.service().fork(owner.ctx, src.id)
+            await self.make_room(owner, keep=src)
+            copying = asyncio.ensure_future(self.service().fork(owner.ctx, src.id))
+            try:
+                opened = await asyncio.shield(copying)
+            except asyncio.CancelledError:  # the copy is made all the same: nobody's, it closes
+                copying.add_done_callback(lambda f: self.orphaned(owner, f, lambda o: o.session))
+                raise
         finally:
             src.busy = False
         res = Resident(opened.session, opened.resume_token, busy=True)
@@ -249,13 +219,20 @@ class Turns:
         return res
 
     async def restored(self, owner: Owner, resume: Resume) -> Resident | None:
-        """The session parked in the snapshot store, resumed here (busy), or None when it is not there any more."""
+        """The session parked in the snapshot store, resumed here (busy), or None when it is not there any more or
+        another turn holds it (the turn then prefills)."""
         service = self.service()
+        if service.registry.find(resume.session_id) is not None:  # resumed here already, by an earlier turn
+            return self.idle(owner, resume.session_id)
         if service.store is None:
             return None
         await self.make_room(owner)
+        resuming = asyncio.ensure_future(service.resume(owner.ctx, resume.session_id, resume.token))
         try:
-            opened, _ = await service.resume(owner.ctx, resume.session_id, resume.token)
+            opened, _ = await asyncio.shield(resuming)
+        except asyncio.CancelledError:
+            resuming.add_done_callback(lambda f: self.orphaned(owner, f, lambda o: o[0].session))
+            raise
         except Exception as e:  # gone, expired, of another model: the turn prefills instead
             log.info("streamserve: openai: session %s not restored (%s)", resume.session_id, type(e).__name__)
             return None
@@ -263,101 +240,7 @@ class Turns:
         owner.residents[res.id] = res
         return res
 
-    # ---- letting sessions go ---------------------------------------------------------------------------------
-    async def make_room(self, owner: Owner, keep: Resident | None = None) -> None:
-        """Below the owner's session limit: its least recently used idle session is parked (or closed)."""
-        limit = self.service().config.max_sessions_per_connection
-        while len(owner.residents) >= limit:
-            idle = [r for r in owner.residents.values() if not r.busy and r is not keep]
-            if not idle:
-                raise ApiError(429, f"This key has {limit} turns running (the server's --max-sessions-per-connection)"
-                               "; wait for one to end.", "too_many_sessions")
-            await self.park(owner, min(idle, key=lambda r: r.used))
-
-    async def park(self, owner: Owner, res: Resident) -> Resume | None:
-        """Let a resident session go: into the snapshot store when there is one (-> where), else closed."""
-        owner.residents.pop(res.id, None)
-        service = self.service()
-        entry = service.registry.find(res.id)
-        if entry is None:
-            return None
-        if service.store is not None and res.holder is not None:
-            try:
-                await service.run_engine(lambda: service.store.put(service.record_of(entry)))
-                await self.close(owner, res.id)
-                return Resume(res.id, res.token)
-            except Exception as e:
-                log.warning("streamserve: openai: session %s not parked (%s: %s)", res.id, type(e).__name__, e)
-        await self.close(owner, res.id)
-        return None
-
-    async def close(self, owner: Owner, session_id: str) -> None:
-        with contextlib.suppress(Exception):  # already gone (the engine closed it, a drain moved it)
-            await self.service().close(owner.ctx, session_id)
-
-    async def reap(self, ttl: float, parked: Callable[[str, Resume | None], None]) -> None:
-        """Park the sessions idle for longer than `ttl`; `parked(holder, resume)` tells their holders."""
-        now = time.monotonic()
-        for owner in list(self.owners.values()):
-            for res in list(owner.residents.values()):
-                if not res.busy and now - res.used > ttl:
-                    where = await self.park(owner, res)
-                    if res.holder is not None:
-                        parked(res.holder, where)
-            if not owner.residents:
-                self.service().disconnect(owner.ctx)
-                del self.owners[owner.key]
-
-    async def let_go(self, owner: Owner, session_id: str | None) -> None:
-        """Close a session its holder no longer needs (a response or conversation deleted or evicted)."""
-        res = owner.residents.get(session_id or "")
-        if res is not None and not res.busy:
-            owner.residents.pop(res.id, None)
-            await self.close(owner, res.id)
-
-
-class ServiceFailure(Exception):
-    """A typed error the service pushed for a turn's chunk or reply."""
-
-    def __init__(self, error: ServiceError) -> None:
-        super().__init__(error.message)
-        self.error = error
-
-
-def common(a: list[Message], b: list[Message]) -> int:
-    """How many leading messages `a` and `b` share."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x["role"] != y["role"] or x["content"] != y["content"]:
-            break
-        n += 1
-    return n
-
-
-def groups(messages: list[Message]) -> list[list[Message]]:
-    """Messages in append groups: a system message goes with the message after it (templates such as Gemma's render
-    it into the next turn: alone it does not extend the conversation)."""
-    out: list[list[Message]] = []
-    held: list[Message] = []
-    for m in messages:
-        held.append(m)
-        if m["role"] != "system":
-            out.append(held)
-            held = []
-    if held:
-        out.append(held)
-    return out
-
-
-def chunks(message_groups: list[list[Message]]) -> list[list[Message]]:
-    """Groups joined into appends of about CHARS_PER_CHUNK characters (a long history in a few chunks, each under
-    the chunk limit; one long message stays one chunk, and is refused if over it)."""
-    out: list[list[Message]] = []
-    for g in message_groups:
-        if not g:
-            continue
-        if out and sum(len(m["content"]) for m in out[-1] + g) <= CHARS_PER_CHUNK:
-            out[-1] = out[-1] + g
-        else:
-            out.append(list(g))
-    return out
+    def orphaned(self, owner: Owner, made: asyncio.Future, session_of: Callable[[Any], str]) -> None:
+        """A session made for a turn that was cancelled meanwhile: closed."""
+        if not made.cancelled() and made.exception() is None:
+            self.service().spawn(self.close(owner, session_of(made.result())))

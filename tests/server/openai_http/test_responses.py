@@ -205,3 +205,42 @@ async def test_a_background_response_is_polled_or_cancelled(srv: RunningServer) 
     for r in (long, after, short):
         await c.responses.delete(r.id)
     await clean(srv)
+
+
+async def test_a_conversation_with_instructions_continues_its_session(srv: RunningServer) -> None:
+    c = client(srv)
+    conv = await c.conversations.create()
+    r1 = await c.responses.create(conversation=conv.id, input="Hi.", instructions="Answer in one word.", **ARGS)
+    r2 = await c.responses.create(conversation=conv.id, input="And again?", instructions="Answer in one word.", **ARGS)
+    assert r2.usage.input_tokens_details.cached_tokens > r1.usage.input_tokens  # the whole first turn reused
+    roles = [i.role async for i in c.conversations.items.list(conv.id, order="asc")]
+    assert roles == ["system", "user", "assistant", "user", "assistant"]  # the instructions once, where they went in
+    await c.conversations.delete(conv.id)
+    for r in (r1, r2):
+        await c.responses.delete(r.id)
+    await clean(srv)
+
+
+async def test_a_stream_whose_client_goes_at_once_leaves_nothing_locked(srv: RunningServer) -> None:
+    import aiohttp
+
+    c = client(srv)
+    conv = await c.conversations.create()
+    body = {"input": "Write a long story.", "conversation": conv.id, "stream": True, "max_output_tokens": 300}
+    async with aiohttp.ClientSession() as http, http.post(f"{srv.http}/v1/responses", json=body,
+                                                          headers={"Authorization": "Bearer key-a"}) as r:
+        await r.content.readline()  # the head and a first line, then the connection goes
+    for _ in range(500):
+        stored = srv.server.openai.store.of_owner(srv.server.openai.host.owner(
+            type("Req", (), {"headers": {"Authorization": "Bearer key-a"}})()))
+        if not any(o.in_progress for o in stored) and srv.server.openai.held() == 0:
+            break
+        await asyncio.sleep(0.02)
+    r2 = await c.responses.create(conversation=conv.id, input="Hello.", **ARGS)  # the conversation is not locked
+    assert r2.status in ("completed", "incomplete")
+    for o in list(srv.server.openai.store.of_owner(srv.server.openai.host.owner(
+            type("Req", (), {"headers": {"Authorization": "Bearer key-a"}})()))):
+        if o.kind == "response":
+            await c.responses.delete(o.id)
+    await c.conversations.delete(conv.id)
+    await clean(srv)

@@ -40,10 +40,14 @@ async def test_the_byte_budget_evicts_the_least_recently_used(tmp_path: Path) ->
         with pytest.raises(openai.NotFoundError):
             await c.responses.retrieve(ids[0])
         assert (await c.responses.retrieve(ids[-1])).id == ids[-1]
-        conv = await c.conversations.create(items=[{"role": "user", "content": "x" * 7000}])
-        assert (await c.conversations.retrieve(conv.id)).id == conv.id  # the newest stays, alone over the budget
+        conv = await c.conversations.create(items=[{"role": "user", "content": "x" * 4500}])
+        assert (await c.conversations.retrieve(conv.id)).id == conv.id  # the newest stays; older ones made room
         with pytest.raises(openai.NotFoundError):
-            await c.responses.retrieve(ids[-1])
+            await c.responses.retrieve(ids[-2])
+        with pytest.raises(openai.BadRequestError) as e:  # one object alone over the budget: refused, nothing kept
+            await c.conversations.items.create(conv.id, items=[{"role": "user", "content": "y" * 2000}])
+        assert e.value.body["code"] == "conversation_too_large"
+        assert len((await c.conversations.items.list(conv.id)).data) == 1 and api.store.bytes <= 6000
 
 
 async def test_ttls_let_everything_go() -> None:
@@ -90,3 +94,31 @@ async def test_a_drain_hands_stored_state_and_sessions_to_another_instance(tmp_p
         assert (await cb.responses.retrieve(r1.id)).output_text == r1.output_text
         assert (await cb.conversations.retrieve(conv.id)).id == conv.id
         ref.close()
+
+
+async def test_two_follow_ups_on_a_parked_response_at_once(tmp_path: Path) -> None:
+    async with serve(ServerConfig(http_session_ttl=0.5, snapshot_store=str(tmp_path / "store")), smol) as srv:
+        c, api = client(srv), srv.server.openai
+        refs = [Reference(srv.engine), Reference(srv.engine)]
+        for ref in refs:
+            await ref.turn(user("What is the capital of France?"))
+        r1 = await c.responses.create(input="What is the capital of France?", **ARGS)
+        await until(lambda: api.held() == 0 and srv.engine.stats()["sessions_open"] == 2)  # parked
+        wants = [(await ref.turn(user(q)))[0] for ref, q in zip(refs, ("And of Italy?", "And of Spain?"), strict=True)]
+        got = await asyncio.gather(*(c.responses.create(input=q, previous_response_id=r1.id, **ARGS)
+                                     for q in ("And of Italy?", "And of Spain?")))
+        assert [r.output_text for r in got] == wants
+        assert max(r.usage.input_tokens_details.cached_tokens for r in got) > 0  # one of them restored it
+        for ref in refs:
+            ref.close()
+        for r in (r1, *got):
+            await c.responses.delete(r.id)
+        await until(lambda: api.held() == 0 and srv.engine.stats()["sessions_open"] == 0)
+
+
+async def test_a_long_history_of_short_messages_is_prefilled_in_chunks_under_the_limit() -> None:
+    async with serve(ServerConfig(max_chunk_tokens=128), smol) as srv:
+        c = client(srv)
+        messages = [user(f"Item {i}.") if i % 2 == 0 else {"role": "assistant", "content": "Noted."} for i in range(41)]
+        r = await c.chat.completions.create(model="default", messages=messages, max_tokens=4, temperature=0.0)
+        assert r.usage.prompt_tokens > 128 and r.choices[0].message.content
