@@ -23,6 +23,7 @@ from torch import nn
 from streamserve.models.config import ModelConfig
 from streamserve.models.layer_kv import LayerKV
 from streamserve.models.ops import TORCH_OPS, Ops
+from streamserve.models.quant import exact_top
 from streamserve.models.step_layout import LayoutPlanner, Rope, StepLayout
 
 
@@ -288,8 +289,9 @@ class CausalLM(nn.Module):
             x = x.index_select(0, rows)
         elif rows is not None:
             x = x[rows[0]:rows[0] + 1] if len(rows) == 1 else x[torch.tensor(rows, device=x.device)]
-        logits = self.lm_head(ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps))  # [R, V]
+        h = ops.rms_norm(x, self.norm, self.cfg.rms_norm_eps)
+        logits = exact_top(self.lm_head, h, self.lm_head(h))  # [R, V] fp32, the top candidates at full resolution
         cap = self.cfg.final_logit_softcap
-        if cap is not None:  # in the model dtype, as transformers does
+        if cap is not None:
             logits = torch.tanh(logits / cap) * cap
-        return logits.float()
+        return logits

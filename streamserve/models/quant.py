@@ -193,6 +193,35 @@ class QuantLinear(nn.Module):
         return packed, scales_zeros.to(torch.bfloat16)
 
 
+EXACT_TOP = 64  # the head's top candidates per row whose logits are computed again in float32 (`exact_top`)
+
+
+def exact_top(head: nn.Module, h: torch.Tensor, logits: torch.Tensor, k: int = EXACT_TOP) -> torch.Tensor:
+    """Logits [R, V] of `head` at h [R, K] with their top-k computed again in float32 from the head's own weights:
+    a quantized head's CPU kernels and a bfloat16 head give logits rounded to bfloat16 (8 significant bits: at 26,
+    steps of 0.125), which ties close candidates; re-computed, the candidates greedy, sampling and verification
+    choose between are exact, and only the far tail keeps its rounding. -> float32 [R, V]."""
+    out = logits.float()
+    if (isinstance(head, QuantLinear) and h.device.type == "cpu") or out.dtype != logits.dtype:
+        top = out.topk(min(k, out.shape[-1]), dim=-1).indices  # [R, k]
+        out = out.scatter(-1, top, head_rows(head, h, top))
+    return out
+
+
+def head_rows(head: nn.Module, h: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """h [R, K] times the head's weight rows `rows` [R, k], in float32 -> [R, k]."""
+    flat = rows.reshape(-1)
+    if isinstance(head, QuantLinear):
+        w = head.canonical()
+        sub = QuantWeight(w.bits, w.qweight.index_select(0, flat), w.scale.index_select(0, flat),
+                          None if w.zero is None else w.zero.index_select(0, flat), w.group).dequantize()
+    else:
+        sub = head.weight.index_select(0, flat).float()  # type: ignore[union-attr]
+    y = torch.einsum("rkd,rd->rk", sub.view(*rows.shape, -1), h.float())
+    bias = getattr(head, "bias", None)
+    return y if bias is None else y + bias.float().index_select(0, flat).view(rows.shape)
+
+
 def can_int4(lin: nn.Linear) -> bool:
     return lin.in_features % GROUP == 0
 

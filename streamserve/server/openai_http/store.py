@@ -151,7 +151,7 @@ class ObjectStore:
         directory = self.directory
 
         def write() -> int:
-            if directory is None:
+            if directory is None or not texts:  # nothing stored: the store's directory is left as it was
                 return 0
             directory.mkdir(parents=True, exist_ok=True)
             for object_id, text in texts.items():
