@@ -47,13 +47,14 @@ class EngineConfig:
                 "session by acceptance); greedy output is identical either way"})
     max_draft: int = field(default=7, metadata={
         "help": "the most tokens drafted per verification (1 to 7); each session drafts fewer when that pays"})
-    cpu_compile: str = field(default="off", metadata={
+    cpu_compile: str = field(default="auto", metadata={
         "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code torch.compile "
                 "(Inductor) generates, weights frozen in and matmuls autotuned: each shape runs eagerly while it "
-                "compiles in a background thread (two to three minutes cold for a 135M model, 20-30 s from the cache "
-                "under the streamserve cache home), then compiled; greedy output follows the eager one (int8 may part "
-                "from it after some tokens). No effect on CUDA or with triton kernels (docs/quantization.md)",
-        "choices": ("off", "on")})
+                "compiles in a background thread at the lowest CPU priority (minutes cold for a 135M model; from "
+                "the cache under the streamserve cache home, which `streamserve models pull` warms, in seconds), "
+                "then compiled. auto = on where a C++ compiler is there (and STREAMSERVE_CPU_COMPILE is not off), "
+                "off = always eager. No effect on CUDA or with triton kernels (docs/quantization.md)",
+        "choices": ("auto", "on", "off")})
     backend: str = field(default="engine", metadata={
         "help": "what runs the model: engine (this process, one accelerator) or sglang (an SGLang server's "
                 "streaming sessions, for tensor/expert parallelism; --sglang-url or --sglang-launch; docs/scale.md)",

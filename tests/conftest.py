@@ -20,6 +20,10 @@ from helpers import ARCH_CONFIGS, make_checkpoint
 
 # Triton kernels run in Triton's interpreter on a CPU; it must be chosen before triton compiles anything.
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# cpu_compile "auto" (the default) would start a background compile of every engine the suite builds (hundreds, two
+# cores): here auto means off, also in the servers tests start. The tests of the default unset it
+# (tests/engine/test_cpu_compile_default.py).
+os.environ["STREAMSERVE_CPU_COMPILE"] = "off"
 
 
 @pytest.fixture(scope="session")

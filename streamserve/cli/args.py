@@ -7,6 +7,7 @@ import dataclasses
 import sys
 import time
 import typing
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -60,10 +61,19 @@ def quantized_note(engine: Any) -> str:
     return f", weights {'/'.join(f'int{b}' for b in bits)} (quantize {engine.quantized})"
 
 
-def load_engine(args: argparse.Namespace) -> Any:
+def say(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def load_engine(args: argparse.Namespace, tell: Callable[[str], None] = say, compile_steps: bool = True) -> Any:
+    """The engine the flags describe, its load announced on stderr. `tell`: gets a line once the compiled decode
+    step serves (--cpu-compile); `compile_steps=False`: a command that steps no model (`info`) compiles nothing."""
     from streamserve.engine import Engine
+    from streamserve.engine.compiled import compile_note
 
     cfg = resolve_named_model(config_from_args(EngineConfig, args))
+    if not compile_steps:
+        cfg = dataclasses.replace(cfg, cpu_compile="off")
     if cfg.backend != "engine" or cfg.sglang_url or cfg.sglang_launch:
         raise InvalidInputError("--backend sglang (and --sglang-url, --sglang-launch) are for `streamserve serve`; "
                                 "this command runs the model in this process")
@@ -76,6 +86,6 @@ def load_engine(args: argparse.Namespace) -> Any:
                                     page_size=cfg.page_size, idle_ttl=cfg.idle_ttl, rewind_reach=cfg.rewind_reach)
     st = engine.stats()
     print(f"streamserve: {st['model']} ({st['architecture']}, {st['parameters'] / 1e6:.1f}M parameters) "
-          f"on {st['device']} as {st['dtype']}{quantized_note(engine)}, loaded in {time.perf_counter() - t0:.1f}s",
-          file=sys.stderr)
+          f"on {st['device']} as {st['dtype']}{quantized_note(engine)}, loaded in {time.perf_counter() - t0:.1f}s"
+          f"{compile_note(engine.graphs, tell)}", file=sys.stderr)
     return engine

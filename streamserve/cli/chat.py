@@ -8,6 +8,7 @@ stops a reply (what it said stays, as the assistant's message), Ctrl-D (end of i
 from __future__ import annotations
 
 import argparse
+import queue
 import sys
 import time
 from collections.abc import Callable
@@ -25,7 +26,7 @@ if TYPE_CHECKING:  # the engine (and torch) load only when the command runs, not
 HELP = """commands:
   /rewind   undo the last exchange (your last message and the reply to it)
   /reset    start a new conversation (the session's KV pages go back)
-  /stats    tokens in the session, KV pages and bytes held, the last reply's speed
+  /stats    tokens in the session, KV pages and bytes held, the last reply's speed, the decode step
   /help     this text
 Ctrl-C stops a reply (what it said so far stays); Ctrl-D quits."""
 
@@ -139,7 +140,18 @@ class Terminal:
         if self.last:
             lines += [f"last reply: {self.last['tokens']:.0f} tokens, first token after "
                       f"{self.last['ttft_s'] * 1e3:.0f} ms, {self.last['tokens_per_s']:.1f} tokens/s"]
-        return "\n".join(lines)
+        return "\n".join([*lines, f"decode step: {decode_step(e.stats()['compiled_step'])}"])
+
+
+def decode_step(compiled: dict[str, Any] | None) -> str:
+    """/stats' line on the compiled decode step (engine stats' `compiled_step`)."""
+    if compiled is None:
+        return "eager (--cpu-compile off, or not a CPU with torch kernels)"
+    if compiled["state"] == "active":
+        return f"compiled ({compiled['steps_compiled']} steps so far, {compiled['steps_eager']} eager)"
+    if compiled["state"] == "compiling":
+        return "compiling in the background (eager until ready)"
+    return "eager (its compile failed: run with --verbose to see why)"
 
 
 def _wait(ack: Future[Ack]) -> bool:
@@ -155,7 +167,8 @@ def _wait(ack: Future[Ack]) -> bool:
 
 
 def cmd_chat(args: argparse.Namespace) -> int:
-    engine = load_engine(args)
+    notes: queue.SimpleQueue[str] = queue.SimpleQueue()  # e.g. "the compiled decode step serves": between replies
+    engine = load_engine(args, tell=notes.put)
     term = Terminal(engine, args)
     interactive = sys.stdin.isatty()
     if interactive:
@@ -163,6 +176,8 @@ def cmd_chat(args: argparse.Namespace) -> int:
     commands = {"/rewind": term.rewind, "/reset": term.reset, "/stats": term.stats, "/help": lambda: HELP}
     try:
         while True:
+            while not notes.empty():
+                print(notes.get(), file=sys.stderr)
             try:
                 line = input("> " if interactive else "")
             except EOFError:

@@ -18,7 +18,7 @@ def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 
 def cmd_info(args: argparse.Namespace) -> int:
-    engine = load_engine(args)
+    engine = load_engine(args, compile_steps=False)
     cfg = engine.config
     print(json.dumps({**engine.stats(), "layers": cfg.num_layers, "hidden_size": cfg.hidden_size,
                       "vocab_size": cfg.vocab_size, "max_context": cfg.max_position_embeddings,

@@ -1,5 +1,6 @@
-"""Compiled CPU decode steps (`cpu_compile="on"`): the fixed-shape steps of engine/graphs.py run from code that
-`torch.compile` (Inductor) generated, compiled in a background thread while the same steps run eagerly.
+"""Compiled CPU decode steps (`cpu_compile` "auto", the default, or "on"): the fixed-shape steps of engine/graphs.py
+run from code that `torch.compile` (Inductor) generated, compiled in a background thread at the lowest CPU priority
+while the same steps run eagerly.
 
 What is compiled: `CausalLM.forward_batch` over a step's static buffers (engine/static_step.py), one graph with no
 breaks (`fullgraph=True`), attention as matmul + masked softmax (engine/compiled_ops.py). One compiled callable
@@ -22,8 +23,9 @@ to compile anywhere but the compile thread: a guard that failed on a real step w
 the engine thread for a minute; such a step runs eagerly and its shape stays eager. Dynamo checks only the guards
 on a step's arguments and on global state before each call (`input_guards`), not the thousands on the traced
 model, which never changes while the engine runs. Inductor's on-disk cache
-lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set): a restart compiles in
-seconds. `close()` (engine shutdown) ends the thread after the compile in progress.
+lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set; `streamserve models pull` warms
+it): a restart compiles from it. `close()` (engine shutdown) never waits: the thread ends after the compile in
+progress. Setup (what `auto` decides, the options, the cache, the priority): engine/inductor_setup.py.
 
 Frozen and autotuned (`INDUCTOR_OPTIONS`): the weights, and the quantized projections' CPU-packed forms, are
 constants of the graph, and each matmul shape is timed at compile time between aten's packed kernel and Inductor's
@@ -40,7 +42,6 @@ from __future__ import annotations
 
 import copy
 import logging
-import os
 import threading
 import time
 import types
@@ -53,11 +54,18 @@ import torch
 from streamserve.engine.batch import threads_for
 from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
 from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
+from streamserve.engine.inductor_setup import (
+    INDUCTOR_OPTIONS,
+    cpu_compile_wanted,
+    inductor,
+    inductor_cache_dir,
+    input_guards,
+    lower_priority,
+)
 from streamserve.engine.openmp import release_openmp_threads
 from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey, build_entry
 from streamserve.errors import InvalidInputError
 from streamserve.models import CausalLM
-from streamserve.models.store import default_home
 from streamserve.sessions import KVPool, WindowPolicy
 
 log = logging.getLogger("streamserve")
@@ -65,7 +73,6 @@ log = logging.getLogger("streamserve")
 MAX_COMPILED = 8  # step shapes compiled per engine (ready or failed); others always run eagerly
 COMPILE_AFTER_STEPS = 16  # a shape is queued for compiling once it ran this many steps
 SEEN_LIMIT = 256  # shapes whose steps are counted at a time (the count restarts when full)
-CLOSE_TIMEOUT = 600.0  # seconds close() waits for a compile in progress
 CHECK_TOLERANCE = 0.05  # compiled vs eager logits on the scratch step: max |diff| <= this * (1 + max |logit|)
 
 CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
@@ -80,61 +87,6 @@ def traced_model(model: CausalLM) -> CausalLM:
 def compile_key(key: GraphKey, threads: int) -> CompileKey:
     width, all_rows, parts = key
     return width, all_rows, tuple((p.policy, p.batch) for p in parts), threads
-
-
-def inductor_cache_dir() -> str:
-    """Inductor's on-disk cache: the user's TORCHINDUCTOR_CACHE_DIR, else <streamserve home>/inductor (set now,
-    before the first compile reads it). Importing torch._dynamo writes Inductor's default (/tmp/torchinductor_USER)
-    into the variable: that value counts as unset."""
-    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
-
-    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
-    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = current = str(default_home() / "inductor")
-    return current
-
-
-# Inductor's options for a decode step (set on the compile thread, around the trace: Dynamo reads `freezing` when it
-# lifts the weights, Inductor when it lowers them):
-# - freezing: the model's weights and packed quantized forms become constants of the graph (they are never written
-#   while a step runs), which Inductor may fold and repack;
-# - max_autotune with the CPP GEMM template next to aten: each quantized matmul shape is timed once per compile
-#   (a few seconds each) between aten's packed kernel and Inductor's own micro-GEMM over a weight it reblocks at
-#   compile time. At batch 1 the template reads int8 weights as a stream of blocks where aten's int8 kernel is
-#   compute-bound: SmolLM2's compiled int8 step went from 41 to 63 tok/s (benchmarks/cpu_decode.py). Float
-#   matmuls are tuned the same way.
-# - cpp_wrapper: the code that calls the kernels is C++ too, not a Python function of ~25 statements a layer
-#   (buffers, views, size asserts): without it SmolLM2's int4 forward took 1.12x as long
-#   (benchmarks/cpu_compile_options.py).
-# - cpp.min_chunk_size 32768 (Inductor's default: 512 elements a thread): a kernel parallelizes only with more work
-#   than that. A decode step's norms, activations and key gathers are a few thousand elements: run by one thread,
-#   they skip an OpenMP fork and join each (with Inductor's default of 512, 1.08x as long, the same benchmark).
-#   A long context's key gather, and a batch's, still split.
-INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
-                                    "cpp_wrapper": True, "cpp.min_chunk_size": 32768}
-
-
-STEP_INPUTS = ("ids", "kvs", "rows")  # the compiled step function's arguments (`_step_function`)
-
-
-def input_guards(entries: list[Any]) -> list[bool]:
-    """Dynamo's guard filter (`torch.compile(options={"guard_filter_fn": ...})`, one flag per guard: kept?). Kept:
-    the guards on the step's arguments (their tensors' shapes, dtypes and strides, the static buffers' structure
-    and constants) and on global state (grad mode and the like: guards with no source). Dropped: those on the
-    traced model (every module's hooks, attributes and ids) and on the code's globals (modules, functions). Those
-    never change while an engine runs: the traced model is the engine's, nothing assigns to it after load, and its
-    weights are constants of the graph (frozen) that no guard would compare anyway. A SmolLM2 step holds ~4,600
-    guards, ~140 of them on its arguments: checking all of them took 1.1 ms a step, the kept ones 0.5
-    (docs/benchmarks.md, issue 16)."""
-    return [not e.name or e.name.split("[", 1)[0].split(".", 1)[0] in STEP_INPUTS for e in entries]
-
-
-def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-    """The compile backend: Inductor (C++/OpenMP kernels on a CPU), under `INDUCTOR_OPTIONS` (set by the caller
-    around the trace)."""
-    from torch._inductor.compile_fx import compile_fx
-
-    return compile_fx(gm, example_inputs)
 
 
 class CompileRefused(RuntimeError):
@@ -158,20 +110,31 @@ def scratch_pool(pool: KVPool) -> KVPool:
 def decode_graphs(model: CausalLM, pool: KVPool, max_batch: int, ops: str, cuda_graphs: str, cpu_compile: str,
                   wide: bool) -> DecodeGraphs | None:
     """The engine's fixed-shape decode steps (`Engine.from_pretrained`): CUDA graphs with `cuda_graphs` "on"
-    (or "auto" on CUDA with Triton kernels); on a CPU with torch kernels `cpu_compile="on"` runs the same steps
-    compiled (elsewhere it has no effect). None: every step runs eagerly. `wide`: `BatchForward.wide`."""
+    (or "auto" on CUDA with Triton kernels); on a CPU with torch kernels `cpu_compile` "auto" (the default, where a
+    compiler is there: `cpu_compile_wanted`) or "on" runs the same steps compiled (elsewhere it has no effect).
+    None: every step runs eagerly. `wide`: `BatchForward.wide`."""
     if cuda_graphs not in ("auto", "on", "off"):
         raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
-    if cpu_compile not in ("off", "on"):
-        raise InvalidInputError(f"cpu_compile must be off or on, got {cpu_compile!r}")
     dev = pool.device
-    compiled = cpu_compile == "on" and dev.type == "cpu" and ops == "torch"
+    compiled = cpu_compile_wanted(cpu_compile, dev.type, ops)
     if not (compiled or cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops == "triton")):
         return None
     graphs = DecodeGraphs.start(model, pool, max_batch, dev.type == "cuda")
     if compiled:
         start_compiled_steps(graphs, pool, wide)
     return graphs
+
+
+def compile_note(graphs: DecodeGraphs | None, tell: Callable[[str], None]) -> str:
+    """For a command's ready line: what the decode step runs as now ("" with no compiled steps); `tell` gets a
+    line once the compiled step serves."""
+    compiled = graphs.compiled if graphs is not None else None
+    if not isinstance(compiled, CompiledSteps):
+        return ""
+    compiled.when_ready(lambda message: tell(f"streamserve: {message}"))
+    if compiled.ready_after is not None:
+        return "; decode step compiled"
+    return "; the decode step compiles in the background (eager until ready; --cpu-compile off to skip)"
 
 
 def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool) -> CompiledSteps:
@@ -204,6 +167,9 @@ class CompiledSteps:
         self.idle.set()
         self.steps = 0  # steps served from compiled code
         self.eager_steps = 0  # steps of these shapes that ran eagerly (not ready, failed, refused)
+        self.started = time.perf_counter()
+        self.ready_after: float | None = None  # seconds from the start to the first compiled shape's publication
+        self._on_ready: list[Callable[[str], None]] = []  # told once, when the first shape serves compiled
 
     # ---- the engine thread ----------------------------------------------------------------------------------
     def run(self, entry: Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
@@ -267,25 +233,43 @@ class CompiledSteps:
     def ready(self) -> int:
         return len(self._fns)
 
+    def when_ready(self, tell: Callable[[str], None]) -> None:
+        """`tell(message)` once the first shape serves compiled (on the compile thread; now if one does)."""
+        with self._cv:
+            if self.ready_after is None:
+                self._on_ready.append(tell)
+                return
+        tell(self._ready_message())
+
+    def _ready_message(self) -> str:
+        return (f"the compiled decode step serves from now on ({self.ready_after:.0f}s after start; compiled in "
+                f"{min(self.compile_seconds.values(), default=0.0):.0f}s)")
+
+    def describe(self) -> dict[str, Any]:
+        """For the engine's stats: `state` is "compiling" (nothing compiled yet, steps run eagerly), "active" (at
+        least one shape serves compiled) or "failed" (every compile failed: eager for good)."""
+        state = "active" if self._fns else "failed" if self.failed and self.idle.is_set() else "compiling"
+        return {"state": state, "ready_after_s": self.ready_after, "shapes_ready": len(self._fns),
+                "shapes_failed": len(self.failed), "compile_seconds": sum(self.compile_seconds.values()),
+                "steps_compiled": self.steps, "steps_eager": self.eager_steps}
+
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or compiling -> whether that happened within `timeout`."""
         return self.idle.wait(timeout)
 
     def close(self) -> None:
-        """Stop: nothing more is compiled; the thread ends after the compile in progress (waited for)."""
+        """Stop: nothing more is compiled or published. Never waits: a compile in progress (minutes, cold) cannot
+        be interrupted, so the thread (a daemon, at the lowest priority) ends when it is done, its result
+        dropped; a process that exits first does not wait for it."""
         with self._cv:
             self._closed = True
             self._queue.clear()
             self._cv.notify()
-            thread = self._thread
-        if thread is not None and thread is not threading.current_thread():
-            thread.join(CLOSE_TIMEOUT)
-            if thread.is_alive():
-                log.warning("cpu_compile: a compile still runs %.0fs after shutdown", CLOSE_TIMEOUT)
         self.idle.set()
 
     # ---- the compile thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
+        lower_priority()  # the engine's steps first: a serving engine keeps its deadlines while this compiles
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -298,10 +282,20 @@ class CompiledSteps:
                 t0 = time.perf_counter()
                 fn = self._compile(ck, key, policies)
                 self.compile_seconds[ck] = time.perf_counter() - t0
-                log.info("cpu_compile: step shape %s compiled in %.1fs", ck, self.compile_seconds[ck])
+                tell: list[Callable[[str], None]] = []
                 with self._cv:
                     if not self._closed:
                         self._fns[ck] = fn
+                        if self.ready_after is None:  # the first: who waits for it is told
+                            self.ready_after = time.perf_counter() - self.started
+                            tell, self._on_ready = self._on_ready, []
+                for t in tell:
+                    try:
+                        t(self._ready_message())
+                    except Exception:  # a listener's fault is not the compile's
+                        log.exception("cpu_compile: telling that the compiled step serves failed")
+                log.info("cpu_compile: the compiled decode step serves shape %s (compiled in %.1fs, %.1fs after "
+                         "start)", ck, self.compile_seconds[ck], time.perf_counter() - self.started)
             except Exception as e:  # logged once; the shape stays eager
                 self._fail(ck, e)
             finally:  # this thread's OpenMP workers (autotuning, the check): not kept while it waits

@@ -143,8 +143,8 @@ class Engine:
         """Stop the engine thread: queued chunks fail, running replies end ("closed"). Sessions stay
         usable for snapshots; new work is refused."""
         self.loop.stop()
-        if self.graphs is not None:  # cpu_compile's thread ends too
-            self.graphs.close()
+        if self.graphs is not None:
+            self.graphs.close()  # cpu_compile's thread ends too
 
     @classmethod
     def from_pretrained(cls, model: str | Path = ENGINE_DEFAULTS.model,
@@ -168,8 +168,8 @@ class Engine:
 
         quantize: "auto" (a GGUF file keeps its quantized weights), "none", "int8" or "int4" (models/quantize.py).
         kernels: "auto" (Triton on CUDA, torch on CPU), "triton" or "torch". cuda_graphs: "auto" (on with
-        CUDA + Triton), "on" or "off". cpu_compile: "on" = on a CPU with torch kernels, decode steps take the
-        fixed shapes and run compiled by torch.compile once compiled in the background (engine/compiled.py).
+        CUDA + Triton), "on" or "off". cpu_compile: "auto" (where a C++ compiler is) or "on" = on a CPU with torch
+        kernels, steps run compiled once compiled in the background (engine/compiled.py); "off" = eager.
         kv_memory: the KV pool's budget, bytes (int or "512MiB") or a fraction of free device memory
         (default: 1 GiB on a CPU, half the free memory on a GPU). idle_ttl: seconds after which an idle
         session is closed (None: never). scheduler: the engine loop's step budget and queue bounds.
@@ -385,8 +385,7 @@ class Engine:
             "kv_pages_total": alloc.num_pages,
             "kv_page_size": self.pool.page_size,
             "kv_bytes": pool.used_bytes,
-            # per layer group (one unless the model mixes native windows): pages in use of the group's share
-            "kv_groups": pool.group_stats(),
+            "kv_groups": pool.group_stats(),  # per layer group (one unless the model mixes native windows)
             "kv_session_bytes_max": max((s.kv.held_bytes for s in sessions), default=0),
             # read once: the engine thread may bring a session back between a check and a use
             "kv_parked_bytes": sum(p.nbytes for p in [s.kv.parked for s in sessions] if p is not None),
@@ -395,6 +394,7 @@ class Engine:
             "decode_tokens_per_s": c["decode_tokens"] / c["decode_seconds"] if c["decode_seconds"] else 0.0,
             "steps": self.loop.steps,
             "speculative": self.drafters.stats(),
+            "compiled_step": self.graphs.compiled.describe() if self.graphs and self.graphs.compiled else None,
             "chunks_shed": self.loop.scheduler.shed_total,
             **depths,
         }

@@ -140,7 +140,7 @@ class DecodeGraphs:
         self._policies: OrderedDict[PolicyKey, int] = OrderedDict()  # admitted policy -> last run, LRU first
         self.runs = 0  # graphable steps seen (served from graphs, or refused for their policies)
         self.created = 0  # entries built: graphs captured, or on a CPU what would have been captured
-        self.compiled: CompiledRunner | None = None  # on a CPU with cpu_compile="on": the compiled steps
+        self.compiled: CompiledRunner | None = None  # on a CPU with cpu_compile auto or on: the compiled steps
 
     @classmethod
     def start(cls, model: CausalLM, pool: KVPool, max_batch: int, capture: bool) -> DecodeGraphs:

@@ -50,6 +50,7 @@ from streamserve.config import (
     SessionConfig,
 )
 from streamserve.engine import Engine
+from streamserve.engine.compiled import compile_note
 from streamserve.errors import StreamserveError
 from streamserve.server import protocol as P
 from streamserve.server.adapter import ProtocolAdapter
@@ -377,7 +378,8 @@ def run(server: Server, announce: Callable[[str], None] = print) -> None:
             await runner.cleanup()
             raise SystemExit(1)
         if ready in done and server.engine is not None:
-            announce(f"streamserve: ready: {server.engine.name} on {server.engine.device}{server.policy.note()}")
+            announce(f"streamserve: ready: {server.engine.name} on {server.engine.device}{server.policy.note()}"
+                     f"{compile_note(getattr(server.engine, 'graphs', None), announce)}")  # (SGLang: none)
         failed = asyncio.create_task(server.engine_failed.wait())
         await asyncio.wait({stopped, failed, drained}, return_when=asyncio.FIRST_COMPLETED)
         if server.engine_died is not None:

@@ -1,0 +1,125 @@
+"""How the compiled CPU decode steps (engine/compiled.py) are set up: whether `cpu_compile="auto"` compiles here,
+Inductor's options and on-disk cache, the guard filter, and the compile thread's low priority."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from streamserve.errors import InvalidInputError
+from streamserve.models.store import default_home
+
+log = logging.getLogger("streamserve")
+
+CPU_COMPILE_CHOICES = ("auto", "on", "off")
+# `auto` everywhere in this process reads as `off` when this is "off" in the environment: for test suites (every
+# engine they build would otherwise start a compile) and machines where background compiles are unwanted
+CPU_COMPILE_ENV = "STREAMSERVE_CPU_COMPILE"
+COMPILE_NICE = 19  # the compile thread's niceness (Linux): it takes the CPUs the engine leaves
+
+
+def compiler_missing() -> str | None:
+    """Why torch.compile cannot build CPU code here (None: it can): Inductor writes C++ that a C++ compiler builds
+    against Python's headers (`cpp_wrapper`)."""
+    if sys.platform not in ("linux", "darwin"):
+        return f"Inductor's CPU code is not built on {sys.platform} by streamserve"
+    names = [os.environ.get("CXX") or "", "g++", "clang++", "c++"]
+    if not any(n and shutil.which(n) for n in names):
+        return "no C++ compiler (g++ or clang++) on PATH"
+    if not (Path(sysconfig.get_path("include")) / "Python.h").is_file():
+        return f"no Python headers ({sysconfig.get_path('include')}/Python.h; install python3-dev)"
+    return None
+
+
+def cpu_compile_wanted(setting: str, device_type: str, ops: str) -> bool:
+    """Whether decode steps run compiled: `on` on a CPU with torch kernels; `auto` (the default) the same where a
+    compiler is there and STREAMSERVE_CPU_COMPILE is not "off"; `off` never. CUDA and Triton kernels never
+    (CUDA graphs are their fixed-shape steps)."""
+    if setting not in CPU_COMPILE_CHOICES:
+        raise InvalidInputError(f"cpu_compile must be auto, on or off, got {setting!r}")
+    if setting == "off" or device_type != "cpu" or ops != "torch":
+        return False
+    if setting == "on":
+        return True
+    if os.environ.get(CPU_COMPILE_ENV, "").strip().lower() == "off":
+        return False
+    why = compiler_missing()
+    if why is not None:
+        log.info("cpu_compile auto: decode steps run eagerly (%s)", why)
+    return why is None
+
+
+def lower_priority() -> None:
+    """Give the calling thread the lowest CPU priority (Linux: niceness is per thread, and the threads and
+    processes it starts, OpenMP workers and C++ compilers, inherit it), so that a serving engine's steps keep
+    the CPUs while a compile runs. Elsewhere a no-op: other systems' PRIO_PROCESS would lower the whole process."""
+    if sys.platform != "linux":
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), COMPILE_NICE)
+    except OSError as e:  # a sandbox may refuse: the compile still runs, at normal priority
+        log.info("cpu_compile: could not lower the compile thread's priority: %s", e)
+
+
+def inductor_cache_dir() -> str:
+    """Inductor's on-disk cache: the user's TORCHINDUCTOR_CACHE_DIR, else <streamserve home>/inductor (set now,
+    before the first compile reads it). Importing torch._dynamo writes Inductor's default (/tmp/torchinductor_USER)
+    into the variable: that value counts as unset."""
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    current = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if current is None or os.path.abspath(current) == os.path.abspath(default_cache_dir()):
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = current = str(default_home() / "inductor")
+    return current
+
+
+# Inductor's options for a decode step (set on the compile thread, around the trace: Dynamo reads `freezing` when it
+# lifts the weights, Inductor when it lowers them):
+# - freezing: the model's weights and packed quantized forms become constants of the graph (they are never written
+#   while a step runs), which Inductor may fold and repack;
+# - max_autotune with the CPP GEMM template next to aten: each quantized matmul shape is timed once per compile
+#   (a few seconds each) between aten's packed kernel and Inductor's own micro-GEMM over a weight it reblocks at
+#   compile time. At batch 1 the template reads int8 weights as a stream of blocks where aten's int8 kernel is
+#   compute-bound: SmolLM2's compiled int8 step went from 41 to 63 tok/s (benchmarks/cpu_decode.py). Float
+#   matmuls are tuned the same way.
+# - cpp_wrapper: the code that calls the kernels is C++ too, not a Python function of ~25 statements a layer
+#   (buffers, views, size asserts): without it SmolLM2's int4 forward took 1.12x as long
+#   (benchmarks/cpu_compile_options.py).
+# - cpp.min_chunk_size 32768 (Inductor's default: 512 elements a thread): a kernel parallelizes only with more work
+#   than that. A decode step's norms, activations and key gathers are a few thousand elements: run by one thread,
+#   they skip an OpenMP fork and join each (with Inductor's default of 512, 1.08x as long, the same benchmark).
+#   A long context's key gather, and a batch's, still split.
+INDUCTOR_OPTIONS: dict[str, Any] = {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN",
+                                    "cpp_wrapper": True, "cpp.min_chunk_size": 32768}
+
+
+STEP_INPUTS = ("ids", "kvs", "rows")  # the compiled step function's arguments (`_step_function`)
+
+
+def input_guards(entries: list[Any]) -> list[bool]:
+    """Dynamo's guard filter (`torch.compile(options={"guard_filter_fn": ...})`, one flag per guard: kept?). Kept:
+    the guards on the step's arguments (their tensors' shapes, dtypes and strides, the static buffers' structure
+    and constants) and on global state (grad mode and the like: guards with no source). Dropped: those on the
+    traced model (every module's hooks, attributes and ids) and on the code's globals (modules, functions). Those
+    never change while an engine runs: the traced model is the engine's, nothing assigns to it after load, and its
+    weights are constants of the graph (frozen) that no guard would compare anyway. A SmolLM2 step holds ~4,600
+    guards, ~140 of them on its arguments: checking all of them took 1.1 ms a step, the kept ones 0.5
+    (docs/benchmarks.md, issue 16)."""
+    return [not e.name or e.name.split("[", 1)[0].split(".", 1)[0] in STEP_INPUTS for e in entries]
+
+
+def inductor(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
+    """The compile backend: Inductor (C++/OpenMP kernels on a CPU), under `INDUCTOR_OPTIONS` (set by the caller
+    around the trace)."""
+    from torch._inductor.compile_fx import compile_fx
+
+    return compile_fx(gm, example_inputs)

@@ -1,0 +1,143 @@
+"""cpu_compile's default, "auto" (engine/inductor_setup.py): an engine built with no compile argument compiles its
+decode step in the background on a CPU with torch kernels and serves compiled once ready, with the eager engine's
+greedy tokens; it serves (eagerly) while the compile runs, at the lowest CPU priority; a shutdown does not wait for
+a compile in progress; auto is off without a C++ compiler, off CPUs, with Triton kernels and where the environment
+says STREAMSERVE_CPU_COMPILE=off (as the rest of this suite does: tests/conftest.py)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from helpers import make_checkpoint, random_ids
+
+from streamserve import Engine
+from streamserve.engine import compiled as compiled_module
+from streamserve.engine.compiled import CompiledSteps
+from streamserve.engine.inductor_setup import COMPILE_NICE, CPU_COMPILE_ENV, compiler_missing, cpu_compile_wanted
+from streamserve.errors import InvalidInputError
+from streamserve.tools.batched import replies_together
+
+WAIT = 600.0  # seconds a test waits for a compile (an event: the wait ends when it is done)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("default-compile") / "qwen3"
+    make_checkpoint(path, "qwen3", num_hidden_layers=2, intermediate_size=64)
+    return path
+
+
+@pytest.fixture
+def auto(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The environment a user has: no STREAMSERVE_CPU_COMPILE."""
+    monkeypatch.delenv(CPU_COMPILE_ENV, raising=False)
+
+
+def default_engine(path: Path) -> Engine:
+    return Engine.from_pretrained(path, device="cpu", kv_memory="16MiB")  # no cpu_compile argument
+
+
+def compiled_of(engine: Engine) -> CompiledSteps:
+    assert engine.graphs is not None and engine.graphs.compiled is not None
+    return engine.graphs.compiled
+
+
+def greedy(engine: Engine, prompt: list[int], n: int) -> list[int]:
+    with engine.open_session() as s:
+        s.append(token_ids=prompt)
+        return s.generate(max_tokens=n, stop_token_ids=())
+
+
+def compile_thread() -> threading.Thread | None:
+    return next((t for t in threading.enumerate() if t.name == "streamserve-compile"), None)
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(compiler_missing() is not None, reason="torch.compile cannot build CPU code here")
+def test_default_engine_serves_compiled_once_ready(tiny: Path, auto: None, monkeypatch: pytest.MonkeyPatch,
+                                                   tmp_path: Path) -> None:
+    """Inductor for real (C++ built and run), into a cache of the test's own; frozen, not autotuned (CI's time:
+    tests/engine/test_cpu_compile.py autotunes)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS", {**compiled_module.INDUCTOR_OPTIONS,
+                                                               "max_autotune": False})
+    eager = Engine.from_pretrained(tiny, device="cpu", kv_memory="16MiB", cpu_compile="off")
+    engine = default_engine(tiny)
+    try:
+        assert eager.graphs is None and eager.stats()["compiled_step"] is None
+        compiled = compiled_of(engine)
+        assert compiled.wait_idle(WAIT) and not compiled.failed and compiled.ready == 1
+        prompt = random_ids(30, seed=11)
+        assert greedy(engine, prompt, 24) == greedy(eager, prompt, 24)
+        assert compiled.steps >= 23  # served compiled
+        step = engine.stats()["compiled_step"]
+        assert step["state"] == "active" and step["steps_compiled"] == compiled.steps
+        assert step["ready_after_s"] > 0 and step["compile_seconds"] > 0
+        assert any((tmp_path / "inductor").iterdir())  # the cache a second start compiles from
+        engine.check_integrity()
+    finally:
+        engine.shutdown()
+        eager.shutdown()
+
+
+def test_serves_while_compiling_at_low_priority_and_shutdown_does_not_wait(tiny: Path, auto: None,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compile is held (a gate in the backend) while the default engine serves two sessions at once: every
+    step eager, the same tokens as an eager engine; the compile thread runs at the lowest priority; a shutdown
+    with the compile still held returns, and the thread ends once the compile does, its result dropped."""
+    gate, entered = threading.Event(), threading.Event()
+    niceness: list[int] = []
+
+    def held(gm: torch.fx.GraphModule, inputs: list[object]) -> object:
+        if sys.platform == "linux":
+            niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
+        entered.set()
+        assert gate.wait(WAIT)
+        return gm.forward  # Dynamo's "eager" backend: no C++ compile
+
+    monkeypatch.setattr(compiled_module, "inductor", held)
+    eager = Engine.from_pretrained(tiny, device="cpu", kv_memory="16MiB", cpu_compile="off")
+    engine = default_engine(tiny)
+    compiled = compiled_of(engine)
+    try:
+        assert entered.wait(WAIT)  # compiling now
+        prompts, kws = [random_ids(25, seed=12), random_ids(33, seed=13)], [{}, {}]
+        assert replies_together(engine, prompts, 20, kws) == replies_together(eager, prompts, 20, kws)
+        assert compiled.steps == 0 and compiled.eager_steps >= 19
+        assert engine.stats()["compiled_step"]["state"] == "compiling"
+        if sys.platform == "linux":
+            assert niceness == [COMPILE_NICE]
+        engine.check_integrity()
+    finally:
+        engine.shutdown()  # returns with the compile still held
+        eager.shutdown()
+    thread = compile_thread()
+    assert thread is not None and thread.is_alive() and not gate.is_set()
+    gate.set()
+    thread.join(WAIT)
+    assert not thread.is_alive() and compiled.ready == 0  # closed: the late result is not published
+
+
+def test_auto_follows_the_device_kernels_compiler_and_environment(tiny: Path, auto: None,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    assert not cpu_compile_wanted("auto", "cuda", "torch")  # CUDA graphs are the GPU's fixed-shape steps
+    assert not cpu_compile_wanted("auto", "cpu", "triton")
+    assert not cpu_compile_wanted("off", "cpu", "torch") and cpu_compile_wanted("on", "cpu", "torch")
+    assert cpu_compile_wanted("auto", "cpu", "torch") == (compiler_missing() is None)
+    with pytest.raises(InvalidInputError, match="cpu_compile must be auto, on or off"):
+        cpu_compile_wanted("yes", "cpu", "torch")
+    monkeypatch.setenv(CPU_COMPILE_ENV, "off")
+    assert not cpu_compile_wanted("auto", "cpu", "torch") and cpu_compile_wanted("on", "cpu", "torch")
+    engine = default_engine(tiny)
+    assert engine.graphs is None  # nothing compiles, nothing is fixed-shape
+    engine.shutdown()
+    monkeypatch.delenv(CPU_COMPILE_ENV)
+    monkeypatch.setenv("PATH", "")  # no compiler to be found
+    monkeypatch.delenv("CXX", raising=False)
+    assert "no C++ compiler" in (compiler_missing() or "")
+    assert not cpu_compile_wanted("auto", "cpu", "torch")
