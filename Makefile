@@ -85,8 +85,11 @@ MODELS ?= smollm2-135m-instruct $(VOICE_MODELS) $(VISION_MODELS)
 VOICE_MODELS := whisper-base piper-joe silero-vad
 VISION_MODELS := efficientnet-lite0
 
+# A pull also compiles an LLM's CPU decode step into the cache (chat and serve then start with it); the test suite
+# runs with compiles off (tests/conftest.py), so `make test` pulls without that.
 models: $(VENV)/.installed
-	$(VENV)/bin/streamserve models pull $(MODELS)
+	$(VENV)/bin/streamserve models pull $(MODELS) $(PULL_FLAGS)
+test: PULL_FLAGS := --no-warm
 
 # What users install: both distributions built as the index would have them (the sdist, then the wheel from
 # the unpacked sdist: no stale build/ folder can leak into it; tests/test_wheel.py checks their file lists),

@@ -15,6 +15,10 @@ linears, a Q8_0 embedding; left out and said so when not pulled) and the embedde
   side with the eager engines;
   the run waits until their background compiles are done before any rep (their seconds are reported, and the
   steps served compiled and eagerly: a timed rep must run compiled); --no-compile (and --quick) leaves them out;
+- the engine at its defaults (`engine_defaults`: `Engine.from_pretrained(path)` with no argument: quantize "auto",
+  cpu_compile "auto", a 1 GiB KV pool), its compile waited for like the others' (from Inductor's cache when
+  `streamserve models pull` or an earlier run warmed it: `ready_after_s` is how long after its load it served
+  compiled), its tokens compared with the eager "auto" engine's (the default model: "none");
 - transformers float32 on the same weights (the GGUF through `gguf_file=`, the default model's safetensors);
 - with --with-llamacpp, llama.cpp on the same GGUF file (benchmarks/llamacpp_peer.py in the virtual environment
   of `make llamacpp-venv`, as a subprocess that answers one rep per line asked).
@@ -86,17 +90,31 @@ class Contender:
         self.name, self.rep, self.bytes_per_token, self.close = name, rep, bytes_per_token, close
         self.tok_s: list[float] = []
         self.tokens: list[int] = []
+        self.build: dict[str, Any] | None = None  # a peer's build: what its binary was compiled with
 
 
 COMPILED = "_compiled"  # a mode's suffix: the engine with cpu_compile="on"
 COMPILE_TIMEOUT = 900.0  # seconds the run waits for an engine's background compiles
 
 
+DEFAULTS = "defaults"  # the engine as a user gets it: `Engine.from_pretrained(path)`, no argument
+
+
 def load_engine(path: Path, mode: str) -> Engine:
     """float32 activations whatever the weights' format; a small KV pool (a 32-token prompt and --new tokens).
-    `mode`: a quantize mode, with COMPILED appended for cpu_compile="on"."""
+    `mode`: a quantize mode, with COMPILED appended for cpu_compile="on"; or DEFAULTS."""
+    if mode == DEFAULTS:
+        return Engine.from_pretrained(path)
     return Engine.from_pretrained(path, device="cpu", dtype="float32", quantize=mode.removesuffix(COMPILED),
                                   kv_memory="256MiB", cpu_compile="on" if mode.endswith(COMPILED) else "off")
+
+
+def eager_twin(mode: str, gguf: bool) -> str:
+    """The eager engine of the same weights as `mode` (what its greedy tokens are compared with): the defaults
+    quantize "auto" (a GGUF keeps its codes; safetensors stay as stored, the default model's float32)."""
+    if mode == DEFAULTS:
+        return "auto" if gguf else "none"
+    return mode.removesuffix(COMPILED)
 
 
 def wait_compiled(engines: list[Engine], modes: list[str]) -> dict[str, dict[str, Any]]:
@@ -111,7 +129,8 @@ def wait_compiled(engines: list[Engine], modes: list[str]) -> dict[str, dict[str
         if not compiled.wait_idle(COMPILE_TIMEOUT):
             raise SystemExit(f"engine_{mode}: still compiling after {COMPILE_TIMEOUT:.0f}s")
         out[mode] = {"compile_s": [round(v, 1) for v in compiled.compile_seconds.values()],
-                     "waited_s": round(time.perf_counter() - t0, 1), "failed": list(compiled.failed.values())}
+                     "waited_s": round(time.perf_counter() - t0, 1), "failed": list(compiled.failed.values()),
+                     "ready_after_s": None if compiled.ready_after is None else round(compiled.ready_after, 1)}
         print(f"engine_{mode}: compiled in {out[mode]['compile_s']} s, failed: {out[mode]['failed']}",
               file=sys.stderr)
     return out
@@ -195,7 +214,15 @@ def llamacpp_contender(path: Path, prompt: list[int], new: int, fraction: float)
         proc.wait(timeout=60)
         log.close()
 
-    return Contender("llamacpp", rep, lambda: gguf_bytes_per_token(path, fraction), close)
+    peer = Contender("llamacpp", rep, lambda: gguf_bytes_per_token(path, fraction), close)
+    # the CPU features its ggml was built with ("AVX512_VNNI = 1 | ..."): a peer at full strength has every one
+    # this CPU has but AMX (the Makefile's LLAMACPP_CMAKE)
+    features = [f.split("=")[0].strip() for f in ready["system_info"].split("|")
+                if f.strip().endswith("= 1")]
+    peer.build = {"llama_cpp_python": ready["llama_cpp_python"], "features": [f.removeprefix("CPU : ")
+                                                                               for f in features],
+                  "system_info": ready["system_info"].strip()}
+    return peer
 
 
 def matching_prefix(a: list[int], b: list[int]) -> int:
@@ -249,11 +276,13 @@ def bench_model(name: str, path: Path, modes: list[str], args: argparse.Namespac
                            "bandwidth_fraction": round(nbytes * tok_s / 1e9 / gb_s, 3),  # of the copy's rate
                            "read_only_fraction": round(nbytes * tok_s / 1e9 / sum_gb_s, 3),  # of the sum's
                            "matching_prefix": matching_prefix(c.tokens, reference), "tokens": len(c.tokens)}
+            if c.build is not None:
+                res[c.name]["build"] = c.build
             mode = c.name.removeprefix("engine_")
             if mode in compile_info:  # and its greedy tokens against the eager engine of the same weights
                 res[c.name]["compile"] = compile_info[mode]
-                res[c.name]["same_tokens_as_eager"] = c.tokens == next(
-                    d.tokens for d in contenders if d.name == c.name.removesuffix(COMPILED))
+                twin = f"engine_{eager_twin(mode, path.is_file())}"
+                res[c.name]["same_tokens_as_eager"] = c.tokens == next(d.tokens for d in contenders if d.name == twin)
             print(f"{name} {c.name}: {tok_s:.1f} tok/s, {nbytes / 2**20:.2f} MiB/token, "
                   f"{nbytes * tok_s / 1e9:.2f} GB/s = {res[c.name]['bandwidth_fraction']:.0%} of the copy's read rate "
                   f"({res[c.name]['read_only_fraction']:.0%} of the sum's), "
@@ -314,7 +343,7 @@ def main() -> None:
         # and SmolLM2's float32 compile would add minutes and 0.5 GB for a format no CPU user decodes in
         compiled = [f"int8{COMPILED}", f"int4{COMPILED}", *([f"auto{COMPILED}"] if path.is_file() else []),
                     *([f"none{COMPILED}"] if name == "default" else [])]
-        modes += [] if args.no_compile else compiled
+        modes += [] if args.no_compile else [*compiled, DEFAULTS]  # the defaults compile too (cpu_compile auto)
         res[name] = bench_model(name, path, modes, args, rate)
     res["read_rate"] = rate.figures()  # every sample of the run
     res["load_average_after"] = [round(x, 2) for x in os.getloadavg()]

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # the store imports torch (through streamserve.models): loaded when a command runs, not for --help
@@ -28,6 +30,7 @@ The cache is $STREAMSERVE_HOME, or ~/.cache/streamserve:
   models/<name>/<licence files>   what the packages ship (LICENSE, GEMMA_TERMS.html, ...)
   licenses/<name>/                terms a model needs accepted, and the record of acceptance
   tmp/                            pulls in progress
+  inductor/                       compiled CPU decode steps (pull compiles an LLM's; --no-warm skips)
 
 Gemma models are under the Gemma Terms of Use (https://ai.google.dev/gemma/terms), not an
 open-source licence: the first pull shows them and asks you to accept (--accept-license
@@ -36,7 +39,7 @@ when there is no terminal to ask on); the acceptance is remembered in the cache.
 examples:
   streamserve models list                       # the catalog: installed or not, size, licence, path
   streamserve models list --verify --json       # hash every installed file again
-  streamserve models pull smollm2-135m-instruct
+  streamserve models pull smollm2-135m-instruct  # also compiles its CPU decode step into the cache
   streamserve models pull gemma3-270m --accept-license
   streamserve chat --model smollm2-135m-instruct   # --model NAME pulls a catalog model on first use
 """
@@ -57,6 +60,9 @@ def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
     pull.add_argument("--accept-license", action="store_true",
                       help="accept the model's terms (Gemma Terms of Use) without being asked")
     pull.add_argument("--force", action="store_true", help="download again even if the model is installed")
+    pull.add_argument("--no-warm", dest="warm", action="store_false",
+                      help="skip compiling the model's CPU decode step into the cache (it then compiles in the "
+                      "background on the first start of chat or serve)")
     pull.set_defaults(run=cmd_pull)
 
     lst = sub.add_parser("list", help="the catalog: installed or not, size, licence, path",
@@ -95,8 +101,45 @@ def cmd_pull(args: argparse.Namespace, store: Store | None = None) -> int:
     # ask on a terminal only; without one, a model with terms needs --accept-license (a typed error says so)
     confirm = _ask if sys.stdin.isatty() else None
     for name in args.names:
-        print(store.pull(name, accept_license=args.accept_license, confirm=confirm, force=args.force, progress=True))
+        path = store.pull(name, accept_license=args.accept_license, confirm=confirm, force=args.force, progress=True)
+        print(path)
+        if args.warm and store.catalog[name].kind == "llm":
+            warm_compiled_step(path)
     return 0
+
+
+WARM_REPORT_EVERY = 15.0  # seconds between progress lines while the compile runs
+
+
+def warm_compiled_step(path: Path) -> float | None:
+    """Compile the decode step `streamserve chat` and `serve` start with (the engine's defaults: cpu_compile auto)
+    into Inductor's on-disk cache under the streamserve cache home, so that their first start serves compiled
+    within seconds -> the compile's seconds (None: nothing compiles here: a GPU, no C++ compiler, or
+    STREAMSERVE_CPU_COMPILE=off). Progress goes to stderr."""
+    from streamserve.engine import Engine
+
+    engine = Engine.from_pretrained(path)  # the defaults chat and serve load with: the same step shapes
+    try:
+        compiled = engine.graphs.compiled if engine.graphs is not None else None
+        if compiled is None:
+            print("streamserve: no CPU decode step to compile here (a GPU, no C++ compiler, or "
+                  "STREAMSERVE_CPU_COMPILE=off)", file=sys.stderr)
+            return None
+        print(f"streamserve: compiling {path.name}'s CPU decode step into the cache (once: minutes cold, "
+              "seconds when cached; --no-warm skips)", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        while not compiled.wait_idle(WARM_REPORT_EVERY):
+            print(f"streamserve: still compiling ({time.perf_counter() - t0:.0f}s)", file=sys.stderr, flush=True)
+        step = compiled.describe()
+        if step["state"] != "active":
+            print("streamserve: the decode step did not compile (it runs eagerly; --verbose shows why)",
+                  file=sys.stderr)
+            return None
+        print(f"streamserve: decode step compiled in {step['compile_seconds']:.0f}s; chat and serve start with it",
+              file=sys.stderr)
+        return step["compile_seconds"]
+    finally:
+        engine.shutdown()
 
 
 def cmd_list(args: argparse.Namespace, store: Store | None = None) -> int:

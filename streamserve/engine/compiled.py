@@ -56,6 +56,7 @@ from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
 from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
 from streamserve.engine.inductor_setup import (
     INDUCTOR_OPTIONS,
+    EngineFirst,
     cpu_compile_wanted,
     inductor,
     inductor_cache_dir,
@@ -108,11 +109,12 @@ def scratch_pool(pool: KVPool) -> KVPool:
 
 
 def decode_graphs(model: CausalLM, pool: KVPool, max_batch: int, ops: str, cuda_graphs: str, cpu_compile: str,
-                  wide: bool) -> DecodeGraphs | None:
+                  wide: bool, quiet: threading.Event | None = None) -> DecodeGraphs | None:
     """The engine's fixed-shape decode steps (`Engine.from_pretrained`): CUDA graphs with `cuda_graphs` "on"
     (or "auto" on CUDA with Triton kernels); on a CPU with torch kernels `cpu_compile` "auto" (the default, where a
     compiler is there: `cpu_compile_wanted`) or "on" runs the same steps compiled (elsewhere it has no effect).
-    None: every step runs eagerly. `wide`: `BatchForward.wide`."""
+    None: every step runs eagerly. `wide`: `BatchForward.wide`. `quiet`: set while the engine has no work (the
+    compile yields to it otherwise: `EngineFirst`)."""
     if cuda_graphs not in ("auto", "on", "off"):
         raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
     dev = pool.device
@@ -121,7 +123,7 @@ def decode_graphs(model: CausalLM, pool: KVPool, max_batch: int, ops: str, cuda_
         return None
     graphs = DecodeGraphs.start(model, pool, max_batch, dev.type == "cuda")
     if compiled:
-        start_compiled_steps(graphs, pool, wide)
+        start_compiled_steps(graphs, pool, wide, quiet)
     return graphs
 
 
@@ -137,10 +139,11 @@ def compile_note(graphs: DecodeGraphs | None, tell: Callable[[str], None]) -> st
     return "; the decode step compiles in the background (eager until ready; --cpu-compile off to skip)"
 
 
-def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool) -> CompiledSteps:
+def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool,
+                         quiet: threading.Event | None = None) -> CompiledSteps:
     """Compile `graphs`' CPU steps from now on (`wide`: the model's steps use every thread, `BatchForward.wide`);
     the start-up shape (W 1, batch 1, the default policy) is queued at once."""
-    compiled = graphs.compiled = CompiledSteps(graphs.model, pool)
+    compiled = graphs.compiled = CompiledSteps(graphs.model, pool, quiet)
     with threads_for(pool.device, 1, wide):  # the count a one-token step runs with
         threads = torch.get_num_threads()
     policy = WindowPolicy()
@@ -150,8 +153,12 @@ def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool) -> Comp
 
 
 class CompiledSteps:
-    def __init__(self, model: CausalLM, pool: KVPool) -> None:
+    def __init__(self, model: CausalLM, pool: KVPool, quiet: threading.Event | None = None) -> None:
         self.model, self.pool = model, pool
+        if quiet is None:  # no engine loop to yield to: always quiet
+            quiet = threading.Event()
+            quiet.set()
+        self.engine_first = EngineFirst(quiet)  # the compile's GIL slices while the engine steps
         self.traced = traced_model(model)
         self._fns: dict[CompileKey, Callable[..., torch.Tensor]] = {}  # ready
         self.failed: dict[CompileKey, str] = {}  # shape -> why it stays eager
@@ -280,7 +287,8 @@ class CompiledSteps:
                 ck, key, policies = self._queue.popleft()
             try:
                 t0 = time.perf_counter()
-                fn = self._compile(ck, key, policies)
+                with self.engine_first:  # imports, the trace, the lowering: the engine's steps go first
+                    fn = self._compile(ck, key, policies)
                 self.compile_seconds[ck] = time.perf_counter() - t0
                 tell: list[Callable[[str], None]] = []
                 with self._cv:

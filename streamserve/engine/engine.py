@@ -194,7 +194,7 @@ class Engine:
                      rewind_reach)
         # cuda_graphs / cpu_compile: the fixed-shape decode steps, captured (CUDA) or compiled (CPU), or None
         engine.graphs = decode_graphs(net, engine.pool, engine.scheduler.limits.max_batch, ops.name, cuda_graphs,
-                                      cpu_compile, engine.batch.wide)
+                                      cpu_compile, engine.batch.wide, engine.loop.quiet)
         engine.set_drafter(drafter, max_draft)
         release_openmp_threads()  # this thread's loading workers: the engine thread's steps must not share the CPUs
         return engine

@@ -3,12 +3,14 @@ Inductor's options and on-disk cache, the guard filter, and the compile thread's
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import shutil
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -56,6 +58,50 @@ def cpu_compile_wanted(setting: str, device_type: str, ops: str) -> bool:
     if why is not None:
         log.info("cpu_compile auto: decode steps run eagerly (%s)", why)
     return why is None
+
+
+class EngineFirst:
+    """While the engine steps, the compile thread holds Python's GIL only in short slices.
+
+    Tracing and lowering a step (Dynamo, Inductor) is Python: left alone it holds the GIL most of the time, and each
+    of the engine thread's hundreds of torch calls per token, which give the GIL up and take it back, waits up to
+    Python's switch interval (5 ms) to get it back: a 200 ms real-time tick took 2-4 s while a compile ran
+    (benchmarks/compile_background.py). CPU priority (`lower_priority`) does not help: the kernel does not
+    schedule the GIL. So the compile thread pauses itself: at the end of each garbage collection it triggers
+    (`gc.callbacks`; tracing allocates, so they come every few hundred microseconds), while the engine is not
+    `quiet` (engine/loop.py: work is queued or a step runs), after SLICE_S of running it waits PAUSE_S or until
+    the engine is quiet. A profile hook (`sys.setprofile`) would pause it at every call, but tripled the compile's
+    time even with the engine idle; a garbage collection's callback costs nothing measurable. Never a full stop: a
+    lock the compile holds (Dynamo's compile lock, an import) may be what the engine waits for. Autotuning's timings
+    take the median of many runs, which a pause within one does not move."""
+
+    SLICE_S = 0.001
+    PAUSE_S = 0.010
+
+    def __init__(self, quiet: threading.Event) -> None:
+        self.quiet = quiet
+        self.thread: int | None = None  # the compile thread's ident while it is inside
+        self.slice_end = 0.0
+        self.paused_s = 0.0  # the compile's time spent waiting for the engine
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase != "stop" or threading.get_ident() != self.thread or self.quiet.is_set():
+            return
+        now = time.perf_counter()
+        if now < self.slice_end:
+            return
+        self.quiet.wait(self.PAUSE_S)
+        self.slice_end = time.perf_counter() + self.SLICE_S
+        self.paused_s += self.slice_end - self.SLICE_S - now
+
+    def __enter__(self) -> EngineFirst:
+        self.thread = threading.get_ident()
+        gc.callbacks.append(self)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self)
+        self.thread = None
 
 
 def lower_priority() -> None:

@@ -81,6 +81,10 @@ class EngineLoop:
         self._last_idle_check = time.monotonic()
         self.steps = 0
         self.died: BaseException | None = None  # what ended the engine thread, if a fault did
+        # set while the engine thread has no work (cleared by submit()): background work that shares the GIL (the
+        # compile thread, engine/compiled.py) runs freely only then
+        self.quiet = threading.Event()
+        self.quiet.set()
         self._death_callbacks: list[Callable[[BaseException], None]] = []
 
     # ---- called from any thread -----------------------------------------------------------------------
@@ -97,6 +101,7 @@ class EngineLoop:
                 raise ResponseInProgressError(f"session {work.session_id} already has a reply running or queued; "
                                               "cancel it first (session.cancel()) or wait for it to end")
             self.scheduler.add(work)
+            self.quiet.clear()
             self._ensure_thread()
             self.cv.notify()
 
@@ -124,7 +129,7 @@ class EngineLoop:
         if self._thread is None or not self._thread.is_alive():
             # the thread holds the loop only weakly between iterations: an engine nobody uses any more is
             # garbage-collected (with its KV pool), and its thread ends within a second
-            self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self), self.cv),
+            self._thread = threading.Thread(target=_thread_main, args=(weakref.ref(self), self.cv, self.quiet),
                                             name="streamserve-engine", daemon=True)
             self._thread.start()
 
@@ -248,9 +253,9 @@ class EngineLoop:
             e.response.outbox.put(End("error", e.error))
 
 
-def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
+def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition, quiet: threading.Event) -> None:
     """The engine thread. It holds the loop strongly only while it checks for work or runs a step, never
-    while it sleeps, so an engine nobody uses any more can be collected."""
+    while it sleeps, so an engine nobody uses any more can be collected. `quiet` is set while it sleeps."""
     worked = False  # an iteration ran since the thread last fell idle
     while True:
         with cv:  # checked and waited under one hold of the lock: a submit() cannot slip in between
@@ -260,6 +265,7 @@ def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition) -> None:
             idle = loop.idle()
             del loop
             if idle and not worked:
+                quiet.set()  # submit() clears it
                 cv.wait(IDLE_CHECK_SECONDS)  # submit() and stop() notify
         if idle and worked:  # fallen idle: its OpenMP workers go (engine/openmp.py), then it checks again
             release_openmp_threads()

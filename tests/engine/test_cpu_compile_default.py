@@ -6,6 +6,7 @@ says STREAMSERVE_CPU_COMPILE=off (as the rest of this suite does: tests/conftest
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import threading
@@ -18,7 +19,13 @@ from helpers import make_checkpoint, random_ids
 from streamserve import Engine
 from streamserve.engine import compiled as compiled_module
 from streamserve.engine.compiled import CompiledSteps
-from streamserve.engine.inductor_setup import COMPILE_NICE, CPU_COMPILE_ENV, compiler_missing, cpu_compile_wanted
+from streamserve.engine.inductor_setup import (
+    COMPILE_NICE,
+    CPU_COMPILE_ENV,
+    EngineFirst,
+    compiler_missing,
+    cpu_compile_wanted,
+)
 from streamserve.errors import InvalidInputError
 from streamserve.tools.batched import replies_together
 
@@ -141,3 +148,45 @@ def test_auto_follows_the_device_kernels_compiler_and_environment(tiny: Path, au
     monkeypatch.delenv("CXX", raising=False)
     assert "no C++ compiler" in (compiler_missing() or "")
     assert not cpu_compile_wanted("auto", "cpu", "torch")
+
+
+def test_models_pull_warms_the_default_decode_step(tiny: Path, auto: None, monkeypatch: pytest.MonkeyPatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    """`streamserve models pull` compiles the step chat and serve start with (cli/models.py warm_compiled_step),
+    with progress on stderr; nothing where auto is off. Dynamo's eager backend here: the C++ compile and its cache
+    are the test above's."""
+    from streamserve.cli import models as models_cli
+
+    monkeypatch.setattr(compiled_module, "inductor", lambda gm, inputs: gm.forward)
+    monkeypatch.setattr(models_cli, "WARM_REPORT_EVERY", 0.01)  # a progress line at once
+    seconds = models_cli.warm_compiled_step(tiny)
+    assert seconds is not None and seconds > 0
+    err = capsys.readouterr().err
+    assert "compiling qwen3's CPU decode step into the cache" in err and "decode step compiled in" in err
+    monkeypatch.setenv(CPU_COMPILE_ENV, "off")
+    assert models_cli.warm_compiled_step(tiny) is None
+    assert "no CPU decode step to compile here" in capsys.readouterr().err
+
+
+def test_the_compile_pauses_only_while_the_engine_works() -> None:
+    """`EngineFirst`: the compile thread waits at its garbage collections while the engine is not quiet, and
+    never while it is; another thread's collections never wait."""
+    quiet = threading.Event()
+    quiet.set()
+    first = EngineFirst(quiet)
+
+    def churn() -> None:  # allocation-heavy Python, as tracing is: containers kept alive trigger collections
+        kept = [[] for _ in range(100_000)]
+        assert len(kept) == 100_000
+
+    with first:
+        churn()
+    assert first.paused_s == 0.0
+    quiet.clear()
+    other = threading.Thread(target=churn)
+    with first:
+        other.start()
+        other.join()
+        assert first.paused_s == 0.0  # another thread's collections: no pause
+        churn()
+    assert first.paused_s > 0.0 and first not in gc.callbacks
