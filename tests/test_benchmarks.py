@@ -1,4 +1,5 @@
-"""Every benchmark script stays runnable: a quick run of each ends with one JSON line."""
+"""Every benchmark script stays runnable: a quick run of each ends with one JSON line, and no correctness flag in
+it says the figures come from wrong results (`wrong_flags`)."""
 
 from __future__ import annotations
 
@@ -22,6 +23,38 @@ NEEDS_VOICE = pytest.mark.skipif(
            f"(streamserve models pull {' '.join(VOICE_MODELS)})")
 
 
+# A script's own correctness flags, wherever they sit in its JSON line: tokens equal to the reference's (a drafter's
+# to no drafter's, a compiled step's to the eager one's, batched attention's to per-session), timed steps that ran
+# compiled, and every session greedy-identical whatever the batch.
+MUST_BE_TRUE = ("identical_to_none", "same_tokens_as_eager", "same_tokens", "same_tokens_as_shipped")
+MUST_BE_ZERO = ("timed_steps_eager",)
+
+
+def wrong_flags(node: object, where: str = "") -> list[str]:
+    """The flags in `node` (a script's JSON) that say its results are wrong, by path."""
+    if isinstance(node, list):
+        return [w for i, item in enumerate(node) for w in wrong_flags(item, f"{where}[{i}]")]
+    if not isinstance(node, dict):
+        return []
+    wrong = [f"{where}.{k}={v!r}" for k, v in node.items()
+             if (k in MUST_BE_TRUE and v is not True) or (k in MUST_BE_ZERO and v != 0)]
+    if "greedy_identical_sessions" in node and node["greedy_identical_sessions"] != node.get("sessions"):
+        wrong.append(f"{where}.greedy_identical_sessions={node['greedy_identical_sessions']} of {node.get('sessions')}")
+    return wrong + [w for k, v in node.items() for w in wrong_flags(v, f"{where}.{k}")]
+
+
+def test_wrong_flags_are_found() -> None:
+    good = {"a": {"identical_to_none": True, "timed_steps_eager": 0}, "levels": [{"same_tokens": True}],
+            "float32": {"greedy_identical_sessions": 4, "sessions": 4}}
+    assert wrong_flags(good) == []
+    bad = {"a": {"identical_to_none": False, "timed_steps_eager": 3}, "levels": [{"same_tokens": True},
+                                                                                 {"same_tokens": False}],
+           "x": {"compile": {"timed_steps_eager": 1}}, "float32": {"greedy_identical_sessions": 3, "sessions": 4}}
+    assert sorted(wrong_flags(bad)) == sorted([".a.identical_to_none=False", ".a.timed_steps_eager=3",
+                                               ".levels[1].same_tokens=False", ".x.compile.timed_steps_eager=1",
+                                               ".float32.greedy_identical_sessions=3 of 4"])
+
+
 @pytest.mark.parametrize("script", [["decode.py", "--quick"], ["session_append.py", "--quick"],
                                     ["moe_cpu.py", "--quick"], ["concurrency.py", "--quick"],
                                     ["batch_invariance.py", "--quick"], ["ws_overhead.py", "--quick"],
@@ -31,6 +64,7 @@ NEEDS_VOICE = pytest.mark.skipif(
                                     ["cpu_linear.py", "--quick"], ["cpu_compile_options.py", "--quick"],
                                     ["soak.py", "--quick"], ["rolling_batch.py", "--quick"],
                                     ["sessions_held.py", "--quick"], ["handoff_pause.py", "2", "200"],
+                                    ["compile_background.py", "--quick"],
                                     pytest.param(["responses_chain.py", "--smoke"], marks=pytest.mark.skipif(
                                         installed("smollm2-135m-instruct") is None,
                                         reason="needs `streamserve models pull smollm2-135m-instruct`"),
@@ -44,7 +78,8 @@ NEEDS_VOICE = pytest.mark.skipif(
                                         or None in map(installed, VOICE_MODELS),
                                         reason=f"needs the voice and webrtc extras ({VOICE_EXTRA}, aiortc) and "
                                                f"the voice models (streamserve models pull {' '.join(VOICE_MODELS)})"),
-                                                 id="webrtc_latency")])
+                                                 id="webrtc_latency")],
+                         ids=lambda script: script[0].removesuffix(".py"))
 def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     if script[0] == "gpu_check.py":
         pytest.importorskip("triton")
@@ -54,8 +89,8 @@ def test_benchmark_runs_and_prints_json_last(script: list[str]) -> None:
     assert out.returncode == 0, out.stderr[-2000:]
     last = json.loads(out.stdout.strip().splitlines()[-1])
     assert isinstance(last, dict) and last
-    if script[0] == "rolling_batch.py":  # batched and per-session attention give every robot the same tokens
-        assert all(level["same_tokens"] for level in last["levels"]), last
+    wrong = wrong_flags(last)
+    assert not wrong, f"{script[0]}'s own correctness flags: {wrong}"
     if script[0] == "stt_wer.py":  # its own correctness figures: a batch hears what one pass at a time hears
         assert last["batched_same_words"] == last["utterances"] and last["wer_batched"] == last["wer_held"], last
 
