@@ -5,8 +5,9 @@
 Default model, CPU, float32, a session holding 290 tokens; medians of --reps, each pair measured in one run:
 1. Verification width: a step of T = 2, 3, 5, 8 tokens (all logits kept, as a draft verification does)
    against a one-token step -> the cost ratio r(T) speculative decoding has to beat.
-2. Intra-op threads: a 3-token and a 256-token prefill on 1 thread against the machine's default
-   (`CPU_SMALL_STEP_TOKENS` in streamserve/engine/batch.py), fresh sessions.
+2. Intra-op threads: prefills of 1 to 256 tokens on 1 thread against the machine's default, fresh sessions;
+   `threads_pay_from_tokens` is the size from which every larger step ran faster on all threads, what
+   `CPU_SMALL_STEP_TOKENS` in streamserve/engine/batch.py is set from (--quick: 3 and 256 tokens only).
 3. Batched attention: one decode step of 32 sessions with their attention in one padded call against one
    call per session (the op table's `attention_batch` switched off).
 4. The shipped draft model's one-token forward against the target's.
@@ -70,7 +71,8 @@ def main() -> None:
         res["verify_ratio"][str(t)] = round(ms / one, 2)
 
     default_threads = torch.get_num_threads()
-    for n in (3, 256):  # prefill n tokens after 10 into a fresh session, the model alone, at a set thread count
+    sweep = (3, 256) if args.quick else (1, 3, 8, 16, 32, 48, 64, 96, 128, 256)
+    for n in sweep:  # prefill n tokens after 10 into a fresh session, the model alone, at a set thread count
         times: dict[int, list[float]] = {1: [], default_threads: []}
         for threads in times:  # all reps at one count, then the other (changing it resizes the thread pool)
             torch.set_num_threads(threads)
@@ -88,6 +90,9 @@ def main() -> None:
         one_thread, many = statistics.median(times[1]), statistics.median(times[default_threads])
         res[f"threads_{n}_tokens_ms"] = {"1": round(one_thread, 3), str(default_threads): round(many, 3),
                                          "many_over_one": round(many / one_thread, 2)}
+    # the step size from which every larger one is faster on all threads: what CPU_SMALL_STEP_TOKENS should be
+    slower = [n for n in sweep if res[f"threads_{n}_tokens_ms"]["many_over_one"] >= 1.0]
+    res["threads_pay_from_tokens"] = next((n for n in sweep if n > max(slower, default=0)), None)
 
     sessions = [engine.open_session() for _ in range(32)]
     for i, x in enumerate(sessions):

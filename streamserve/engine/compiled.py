@@ -56,12 +56,14 @@ from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
 from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
 from streamserve.engine.inductor_setup import (
     INDUCTOR_OPTIONS,
+    CompileAborted,
     EngineFirst,
     cpu_compile_wanted,
     inductor,
     inductor_cache_dir,
     input_guards,
     lower_priority,
+    stop_at_exit,
 )
 from streamserve.engine.openmp import release_openmp_threads
 from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey, build_entry
@@ -227,6 +229,7 @@ class CompiledSteps:
             self.idle.clear()
             if self._thread is None:
                 self._thread = threading.Thread(target=self._work, name="streamserve-compile", daemon=True)
+                stop_at_exit(self)
                 self._thread.start()
             self._cv.notify()
 
@@ -235,6 +238,11 @@ class CompiledSteps:
         if ck not in self.failed:  # the first line says what (Dynamo's messages run to pages)
             self.failed[ck] = f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:300]
             log.warning("cpu_compile: the step shape %s runs eagerly: %s", ck, self.failed[ck])
+
+    @property
+    def thread(self) -> threading.Thread | None:
+        """The compile thread (None until the first compile is queued)."""
+        return self._thread
 
     @property
     def ready(self) -> int:
@@ -276,6 +284,12 @@ class CompiledSteps:
 
     # ---- the compile thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
+        try:
+            self._compile_queued()
+        except CompileAborted:  # the interpreter exits (inductor_setup.stop_compiles_at_exit)
+            log.info("cpu_compile: a compile was stopped by the interpreter's exit")
+
+    def _compile_queued(self) -> None:
         lower_priority()  # the engine's steps first: a serving engine keeps its deadlines while this compiles
         while True:
             with self._cv:

@@ -3,6 +3,9 @@ Inductor's options and on-disk cache, the guard filter, and the compile thread's
 
 from __future__ import annotations
 
+import atexit
+import contextlib
+import ctypes
 import gc
 import logging
 import os
@@ -11,9 +14,10 @@ import sys
 import sysconfig
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -90,7 +94,9 @@ class EngineFirst:
         now = time.perf_counter()
         if now < self.slice_end:
             return
-        self.quiet.wait(self.PAUSE_S)
+        # a garbage collection's callback cannot raise: an exit's CompileAborted is raised again elsewhere
+        with contextlib.suppress(CompileAborted):
+            self.quiet.wait(self.PAUSE_S)
         self.slice_end = time.perf_counter() + self.SLICE_S
         self.paused_s += self.slice_end - self.SLICE_S - now
 
@@ -102,6 +108,43 @@ class EngineFirst:
     def __exit__(self, *exc: object) -> None:
         gc.callbacks.remove(self)
         self.thread = None
+
+
+class CompileAborted(BaseException):
+    """Raised inside a compile thread still compiling when the interpreter exits (`stop_compiles_at_exit`): a
+    BaseException, which the compilers' own `except Exception` blocks let through."""
+
+
+class Stoppable(Protocol):
+    @property
+    def thread(self) -> threading.Thread | None: ...
+
+    def close(self) -> None: ...
+
+
+EXIT_WAIT_S = 30.0  # the most the interpreter's exit waits for compile threads to stop
+_COMPILERS: weakref.WeakSet[Stoppable] = weakref.WeakSet()
+
+
+def stop_at_exit(compiler: Stoppable) -> None:
+    """Stop `compiler`'s thread when the interpreter exits (`stop_compiles_at_exit`)."""
+    _COMPILERS.add(compiler)
+
+
+@atexit.register
+def stop_compiles_at_exit() -> None:
+    """A daemon thread still inside torch's C++ when Python finalizes is ended by pthread_exit, whose unwinding
+    through C++ frames aborts the process ("terminate called without an active exception"): a script that ends
+    while its engine compiles would die so. At exit each compile thread is closed (an idle one ends), then
+    interrupted: `CompileAborted` is raised in it at its next Python instruction, again until it ends, within
+    EXIT_WAIT_S (a compile waits at most for the C++ build in progress)."""
+    deadline = time.monotonic() + EXIT_WAIT_S
+    for compiler in list(_COMPILERS):
+        compiler.close()
+        thread = compiler.thread
+        while thread is not None and thread.is_alive() and thread.ident is not None and time.monotonic() < deadline:
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(thread.ident), ctypes.py_object(CompileAborted))
+            thread.join(0.05)
 
 
 def lower_priority() -> None:
