@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import gc
 import os
+import subprocess
 import sys
 import threading
 from pathlib import Path
@@ -190,3 +191,18 @@ def test_the_compile_pauses_only_while_the_engine_works() -> None:
         assert first.paused_s == 0.0  # another thread's collections: no pause
         churn()
     assert first.paused_s > 0.0 and first not in gc.callbacks
+
+
+@pytest.mark.skipif(compiler_missing() is not None, reason="torch.compile cannot build CPU code here")
+def test_a_script_that_exits_while_its_engine_compiles_exits_cleanly(tmp_path: Path) -> None:
+    """Finalization would end the compile thread inside torch's C++ (the process aborted with "terminate called
+    without an active exception", every time with the default model three seconds into its compile, without
+    `inductor_setup.stop_compiles_at_exit`): the exit stops it first."""
+    script = ("import time; from streamserve import Engine; "
+              "e = Engine.from_pretrained('default', device='cpu', kv_memory='16MiB'); "
+              "c = e.graphs.compiled; time.sleep(3); print('compiling', not c.idle.is_set())")
+    env = {k: v for k, v in os.environ.items() if k != CPU_COMPILE_ENV}
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # cold: the exit comes mid-compile
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=WAIT)
+    assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
+    assert done.stdout.strip() == "compiling True"
