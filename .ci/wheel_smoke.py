@@ -93,7 +93,7 @@ def check_voice() -> None:
 
     from streamserve.media.audio import Resampler
     from streamserve.media.vad import TurnDetector, VADConfig
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     runtime = VoiceRuntime.load(threads=2)
     try:

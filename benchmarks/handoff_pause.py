@@ -24,7 +24,7 @@ import websockets
 from serving import serve
 
 from streamserve.config import ServerConfig
-from streamserve.server import handoff, lifecycle
+from streamserve.server.service import handoff, lifecycle
 
 SESSIONS = int(sys.argv[1]) if len(sys.argv) > 1 else 8
 TOKENS = int(sys.argv[2]) if len(sys.argv) > 2 else 1000

@@ -30,7 +30,7 @@ process with the server's threads: Silero over 10 s in 20 ms pieces, Whisper ove
 Word error rate: benchmarks/stt_wer.py (36 utterances, several voices, speeds and noise; the held-audio path
 against Whisper's 30 s window) runs first, its JSON under `wer`.
 Speculation: by default the server starts a reply at the first silence when the words look complete, held until
-the turn is confirmed (server/voice/speculate.py); the same silence-500 turns on a second server started with
+the turn is confirmed (server/media/voice/speculate.py); the same silence-500 turns on a second server started with
 --no-speculation (first model) give `no_speculation.speculation_speedup_p50`, the ratio of the medians.
 The peer: benchmarks/pipecat_peer.py, the pipeline a user would otherwise assemble with pipecat on this machine
 (Silero VAD, faster-whisper base, SmolLM2 served by llama.cpp's OpenAI-compatible server, Piper), fed the same

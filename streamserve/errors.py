@@ -43,6 +43,12 @@ class CapacityError(StreamserveError):
     code = "capacity_exceeded"
 
 
+class QuotaExceededError(StreamserveError):
+    """Over one of a server connection's quotas (KV pages reserved, tokens queued); nothing was taken."""
+
+    code = "quota_exceeded"
+
+
 class PageCapError(InvalidInputError):
     """The session would hold more KV pages than its cap allows."""
 

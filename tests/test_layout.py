@@ -41,6 +41,37 @@ def test_imports_run_one_way(folder: str) -> None:
     assert not bad, f"imports against the direction of DESIGN.md §1: {bad}"
 
 
+# ---- the server's layers (issue 35): each module's layer is its folder under streamserve/server/ ----
+ROOT_MODULES = ("streamserve.server.app", "streamserve.server.drain")  # the composition root: imports every layer
+SERVER_LAYERS = {
+    # the session service: protocol-neutral session operations, over the engine and the media runtime
+    "streamserve/server/service": ("streamserve.server.transports", "streamserve.server.adapters", *ROOT_MODULES),
+    # transports move frames and HTTP of any protocol: nothing of the service, the media runtime or the adapters
+    "streamserve/server/transports": ("streamserve.server.service", "streamserve.server.media",
+                                      "streamserve.server.adapters", *ROOT_MODULES),
+    # the media runtime (voice and vision models, their threads and budgets) knows no session, transport or protocol
+    "streamserve/server/media": ("streamserve.server.service", "streamserve.server.transports",
+                                 "streamserve.server.adapters", *ROOT_MODULES),
+    # protocol adapters may import the service, the transports and the media runtime; only app.py wires them up
+    "streamserve/server/adapters": ROOT_MODULES,
+}
+
+
+@pytest.mark.parametrize("layer", list(SERVER_LAYERS))
+def test_server_layers_import_one_way(layer: str) -> None:
+    bad = [(str(p.relative_to(ROOT)), name) for p in (ROOT / layer).rglob("*.py") for name in imports_of(p)
+           if any(name == f or name.startswith(f + ".") for f in SERVER_LAYERS[layer])]
+    assert not bad, f"imports against the server's layers (streamserve/server/__init__.py): {bad}"
+
+
+def test_every_server_module_is_in_a_layer() -> None:
+    """Only the composition root and the package's __init__ sit at streamserve/server/'s top level."""
+    top = {p.name for p in (ROOT / "streamserve/server").glob("*.py")}
+    folders = {p.name for p in (ROOT / "streamserve/server").iterdir() if p.is_dir() and p.name != "__pycache__"}
+    assert top == {"__init__.py", "app.py", "drain.py"}, f"put these in a layer's folder: {top}"
+    assert folders == {Path(layer).name for layer in SERVER_LAYERS}, f"not a layer of the server: {folders}"
+
+
 def test_kernels_and_sessions_are_installed_inside_streamserve() -> None:
     import streamserve.kernels
     import streamserve.sessions
@@ -50,7 +81,7 @@ def test_kernels_and_sessions_are_installed_inside_streamserve() -> None:
 
 
 def test_protocol_module_has_no_io_and_no_torch() -> None:
-    names = imports_of(ROOT / "streamserve/server/protocol.py")
+    names = imports_of(ROOT / "streamserve/server/adapters/protocol.py")
     assert not {n for n in names if n.split(".")[0] in ("torch", "aiohttp", "asyncio", "socket", "websockets")}
 
 

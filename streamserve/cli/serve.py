@@ -29,7 +29,7 @@ def register(add_parser: Callable[..., argparse.ArgumentParser]) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from streamserve.server.app import Server, run
-    from streamserve.server.backends import backend_loader
+    from streamserve.server.service.backends import backend_loader
 
     server_cfg: ServerConfig = config_from_args(ServerConfig, args)
     # a named model is pulled (and its licence asked for) here, in the foreground, before the port opens

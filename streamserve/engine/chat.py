@@ -104,7 +104,7 @@ class ChatTranscript(StreamedMessages, ForgettingMessages, MarkedChat):
         if state is not None:
             self._load(state)
 
-    # ---- hand-off (server/handoff.py): the conversation as plain data, between operations -------------
+    # ---- hand-off (server/service/handoff.py): the conversation as plain data, between operations -------------
     def export_state(self) -> dict[str, Any]:
         """The conversation as plain data (str, int, lists, dicts), between operations: InvalidInputError while a
         message is streamed in or a reply runs. Blocking (it may render): off the event loop."""

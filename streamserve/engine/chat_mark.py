@@ -1,8 +1,8 @@
 """A mark on a chat transcript, and the exact return to it: how a speculative turn is taken back.
 
 A voice session starts its reply while the person may still be speaking (the VAD's first silence, before its
-hangover confirms the turn: server/voice/speculate.py). The person's message is ended and the reply runs; if speech
-resumes, both go, and the chat must stand exactly where it stood at the mark: the same token ids in the session
+hangover confirms the turn: server/media/voice/speculate.py). The person's message is ended and the reply runs; if
+speech resumes, both go, and the chat must stand exactly where it stood at the mark: the same token ids in the session
 (its KV cut back to the mark's length: Session.rewind), the same messages, and the same message open (streamed in,
 with the same content and held whitespace), so that the resumed utterance's next words extend it as if nothing had
 happened.

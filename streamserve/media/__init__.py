@@ -1,7 +1,7 @@
 """Media: audio frames, voice activity, speech to text, text to speech, images (and the encoder interfaces).
 
 I/O-free building blocks over maintained libraries (soxr, onnxruntime, faster-whisper, eSpeak NG); the server
-schedules them (streamserve.server.voice). They need the voice extra, `pip install "streamserve[voice]"`, and the
+schedules them (streamserve.server.media.voice). They need the voice extra, `pip install "streamserve[voice]"`, and the
 voice models (`streamserve models pull whisper-base piper-joe silero-vad`); importing this package needs neither.
 
     audio.py      formats (PCM16, float32, G.711 mu-law/A-law), stateful resampling

@@ -4,7 +4,7 @@ Audio here is always float32 mono at 16 kHz, shape [n]; times are seconds. The s
 LocalAgreement-2 policy of Machacek et al. 2023 ("Turning Whisper into Real-Time Transcription System"): the audio
 of the utterance since the last trim is transcribed again and again as it grows, and a word is committed once two
 consecutive passes agree on it, so committed words are stable and never repeated. Everything here blocks; the
-server runs it on its media executor (streamserve.server.voice.runtime.VoiceRuntime.run).
+server runs it on its media executor (streamserve.server.media.voice.runtime.VoiceRuntime.run).
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ One control tick on an episode's session is
 
 and the episode's first tick (and any tick whose instruction changed) is preceded by `[<task>, *prompt tokens]`.
 Camera images (`image_keys`, served by the policy endpoint only) come between the prompt and the state, one chunk of
-kind "image" per key in `image_keys` order: what the server's vision path makes of it (server/vision.py), a text
+kind "image" per key in `image_keys` order: what the server's vision path makes of it (server/service/images.py), a text
 note of its ImageNet labels for a text-only model (only when the labels changed: an unchanged scene adds 0 tokens),
 or the model's own image encoder's embeddings when the checkpoint ships `image_projector.safetensors`.
 

@@ -1,27 +1,27 @@
 """`streamserve serve`: routes, lifecycle and auth on one port (aiohttp). The session work is the session
-service's (server/service.py), the wire format the protocol adapter's (server/native.py), the sending
-the transport's (server/transport.py).
+service's (server/service/service.py), the wire format the protocol adapter's (server/adapters/native.py), the sending
+the transport's (server/transports/transport.py).
 
     GET  /healthz                    ready or not: 200 {"status": "ok"} / 503 {"status": "loading" | "failed"};
                                      with a valid key also the model, sessions, connections, uptime
     GET  /metrics                    Prometheus text (the engine's metrics and the server's)
     WS   /v1/stream                  the native protocol (docs/protocol.md)
-    WS   /v1/policy                  a robot policy, openpi's protocol (server/policy/; also `/` on --policy-port)
+    WS   /v1/policy                  a robot policy, openpi's protocol (adapters/policy/; also `/` on --policy-port)
     WS   /v1/realtime                the OpenAI Realtime API, GA events (docs/realtime.md; `?model=` accepted)
     /v1/models, /v1/chat/completions, /v1/responses, /v1/conversations, /v1/audio/*: OpenAI's HTTP APIs, their
-                                     stored state and sessions (server/openai_http/, docs/openai.md)
+                                     stored state and sessions (server/adapters/openai_http/, docs/openai.md)
     POST /v1/realtime/client_secrets a short-lived client secret (OpenAI's request and response shape)
-    POST /v1/realtime/calls          a WebRTC call (SDP offer in, answer out; server/webrtc/, docs/webrtc.md);
+    POST /v1/realtime/calls          a WebRTC call (SDP offer in, answer out; server/adapters/webrtc/, docs/webrtc.md);
     DELETE /v1/realtime/calls/{id}   hangs it up (only when aiortc, the webrtc extra, is installed)
     POST /admin/drain                drain, as SIGUSR1 (server/drain.py; the API key, or a loopback peer)
     GET  /                           the browser voice/video demo (clients/web/, installed as streamserve.web)
-    GET  /web/{path}                 its modules, worklets and styles (server/static.py: listed at start, in memory)
+    GET  /web/{path}                 its modules, worklets and styles (transports/static.py: listed at start, in memory)
 
 The engine loads in a worker thread after the port is open, so health checks see the server at once. Connections
-(WebSockets, WebRTC calls) count against --max-connections and, per client address (server/clients.py: the peer, or
+(WebSockets, WebRTC calls) count against --max-connections and, per client address (transports/clients.py: the peer, or
 X-Forwarded-For from a --trusted-proxies peer), --max-connections-per-ip; every route answers `Expect` with
-server/clients.py's handler (100-continue or 417, never 500). With an API key, /v1/stream, /v1/realtime, /v1/policy
-and calls need it or a live client secret (server/auth.py), the HTTP APIs, /metrics and minting secrets the key
+transports/clients.py's handler (100-continue or 417, never 500). With an API key, /v1/stream, /v1/realtime, /v1/policy
+and calls need it or a live client secret (service/auth.py), the HTTP APIs, /metrics and minting secrets the key
 itself, /healthz nothing (it says more with the key); a browser page from an origin not allowed gets 403 before
 anything else. No exception text reaches a client: an unexpected failure is answered with `internal_error` and a
 request id that the server log also has. SIGINT/SIGTERM shut down gracefully: every connection is told which of its
@@ -52,9 +52,17 @@ from streamserve.config import (
 from streamserve.engine import Engine
 from streamserve.engine.compiled import compile_note
 from streamserve.errors import StreamserveError
-from streamserve.server import protocol as P
-from streamserve.server.adapter import ProtocolAdapter
-from streamserve.server.auth import (
+from streamserve.server.adapters import protocol as P
+from streamserve.server.adapters.adapter import ProtocolAdapter
+from streamserve.server.adapters.native import NativeConnection
+from streamserve.server.adapters.openai_http import OpenAIHttp
+from streamserve.server.adapters.policy import PolicyEndpoint
+from streamserve.server.adapters.realtime.connection import RealtimeConnection
+from streamserve.server.adapters.secrets_route import client_secrets_route
+from streamserve.server.adapters.webrtc import webrtc_calls
+from streamserve.server.drain import drain_route, start_drain
+from streamserve.server.media.loaders import load_vision, load_voice
+from streamserve.server.service.auth import (
     Authenticator,
     Grant,
     bearer,
@@ -63,7 +71,9 @@ from streamserve.server.auth import (
     resolve_api_key,
     split_protocols,
 )
-from streamserve.server.clients import (
+from streamserve.server.service.results import service_error
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.clients import (
     UNKNOWN,
     ConnectionCounts,
     TooManyConnectionsError,
@@ -73,18 +83,9 @@ from streamserve.server.clients import (
     expect,
     parse_trusted_proxies,
 )
-from streamserve.server.drain import drain_route, start_drain
-from streamserve.server.http_replies import error_response, unauthorized, utf8
-from streamserve.server.loaders import load_vision, load_voice, webrtc_calls
-from streamserve.server.native import NativeConnection
-from streamserve.server.openai_http import OpenAIHttp
-from streamserve.server.policy import PolicyEndpoint
-from streamserve.server.realtime.connection import RealtimeConnection
-from streamserve.server.results import service_error
-from streamserve.server.secrets_route import client_secrets_route
-from streamserve.server.service import SessionService
-from streamserve.server.static import StaticFiles
-from streamserve.server.transport import RateLimiter, Transport, WebSocketChannel
+from streamserve.server.transports.http_replies import error_response, unauthorized, utf8
+from streamserve.server.transports.static import StaticFiles
+from streamserve.server.transports.transport import RateLimiter, Transport, WebSocketChannel
 
 log = logging.getLogger("streamserve.server")
 
@@ -115,7 +116,7 @@ class Server:
         self.started = time.monotonic()
         self.load_error: BaseException | None = None  # for the operator (the log, the CLI), never a client
         self.app = web.Application(client_max_size=config.max_frame_bytes, middlewares=[self.guard])
-        self.openai = OpenAIHttp(self)  # the OpenAI HTTP APIs (server/openai_http/)
+        self.openai = OpenAIHttp(self)  # the OpenAI HTTP APIs (server/adapters/openai_http/)
         self.app.add_routes([web.get("/healthz", self.healthz, expect_handler=expect),
                              web.post("/admin/drain", partial(drain_route, self), expect_handler=expect),
                              web.get("/metrics", self.metrics, expect_handler=expect),

@@ -1,6 +1,6 @@
 """The server's drain (SIGUSR1 or POST /admin/drain; server/app.py `Server.drain` starts it): connection-bound
 protocols' connections close as at a shutdown, the session service hands its native sessions over to the snapshot
-store (server/lifecycle.py `hand_off`), each native connection hears which of its sessions moved (`reconnect`) and
+store (service/lifecycle.py `hand_off`), each native connection hears which of its sessions moved (`reconnect`) and
 is closed with 1012, and then `server.drained` is set: `run` stops the server (exit 0). Meanwhile the server
 answers new connections and /healthz with 503 `{"status": "draining"}` (app.py).
 """
@@ -13,7 +13,7 @@ from typing import Any
 
 from aiohttp import hdrs, web
 
-from streamserve.server.http_replies import error_response, unauthorized
+from streamserve.server.transports.http_replies import error_response, unauthorized
 
 log = logging.getLogger("streamserve.server")
 

@@ -14,7 +14,7 @@ from streamserve.engine.remote.launch import LaunchedSGLang
 from streamserve.engine.remote.serve import sampling_params
 from streamserve.engine.work import Response
 from streamserve.errors import InvalidInputError, ModelLoadError
-from streamserve.server.backends import backend_loader
+from streamserve.server.service.backends import backend_loader
 
 
 def response(**kw: object) -> Response:

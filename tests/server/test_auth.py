@@ -22,8 +22,8 @@ from serving import RunningServer, default_engine, serve
 
 from streamserve.config import ServerConfig
 from streamserve.errors import InvalidInputError, StepError
-from streamserve.server.auth import origin_allowed, parse_origins, resolve_api_key
-from streamserve.server.results import service_error
+from streamserve.server.service.auth import origin_allowed, parse_origins, resolve_api_key
+from streamserve.server.service.results import service_error
 
 module_loop = pytest.mark.asyncio(loop_scope="module")  # the keyed server lives in the module's loop
 KEY = "k3y-for-tests"

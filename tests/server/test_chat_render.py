@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from streamserve.server import protocol as P
-from streamserve.server.native import render, render_hello
-from streamserve.server.results import Limits, Opened, ServerInfo
+from streamserve.server.adapters import protocol as P
+from streamserve.server.adapters.native import render, render_hello
+from streamserve.server.service.results import Limits, Opened, ServerInfo
 
 LIMITS = Limits(1 << 20, 256, 4, 100.0, 1e6, 30.0, 128, 4096, None, None, 0.0)
 

@@ -15,8 +15,8 @@ from chat_checkpoints import chat_checkpoint
 from streamserve.engine import Engine
 from streamserve.engine.chat import ChatMessageError, MessageNotOpenError, MessageOpenError
 from streamserve.errors import SessionClosedError
-from streamserve.server.chat import ChatSessions, NotChatSessionError
-from streamserve.server.results import ReplyDelta, ReplyDone
+from streamserve.server.service.chat import ChatSessions, NotChatSessionError
+from streamserve.server.service.results import ReplyDelta, ReplyDone
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 REPLY = {"max_tokens": 6, "temperature": 0.0}

@@ -1,8 +1,8 @@
-"""Limits per client address (server/clients.py, server/registry.py) and the `Expect` handler, on loopback: the
-X-Forwarded-For rules on their own; then real servers, where two client addresses are 127.0.0.1 and 127.0.0.2
-(the client socket bound to either; all of 127.0.0.0/8 is loopback) or, behind a trusted proxy at 127.0.0.1, the
-addresses its X-Forwarded-For names. WebRTC calls' share of these limits: webrtc/test_call_limits.py; the
-registry's count of sessions per address on its own: test_registry.py."""
+"""Limits per client address (server/transports/clients.py, server/service/registry.py) and the `Expect` handler, on
+loopback: the X-Forwarded-For rules on their own; then real servers, where two client addresses are 127.0.0.1 and
+127.0.0.2 (the client socket bound to either; all of 127.0.0.0/8 is loopback) or, behind a trusted proxy at 127.0.0.1,
+the addresses its X-Forwarded-For names. WebRTC calls' share of these limits: webrtc/test_call_limits.py; the registry's
+count of sessions per address on its own: test_registry.py."""
 
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ import streamserve_client as sc
 from streamserve.config import ServerConfig
 from streamserve.errors import InvalidInputError
 from streamserve.server.app import Server
-from streamserve.server.clients import (
+from streamserve.server.transports.clients import (
     ConnectionCounts,
     TooManyConnectionsError,
     forwarded_client,

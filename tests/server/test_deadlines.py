@@ -1,5 +1,5 @@
-"""Text to speech's scheduler (server/voice/deadlines.py): jobs start earliest deadline first, at most `workers` at
-once; a job withdrawn before it starts never runs; a failing job fails only its own future. And two Speakers on one
+"""Text to speech's scheduler (server/media/voice/deadlines.py): jobs start earliest deadline first, at most `workers`
+at once; a job withdrawn before it starts never runs; a failing job fails only its own future. And two Speakers on one
 runtime: a reply's first piece is synthesised before another reply's later pieces that were queued first."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from voice_assets import needs
 
-from streamserve.server.voice.deadlines import DeadlineRunner
+from streamserve.server.media.voice.deadlines import DeadlineRunner
 
 pytestmark = pytest.mark.asyncio
 
@@ -71,7 +71,7 @@ async def test_a_first_piece_overtakes_another_reply_s_later_piece() -> None:
     needs("soxr")
     from test_voice_speak_races import FakeRuntime, fmt
 
-    from streamserve.server.voice.speak import Speaker
+    from streamserve.server.media.voice.speak import Speaker
 
     runtime = FakeRuntime()  # one worker
     said: list[str] = []

@@ -10,7 +10,7 @@ from serving import serve
 
 from streamserve.config import ServerConfig
 from streamserve.engine import openmp
-from streamserve.server.vision import Worker
+from streamserve.server.media.vision import Worker
 
 
 @pytest.fixture

@@ -69,8 +69,8 @@ field_bytes = st.one_of(st.text(max_size=40).map(lambda t: t.encode("utf-8", "su
 
 # found by this fuzz (500 internal_error, fixed in app.py): a credential that is not UTF-8 (the key's compare
 # encoded it), and any header that is not UTF-8 on a WebSocket upgrade (request.clone encodes them all); an Expect
-# value that is not UTF-8 (aiohttp's default expect handler echoed it in its 417 text: server/clients.py `expect`
-# now answers every route, aiohttp's own 404 and 405 included)
+# value that is not UTF-8 (aiohttp's default expect handler echoed it in its 417 text:
+# server/transports/clients.py `expect` now answers every route, aiohttp's own 404 and 405 included)
 FOUND = [(f"GET /healthz HTTP/1.1\r\nHost: 127.0.0.1\r\nAuthorization: Bearer {KEY}".encode() + b"\xe9\r\n\r\n", False),
          (f"GET /v1/stream HTTP/1.1\r\nAuthorization: Bearer {KEY}\r\nHost: ".encode() + b"\x80\r\n\r\n", False),
          (b"GET /v1/realtime HTTP/1.1\r\nHost: 127.0.0.1\r\nSec-WebSocket-Protocol: openai-insecure-api-key.\xff\r\n"

@@ -1,4 +1,4 @@
-"""A chat transcript's state survives a hand-off record (engine/chat.py `export_state`, server/handoff.py): an
+"""A chat transcript's state survives a hand-off record (engine/chat.py `export_state`, server/service/handoff.py): an
 endless (windowed) chat that already forgot messages continues on a restored session exactly as the one that
 never moved — same replies, same session tokens, same messages kept and forgotten; a state that does not fit
 the session is refused."""
@@ -15,7 +15,7 @@ from helpers import make_checkpoint
 
 from streamserve import Engine
 from streamserve.engine.chat import ChatTranscript
-from streamserve.server.handoff import HandoffRecord, token_hash
+from streamserve.server.service.handoff import HandoffRecord, token_hash
 
 WINDOW, SINKS = 64, 4
 BEFORE, AFTER = 48, 12  # user messages before the hand-off (a reply after every fourth), then after it

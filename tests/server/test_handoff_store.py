@@ -1,5 +1,5 @@
-"""The hand-off snapshot store (server/handoff.py): atomic, private puts; a claim checks the token before it takes
-anything and two claimers get one record; ids are checked before they become file names; damaged and foreign
+"""The hand-off snapshot store (server/service/handoff.py): atomic, private puts; a claim checks the token before it
+takes anything and two claimers get one record; ids are checked before they become file names; damaged and foreign
 records are typed errors that leave the store consistent; records past their expiry go."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from serving import default_engine
 from streamserve.engine import Engine
 from streamserve.engine.snapshot import Snapshot
 from streamserve.errors import SessionNotFoundError, SnapshotError
-from streamserve.server.handoff import (
+from streamserve.server.service.handoff import (
     BadSessionIdError,
     DamagedRecordError,
     DirectoryStore,
@@ -25,7 +25,7 @@ from streamserve.server.handoff import (
     HandoffRecord,
     token_hash,
 )
-from streamserve.server.registry import ResumeTokenError
+from streamserve.server.service.registry import ResumeTokenError
 
 TOKEN = "the-right-token"
 

@@ -1,4 +1,4 @@
-"""Media byte budgets (server/media_budget.py): the global budget and per-connection accounts on their own
+"""Media byte budgets (server/media/media_budget.py): the global budget and per-connection accounts on their own
 (acquire/release, which limit refuses, release on close, threads), the Realtime inbox's audio frames, and through
 the Speaker's unsent audio and a WebRTC call's microphone. Through a real server: test_media_budget_server.py.
 """
@@ -17,10 +17,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from streamserve.server import media_budget as M
-from streamserve.server.realtime.events import RealtimeError
-from streamserve.server.realtime.inbox import Inbox
-from streamserve.server.voice.deadlines import DeadlineRunner
+from streamserve.server.adapters.realtime.events import RealtimeError
+from streamserve.server.adapters.realtime.inbox import Inbox
+from streamserve.server.media import media_budget as M
+from streamserve.server.media.voice.deadlines import DeadlineRunner
 
 PER_CONNECTION = 64_000  # 1 s of 16 kHz float32 (what the Listener's backlog holds)
 GLOBAL = 100_000
@@ -170,7 +170,7 @@ def test_threads_never_pass_the_limits_and_end_at_zero() -> None:
 # ---- the Realtime inbox's audio frames ------------------------------------------------------------------------
 @pytest.mark.asyncio
 async def test_inbox_refuses_audio_frames_past_the_account_and_gives_them_back() -> None:
-    from streamserve.server.realtime.events import parse
+    from streamserve.server.adapters.realtime.events import parse
 
     budget = M.MediaBudget(1_000_000, 3_000)
     owner = Owner()
@@ -226,7 +226,7 @@ class FakeRuntime:
 @pytest.mark.asyncio
 async def test_speaker_holds_its_unsent_audio_on_the_account_until_emitted_or_cancelled() -> None:
     from streamserve.media.audio import AudioFormat
-    from streamserve.server.voice.speak import Speaker
+    from streamserve.server.media.voice.speak import Speaker
 
     budget = M.MediaBudget(10**6, 10**6)
     owner = Owner()
@@ -269,7 +269,7 @@ async def test_call_microphone_refusals_are_dropped_and_told_once_per_run() -> N
     pytest.importorskip("aiortc")
     from aiortc.mediastreams import MediaStreamError
 
-    from streamserve.server.webrtc.tracks import MicDrain
+    from streamserve.server.adapters.webrtc.tracks import MicDrain
 
     class Track:
         def __init__(self) -> None:

@@ -1,4 +1,4 @@
-"""Media byte budgets (server/media_budget.py) through a real server on loopback: audio sent faster than it is
+"""Media byte budgets (server/media/media_budget.py) through a real server on loopback: audio sent faster than it is
 transcribed is refused with the typed code while another connection goes on, the server's budget refuses with
 server_busy, a spoken reply's audio is charged to its connection, an image past the budget is refused, and after
 disconnects nothing is held. The budget on its own: test_media_budget.py.
@@ -109,7 +109,7 @@ async def test_native_audio_past_the_connection_budget_is_refused_and_others_go_
 @pytest.mark.asyncio(loop_scope="module")
 async def test_native_reply_audio_is_charged_to_the_connection(voiced: RunningServer,
                                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    from streamserve.server.voice import speak
+    from streamserve.server.media.voice import speak
 
     made: list[speak.Speaker] = []
     init = speak.Speaker.__init__

@@ -229,7 +229,7 @@ async def test_loading_without_the_model_names_the_pull_command(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("PIL.Image", reason=f"Pillow is not installed: {VISION_EXTRA}")
     from streamserve.media.vision import VisionUnavailableError
-    from streamserve.server.vision import VisionRuntime
+    from streamserve.server.media.vision import VisionRuntime
 
     monkeypatch.setenv("STREAMSERVE_HOME", str(tmp_path))  # an empty model cache
     with pytest.raises(VisionUnavailableError, match=f"streamserve models pull {VISION_MODEL}") as info:
@@ -239,7 +239,7 @@ async def test_loading_without_the_model_names_the_pull_command(tmp_path: Path,
 
 async def test_the_vision_thread_is_bounded() -> None:
     needs_vision()
-    from streamserve.server.vision import VisionBusyError, VisionRuntime
+    from streamserve.server.media.vision import VisionBusyError, VisionRuntime
 
     runtime = VisionRuntime.load()
     runtime.worker.max_pending = 1

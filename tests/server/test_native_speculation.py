@@ -1,4 +1,4 @@
-"""The native protocol: a chat voice reply speculated at the likely end of a turn (server/voice_speculation.py).
+"""The native protocol: a chat voice reply speculated at the likely end of a turn (server/service/voice_speculation.py).
 A pause in the middle of an utterance, shorter than the hangover, starts a reply that is taken back when speech
 resumes: none of its results reaches the client, the chat returns exactly to the mark (token ids, messages, the
 open message), and the final transcript holds both halves; the reply at the real end is released. The SDK as users
@@ -17,7 +17,7 @@ from voice_assets import needs_voice, norm_words, speech
 
 import streamserve_client as sc
 from streamserve.config import ServerConfig
-from streamserve.server import voice_speculation
+from streamserve.server.service import voice_speculation
 
 VOICE = {"turn_detection": {"type": "server_vad", "silence_duration_ms": 1000, "create_response": True},
          "speak": {"encoding": "pcm16", "rate": 24000, "channels": 1}, "input": {"rate": RATE}}

@@ -10,7 +10,7 @@ from typing import Any
 import msgpack
 import pytest
 
-from streamserve.server import protocol as P
+from streamserve.server.adapters import protocol as P
 
 MiB = 1 << 20
 

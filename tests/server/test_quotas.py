@@ -19,11 +19,11 @@ from serving import RunningServer, default_engine, engine_paused
 import streamserve_client as sc
 from streamserve.config import ServerConfig
 from streamserve.engine import Session
-from streamserve.errors import SessionClosedError
-from streamserve.server.auth import Grant
-from streamserve.server.registry import Entry
-from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, QuotaExceededError
-from streamserve.server.service import SessionService
+from streamserve.errors import QuotaExceededError, SessionClosedError
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.registry import Entry
+from streamserve.server.service.results import AppendRequest, ChunkResult, OpenRequest
+from streamserve.server.service.service import SessionService
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 # the page quota fits two windowed sessions of 32 + 4 tokens, not three (a reservation: the window, the sinks and

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 
-from streamserve.server.registry import SessionRegistry, TooManySessionsError
+from streamserve.server.service.registry import SessionRegistry, TooManySessionsError
 
 
 class FakeSession:

@@ -15,9 +15,9 @@ import pytest_asyncio
 from serving import RunningServer, default_engine
 
 from streamserve.config import ServerConfig
+from streamserve.server.adapters.realtime.events import RealtimeError
+from streamserve.server.adapters.realtime.inbox import MAX_WAITING, Inbox
 from streamserve.server.app import Server
-from streamserve.server.realtime.events import RealtimeError
-from streamserve.server.realtime.inbox import MAX_WAITING, Inbox
 
 module_loop = pytest.mark.asyncio(loop_scope="module")  # the keyed server lives in the module's loop
 KEY = "security-claims-key"

@@ -1,4 +1,4 @@
-"""The gate that holds a speculated reply's output (server/voice/speculate.py): held output leaves in order at the
+"""The gate that holds a speculated reply's output (server/media/voice/speculate.py): held output leaves in order at the
 release (output sent meanwhile queues behind it), nothing leaves after a discard, a full gate makes the sender
 wait (bounded, never dropped), and what runs `then` runs only at a release."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from streamserve.server.voice.speculate import Gate, Speculations
+from streamserve.server.media.voice.speculate import Gate, Speculations
 
 
 @pytest.mark.asyncio

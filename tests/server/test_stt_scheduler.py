@@ -1,4 +1,4 @@
-"""The speech-to-text scheduler (server/voice/stt_scheduler.py) on a Whisper stand-in that records its batches:
+"""The speech-to-text scheduler (server/media/voice/stt_scheduler.py) on a Whisper stand-in that records its batches:
 passes of several streams in one batch, finals first, steps skipped under load, bounded, and a failing batch failing
 its own passes only. The real Whisper's batches are tested in tests/media/test_whisper.py."""
 
@@ -14,7 +14,7 @@ import pytest
 
 from streamserve.errors import CapacityError, InvalidInputError
 from streamserve.media.whisper import PassRequest, Word
-from streamserve.server.voice.stt_scheduler import SttScheduler
+from streamserve.server.media.voice.stt_scheduler import SttScheduler
 
 pytestmark = pytest.mark.asyncio
 

@@ -1,4 +1,4 @@
-"""The thread budget (server/threads.py): the cores this process may use (affinity, capped by a
+"""The thread budget (server/media/threads.py): the cores this process may use (affinity, capped by a
 cgroup quota), shared out between the engine, speech to text, text to speech and the VAD; onnxruntime's pools never
 spin."""
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from voice_assets import voice_model
 
-from streamserve.server.threads import ThreadBudget, available_cores, cgroup_cpus
+from streamserve.server.media.threads import ThreadBudget, available_cores, cgroup_cpus
 
 
 @pytest.mark.parametrize(("cores", "stt", "tts", "workers"), [(1, 1, 1, 2), (2, 2, 1, 2), (3, 3, 1, 2),
@@ -51,8 +51,8 @@ def test_onnxruntime_pools_do_not_spin() -> None:
 def test_the_engine_share_caps_torch_and_keeps_a_lower_choice() -> None:
     import torch
 
-    from streamserve.server.loaders import torch_device_is_cpu
-    from streamserve.server.threads import apply_engine_threads
+    from streamserve.server.media.loaders import torch_device_is_cpu
+    from streamserve.server.media.threads import apply_engine_threads
 
     before = torch.get_num_threads()
     try:

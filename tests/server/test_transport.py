@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from streamserve.server.transport import Channel, Frame, RateLimiter, Transport
+from streamserve.server.transports.transport import Channel, Frame, RateLimiter, Transport
 
 
 class MemoryChannel(Channel):
@@ -84,7 +84,7 @@ async def test_a_producer_waiting_on_a_full_queue_is_released_when_the_connectio
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A chunk's result being pushed to a connection that is ending must not wait for ever (a leaked task):
     once the writer is gone, waiting producers are released and later frames are dropped."""
-    monkeypatch.setattr("streamserve.server.transport.FINISH_TIMEOUT", 0.2)
+    monkeypatch.setattr("streamserve.server.transports.transport.FINISH_TIMEOUT", 0.2)
     t = Transport(MemoryChannel(stall=True), RateLimiter(100.0, 1e6), queue_size=1, send_timeout=60.0)
     t.start()
     await t.send(b"a")  # the writer stalls on it
@@ -102,7 +102,7 @@ async def test_a_producer_waiting_on_a_full_queue_is_released_when_the_connectio
 async def test_finish_with_a_full_queue_does_not_wait_out_the_timeout(monkeypatch: pytest.MonkeyPatch) -> None:
     """The client left (the channel is closed) with the queue full: the writer drops what is queued and stops
     at once, instead of idling until FINISH_TIMEOUT."""
-    monkeypatch.setattr("streamserve.server.transport.FINISH_TIMEOUT", 3.0)
+    monkeypatch.setattr("streamserve.server.transports.transport.FINISH_TIMEOUT", 3.0)
     channel = MemoryChannel()
     t = Transport(channel, RateLimiter(100.0, 1e6), queue_size=2)
     for frame in (b"a", b"b"):

@@ -1,4 +1,4 @@
-"""The Listener's low-latency paths (server/voice/listen.py) on real synthesised speech, counted, never timed:
+"""The Listener's low-latency paths (server/media/voice/listen.py) on real synthesised speech, counted, never timed:
 the speculative final pass (started where the VAD first scores silence) is the utterance's last Whisper pass when
 the person has stopped (the end of speech needs no pass of its own), and is an ordinary step when they go on
 (no word lost or doubled); SpeechStopped is not queued behind a pass.
@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from voice_assets import needs_voice, speech
 
-from streamserve.server.voice import listen as L
+from streamserve.server.media.voice import listen as L
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -50,7 +50,7 @@ class CountingWhisper:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def models() -> AsyncIterator[Any]:
     needs_voice()
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     rt = await asyncio.to_thread(VoiceRuntime.load)
     yield rt
@@ -61,7 +61,7 @@ class Recorder:
     """A runtime whose Whisper passes are logged, and the events of one Listener, in one log."""
 
     def __init__(self, models: Any) -> None:
-        from streamserve.server.voice.runtime import VoiceRuntime
+        from streamserve.server.media.voice.runtime import VoiceRuntime
 
         self.log: list[Any] = []
         self.whisper = CountingWhisper(models.whisper, self.log)

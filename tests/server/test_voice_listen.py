@@ -1,4 +1,4 @@
-"""The Listener (server/voice/listen.py) on real synthesised speech: turn events and transcripts in order, commit
+"""The Listener (server/media/voice/listen.py) on real synthesised speech: turn events and transcripts in order, commit
 with turn detection off, clear, the bounded backlog, close.
 
 Needs the voice extra and models (skips naming them otherwise): one VoiceRuntime per module.
@@ -15,7 +15,7 @@ import pytest
 import pytest_asyncio
 from voice_assets import needs_voice, speech
 
-from streamserve.server.voice import listen as L
+from streamserve.server.media.voice import listen as L
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -28,7 +28,7 @@ WAIT_S = 300  # a hang guard only: a pass takes ~1 s on a 2-core CPU
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runtime() -> AsyncIterator[object]:
     needs_voice()
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     rt = await asyncio.to_thread(VoiceRuntime.load)
     yield rt

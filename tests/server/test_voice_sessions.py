@@ -1,5 +1,5 @@
-"""Audio on sessions of the session service (server/voice_sessions.py), driven through SessionService directly with
-the real voice models and the default model: what a refused reply does to the running one's speech, voice settings,
+"""Audio on sessions of the session service (server/service/voice_sessions.py), driven through SessionService directly
+with the real voice models and the default model: what a refused reply does to the running one's speech, voice settings,
 and what is left running after the service shuts down mid-reply.
 
 Needs the voice extra and models (skips naming them otherwise).
@@ -19,8 +19,8 @@ from voice_assets import needs_voice
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
-from streamserve.server.auth import Grant
-from streamserve.server.results import (
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.results import (
     AppendRequest,
     ChunkResult,
     OpenRequest,
@@ -29,7 +29,7 @@ from streamserve.server.results import (
     ReplyDelta,
     ReplyDone,
 )
-from streamserve.server.service import SessionService
+from streamserve.server.service.service import SessionService
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -63,7 +63,7 @@ class Collector:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def parts() -> AsyncIterator[tuple[Engine, Any]]:
     needs_voice()
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     engine = await asyncio.to_thread(default_engine)
     runtime = await asyncio.to_thread(VoiceRuntime.load)
@@ -113,7 +113,7 @@ async def test_transcript_chunks_never_cost_the_client_an_out_of_order_seq(parts
     """A client numbering its own chunks while the session's speech is appended as transcript chunks: a chunk whose
     seq a transcript took meanwhile is appended (renumbered), acked with the client's seq and the seq it holds; a
     seq the client itself used is still refused; rewind to the client's seq reaches the client's chunk."""
-    from streamserve.server.voice import listen as L
+    from streamserve.server.media.voice import listen as L
 
     service = service_of(parts)
     col = Collector()
@@ -180,7 +180,7 @@ async def test_shutdown_mid_reply_and_mid_speech_leaves_nothing_running() -> Non
     needs_voice()
     import numpy as np
 
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     engine = await asyncio.to_thread(default_engine)
     runtime = await asyncio.to_thread(VoiceRuntime.load)
@@ -238,7 +238,7 @@ async def test_a_chat_utterance_cut_by_a_disconnect_does_not_block_the_chat(
     and is acked (it waited for ever for the cut message's end)."""
     from chat_checkpoints import chat_checkpoint
 
-    from streamserve.server.voice import listen as L
+    from streamserve.server.media.voice import listen as L
 
     folder = chat_checkpoint(tmp_path_factory.mktemp("voice-chat"), "chatml", seed=5)
     engine = await asyncio.to_thread(Engine.from_pretrained, folder, device="cpu", kv_memory="64MiB")

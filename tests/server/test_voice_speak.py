@@ -1,5 +1,5 @@
-"""The Speaker (server/voice/speak.py): a reply's streamed text -> audio in the client's format, sentence by sentence;
-first audio before the reply is finished; cancel stops at once; heard_text maps played audio back to text.
+"""The Speaker (server/media/voice/speak.py): a reply's streamed text -> audio in the client's format, sentence by
+sentence; first audio before the reply is finished; cancel stops at once; heard_text maps played audio back to text.
 
 Needs the voice extra and models (skips naming them otherwise).
 """
@@ -13,7 +13,7 @@ import pytest
 import pytest_asyncio
 from voice_assets import needs_voice
 
-from streamserve.server.voice.speak import CHUNK_MS, Speaker
+from streamserve.server.media.voice.speak import CHUNK_MS, Speaker
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -25,7 +25,7 @@ WAIT_S = 300  # a hang guard only
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def runtime() -> AsyncIterator[object]:
     needs_voice()
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     rt = await asyncio.to_thread(VoiceRuntime.load)
     yield rt

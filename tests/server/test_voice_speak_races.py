@@ -1,4 +1,4 @@
-"""The Speaker (server/voice/speak.py) under failures and races, with a stand-in voice (a tone per piece) so no
+"""The Speaker (server/media/voice/speak.py) under failures and races, with a stand-in voice (a tone per piece) so no
 voice model is needed: a failing emit must not leave its synthesis task waiting for ever; audio comes out in the
 order of the text whatever the interleaving of feed() and emission; heard_text at the edges.
 
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 from voice_assets import needs
 
-from streamserve.server.voice.deadlines import DeadlineRunner
-from streamserve.server.voice.speak import Speaker
+from streamserve.server.media.voice.deadlines import DeadlineRunner
+from streamserve.server.media.voice.speak import Speaker
 
 pytestmark = pytest.mark.asyncio
 

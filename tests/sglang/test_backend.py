@@ -22,7 +22,7 @@ from streamserve.engine import Engine
 from streamserve.engine.remote import RemoteSession, SGLangEngine
 from streamserve.engine.remote.launch import LaunchedSGLang
 from streamserve.errors import NotSupportedError
-from streamserve.server.backends import backend_loader
+from streamserve.server.service.backends import backend_loader
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 TURNS = ([5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, 17, 18, 19, 20, 21, 22, 23, 24, 25, 26, 27, 28, 29, 30],

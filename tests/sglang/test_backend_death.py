@@ -17,7 +17,7 @@ from sglang_support import CPU_ARGS, SGLANG_PYTHON
 import streamserve_client as sc
 from streamserve.config import EngineConfig, ServerConfig
 from streamserve.engine.remote import SGLangEngine
-from streamserve.server.backends import backend_loader
+from streamserve.server.service.backends import backend_loader
 
 WAIT_S = 120.0  # generous: "nothing hangs" means everything ends, however slow the machine
 

@@ -17,7 +17,7 @@ from voice_assets import needs_voice, speech
 
 from streamserve.config import EngineConfig, ServerConfig
 from streamserve.engine.remote.launch import LaunchedSGLang
-from streamserve.server.backends import backend_loader
+from streamserve.server.service.backends import backend_loader
 
 pytest.importorskip("aiortc", reason="aiortc is not installed: it comes with the webrtc extra")
 from server.webrtc.rtc import RATE, CallClient, pin_to_loopback  # (tests/ is on the path)

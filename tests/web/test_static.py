@@ -1,5 +1,5 @@
-"""The demo's static files (streamserve/server/static.py): what is served, with which headers, and that no request
-path reaches a file outside the table built at start (traversal, encodings, symlinks, dot-files, sources)."""
+"""The demo's static files (streamserve/server/transports/static.py): what is served, with which headers, and that no
+request path reaches a file outside the table built at start (traversal, encodings, symlinks, dot-files, sources)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from yarl import URL
 from streamserve.config import ServerConfig
 from streamserve.errors import StreamserveError
 from streamserve.server.app import Server
-from streamserve.server.static import CSP, INDEX, MISSING, StaticFiles, collect, web_root
+from streamserve.server.transports.static import CSP, INDEX, MISSING, StaticFiles, collect, web_root
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -71,7 +71,7 @@ async def test_the_page_and_its_modules_are_served_with_safe_headers(site: str) 
     "/web/../pyproject.toml", "/web/%2e%2e/%2e%2e/pyproject.toml", "/web/..%2f..%2fpyproject.toml",
     "/web//etc/passwd", "/web/%2fetc%2fpasswd", "/web/__init__.py", "/web/README.md", "/web/worklets/../app.js",
     "/web/..\\..\\pyproject.toml", "/web/app.js%00.png", "/web/APP.JS", "/web/", "/index.html",
-    "/web/streamserve/server/static.py",
+    "/web/streamserve/server/transports/static.py",
 ])
 async def test_nothing_outside_the_table_is_served(site: str, path: str) -> None:
     async with ClientSession() as http, http.get(URL(f"{site}{path}", encoded=True)) as r:  # sent as written

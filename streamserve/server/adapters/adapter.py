@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import abc
 
-from streamserve.server.auth import Grant
-from streamserve.server.results import Pushed
-from streamserve.server.service import SessionService
-from streamserve.server.transport import Frame, Transport
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.results import Pushed
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.transport import Frame, Transport
 
 
 class ProtocolAdapter(abc.ABC):

@@ -4,7 +4,7 @@ It decodes each frame with `protocol.decode_client` (I/O-free), calls the sessio
 the service's neutral results as native msgpack maps. Nothing here waits for the model: the service
 runs blocking work on its executors. Everything sent goes through the connection's `Transport` (one
 bounded queue, one writer, send timeout, read rate limit); when the connection ends, for whatever
-reason, the service cancels its replies and detaches its sessions for a resume (server/adapter.py,
+reason, the service cancels its replies and detaches its sessions for a resume (server/adapters/adapter.py,
 shared by every protocol).
 
 A new wire protocol is a new adapter module beside this one, over the same service and transport.
@@ -17,10 +17,10 @@ from typing import Any
 
 from prometheus_client import Counter
 
-from streamserve.server import protocol as P
-from streamserve.server.adapter import ProtocolAdapter
-from streamserve.server.auth import Grant
-from streamserve.server.results import (
+from streamserve.server.adapters import protocol as P
+from streamserve.server.adapters.adapter import ProtocolAdapter
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.results import (
     AppendRequest,
     ChunkResult,
     Closed,
@@ -42,8 +42,8 @@ from streamserve.server.results import (
     VoiceSettings,
     service_error,
 )
-from streamserve.server.service import SessionService
-from streamserve.server.transport import Frame, Transport
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.transport import Frame, Transport
 from streamserve.version import __version__
 
 log = logging.getLogger("streamserve.server")
@@ -139,7 +139,7 @@ def render(result: Any, request_id: Any = None) -> dict[str, Any]:
 class NativeConnection(ProtocolAdapter):
     """One native-protocol connection: frames decoded and dispatched to the service, results rendered."""
 
-    hands_off = True  # its clients resume: a drain hands its sessions over to another instance (server/lifecycle.py)
+    hands_off = True  # its clients resume: a drain hands its sessions over to another instance (service/lifecycle.py)
 
     def __init__(self, service: SessionService, transport: Transport, grant: Grant, messages: Counter) -> None:
         super().__init__(service, transport, grant)

@@ -16,8 +16,8 @@ from typing import Any
 
 from aiohttp import web
 
-from streamserve.server.auth import DEFAULT_SECRET_TTL, MAX_SECRET_TTL, MIN_SECRET_TTL, Authenticator
-from streamserve.server.http_replies import openai_error
+from streamserve.server.service.auth import DEFAULT_SECRET_TTL, MAX_SECRET_TTL, MIN_SECRET_TTL, Authenticator
+from streamserve.server.transports.http_replies import openai_error
 
 ECHOED_SESSION_FIELDS = ("instructions", "max_output_tokens", "output_modalities", "include", "tracing")
 

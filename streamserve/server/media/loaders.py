@@ -1,6 +1,7 @@
-"""What `streamserve serve` loads besides its routes: the engine (in a worker thread, after the port is open), the
-voice and vision models (each optional: missing or damaged, it is logged and its input refused, and text serving
-goes on), and the WebRTC calls' routes (the webrtc extra)."""
+"""What `streamserve serve` loads besides its routes: the engine (in a worker thread, after the port is open, with
+the thread budget of server/media/threads.py) and the voice and vision models (each optional: missing or damaged, it
+is logged and its input refused, and text serving goes on). The WebRTC calls' routes (the webrtc extra) are added by
+server/adapters/webrtc/ (`webrtc_calls`)."""
 
 from __future__ import annotations
 
@@ -11,29 +12,17 @@ from typing import TYPE_CHECKING, Any
 from streamserve.config import EngineConfig, SchedulerConfig
 from streamserve.engine import Engine
 from streamserve.errors import StreamserveError
-from streamserve.server.threads import ThreadBudget, apply_engine_threads
+from streamserve.server.media.threads import ThreadBudget, apply_engine_threads
 
 if TYPE_CHECKING:
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.server")
 
 
-def webrtc_calls(server: Any) -> Any:
-    """The WebRTC calls' routes added to the server's app (server/webrtc/), or None without aiortc (logged)."""
-    try:
-        from streamserve.server.webrtc.routes import Calls, routes
-    except ImportError as e:
-        log.info("streamserve: no WebRTC calls (install the webrtc extra): %s", e)
-        return None
-    calls = Calls(server)
-    server.app.add_routes(routes(calls))
-    return calls
-
-
 def load_voice() -> VoiceRuntime | None:
     """The voice models, or None (logged: what to install) when the voice extra or a model is missing."""
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
     try:
         return VoiceRuntime.load()
@@ -45,9 +34,9 @@ def load_voice() -> VoiceRuntime | None:
 
 
 def load_vision() -> Any:
-    """The vision model (server/vision.py), or None (logged: what to install) when the extra or the model is missing."""
+    """The vision model (vision.py), or None (logged: what to install) when the extra or the model is missing."""
     try:
-        from streamserve.server.vision import VisionRuntime
+        from streamserve.server.media.vision import VisionRuntime
 
         return VisionRuntime.load()
     except (StreamserveError, ImportError) as e:

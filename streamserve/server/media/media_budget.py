@@ -28,8 +28,7 @@ import weakref
 from collections.abc import Iterator
 from typing import Any
 
-from streamserve.errors import StreamserveError
-from streamserve.server.results import QuotaExceededError
+from streamserve.errors import QuotaExceededError, StreamserveError
 
 
 class MediaBusyError(StreamserveError):

@@ -10,7 +10,7 @@ The split (`plan`), for C cores:
                  the affinity and ignores a quota); a step of fewer than 64 tokens (every decode step at the batch
                  sizes a voice server sees) runs on one of them (engine/batch.py, threads_for)
     stt          C threads for Whisper (CTranslate2): passes run one batch at a time for the whole server
-                 (server/voice/stt_scheduler.py), mostly while the person speaks, when the engine is idle
+                 (server/media/voice/stt_scheduler.py), mostly while the person speaks, when the engine is idle
     tts          max(1, C // 2) threads per Piper synthesis (onnxruntime), and max(2, C // 2) syntheses at once on
                  the media executor: the engine decodes beside them
     vad          1 thread (Silero on the per-frame thread: ~0.2 ms per 32 ms window)
@@ -22,7 +22,7 @@ Why the sum may exceed C: the stages mostly take turns (Whisper while the person
 while the reply is made), and a stage held to a fraction of the cores is slower when it runs alone. Measured on 2
 cores with eight voice sessions: Whisper on one thread instead of two made first audio later (3.2 s p50 against
 1.9-2.5 s), and the engine's steps there are one-thread steps already. Where they would fight, the schedulers give
-way instead: partial transcripts wait while speech is synthesised (server/voice/stt_scheduler.py).
+way instead: partial transcripts wait while speech is synthesised (server/media/voice/stt_scheduler.py).
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Chunk results on their way to the client (split from service.py, which owns the rest of the service).
 
 A chunk's `ChunkResult` (its ack or its error) reaches whichever connection holds its session when it is done, and
-is kept for a resume. A client chunk that server-numbered chunks made renumber (server/seqs.py) is acked with the
+is kept for a resume. A client chunk that server-numbered chunks made renumber (seqs.py) is acked with the
 client's seq and the seq it holds (`chunk_seq`).
 """
 
@@ -11,12 +11,12 @@ import asyncio
 from concurrent.futures import Future
 from typing import TYPE_CHECKING
 
-from streamserve.server.registry import SessionRegistry
-from streamserve.server.results import AppendRequest, ChunkResult, service_error
-from streamserve.server.seqs import ClientSeqs
+from streamserve.server.service.registry import SessionRegistry
+from streamserve.server.service.results import AppendRequest, ChunkResult, service_error
+from streamserve.server.service.seqs import ClientSeqs
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.context import ClientContext
+    from streamserve.server.service.context import ClientContext
 
 
 class Acks:

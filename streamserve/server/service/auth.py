@@ -26,7 +26,7 @@ from pathlib import Path
 
 from streamserve.config import ServerConfig
 from streamserve.errors import InvalidInputError
-from streamserve.server.results import ClientSecretScopeError
+from streamserve.server.service.results import ClientSecretScopeError
 
 SECRET_PROTOCOL_PREFIXES = ("openai-insecure-api-key.", "streamserve-key.")
 SECRET_PREFIX = "ek_"  # OpenAI's ephemeral keys start so; the prefix tells secrets and API keys apart in logs
@@ -53,10 +53,10 @@ class ClientSecret:
 
 
 class Grant:
-    """What one authenticated connection may do with sessions. With the API key (or no key configured):
-    anything. With a client secret: open one session, the secret's first, and resume only that one. `address` is
-    the client address the request came from (server/clients.py; None for an in-process caller), which the limits
-    per address count."""
+    """What one authenticated connection may do with sessions. With the API key (or no key configured): anything. With a
+    client secret: open one session, the secret's first, and resume only that one. `address` is the client address the
+    request came from (server/transports/clients.py; None for an in-process caller), which the limits per address
+    count."""
 
     def __init__(self, secret: ClientSecret | None = None, address: str | None = None) -> None:
         self.secret, self.address = secret, address

@@ -8,7 +8,7 @@ from typing import Any
 
 from streamserve.config import EngineConfig, SchedulerConfig
 from streamserve.errors import InvalidInputError
-from streamserve.server.loaders import engine_loader
+from streamserve.server.media.loaders import engine_loader
 
 
 def backend_loader(engine: EngineConfig, scheduler: SchedulerConfig | None = None) -> Callable[[], Any]:

@@ -34,7 +34,7 @@ from streamserve.engine.chat_render import check_role
 from streamserve.engine.streams import Delta, ResponseStream
 from streamserve.engine.work import Ack
 from streamserve.errors import InvalidInputError
-from streamserve.server.results import AppendRequest, ReplyDelta, ReplyDone, ResultListener, service_error
+from streamserve.server.service.results import AppendRequest, ReplyDelta, ReplyDone, ResultListener, service_error
 
 
 class NotChatSessionError(InvalidInputError):
@@ -65,7 +65,7 @@ class ChatSessions:
             self.transcripts[session.id] = ChatTranscript(session)
 
     def export(self, session_id: str) -> dict[str, Any] | None:
-        """A chat session's conversation as plain data for a hand-off (server/handoff.py; between operations,
+        """A chat session's conversation as plain data for a hand-off (server/service/handoff.py; between operations,
         blocking); None for a plain session."""
         chat = self.transcripts.get(session_id)
         return None if chat is None else chat.export_state()

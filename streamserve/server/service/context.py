@@ -1,9 +1,9 @@
 """One connection's standing with the session service (split from service.py, which uses it).
 
-Per connection: the sessions it holds (the registry), the KV pages their page caps reserve
-(`max_pages_per_connection`), the tokens it submitted that are not acked yet (`max_queued_tokens_per_connection`),
-its reply-forwarding tasks, its authorization (`Grant`), and the client address it connects from (server/clients.py;
-the registry counts sessions per address with it).
+Per connection: the sessions it holds (the registry), the KV pages their page caps reserve (`max_pages_per_connection`),
+the tokens it submitted that are not acked yet (`max_queued_tokens_per_connection`), its reply-forwarding tasks, its
+authorization (`Grant`), and the client address it connects from (server/transports/clients.py; the registry counts
+sessions per address with it).
 """
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import asyncio
 import math
 from typing import Any
 
-from streamserve.server.auth import Grant
-from streamserve.server.results import ResultListener
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.results import ResultListener
 
 MAX_PENDING_ACKS = 256  # appends in flight per connection; past it the adapter's read loop waits (backpressure)
 

@@ -1,5 +1,5 @@
 """The snapshot store of a live hand-off: where a draining instance leaves its sessions for the instance that
-receives their resume (docs/protocol.md, Drain and hand-off; server/lifecycle.py drains and restores).
+receives their resume (docs/protocol.md, Drain and hand-off; server/service/lifecycle.py drains and restores).
 
 A `HandoffRecord` is one session: the engine's `Snapshot` (engine/snapshot.py) and what the session service keeps
 for it: the sha256 of its resume token (never the token), its sampling defaults, its reserved KV pages, its chunk
@@ -41,7 +41,7 @@ import torch
 
 from streamserve.engine.snapshot import Snapshot
 from streamserve.errors import InvalidInputError, SessionNotFoundError, SnapshotError
-from streamserve.server.registry import ResumeTokenError
+from streamserve.server.service.registry import ResumeTokenError
 
 log = logging.getLogger("streamserve.server")
 
@@ -93,7 +93,7 @@ class HandoffRecord:
     reserved_pages: int = 0
     chunk_budget: float | None = None  # seconds
     chat: dict[str, Any] | None = None  # engine/chat.py ChatTranscript.export_state()
-    recent: list[dict[str, Any]] = field(default_factory=list)  # latest chunk results (server/results.py fields)
+    recent: list[dict[str, Any]] = field(default_factory=list)  # latest chunk results (results.py fields)
 
     def token_matches(self, token: str) -> bool:
         return hmac.compare_digest(self.token_sha256.encode(), token_hash(token).encode())

@@ -1,6 +1,6 @@
 """The session service's lifecycle half (split from service.py, whose `SessionService` inherits it): reaping
 detached sessions past their resume TTL, the server's shutdown, and the live hand-off of sessions between instances
-(docs/protocol.md, Drain and hand-off; the store: server/handoff.py).
+(docs/protocol.md, Drain and hand-off; the store: server/service/handoff.py).
 
 Drain (`hand_off`, called by server/app.py once new connections are refused): the service stops taking work (the
 native adapter reads no more operations but cancel, close and stats; opens are refused), waits until every running
@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING, Any
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine, Session
 from streamserve.errors import SnapshotError, StreamserveError
-from streamserve.server.context import ClientContext
-from streamserve.server.handoff import (
+from streamserve.server.service.context import ClientContext
+from streamserve.server.service.handoff import (
     DamagedRecordError,
     DirectoryStore,
     ForeignModelError,
@@ -38,14 +38,15 @@ from streamserve.server.handoff import (
     check_id,
     token_hash,
 )
-from streamserve.server.registry import Entry, SessionRegistry
-from streamserve.server.results import ChunkResult, Closed, Opened, QuotaExceededError, ServiceError
+from streamserve.server.service.registry import Entry, SessionRegistry
+from streamserve.server.service.results import ChunkResult, Closed, Opened, QuotaExceededError, ServiceError
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.chat import ChatSessions
-    from streamserve.server.vision import ImageSessions, VisionRuntime
-    from streamserve.server.voice.runtime import VoiceRuntime
-    from streamserve.server.voice_sessions import VoiceSessions
+    from streamserve.server.media.vision import VisionRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
+    from streamserve.server.service.chat import ChatSessions
+    from streamserve.server.service.images import ImageSessions
+    from streamserve.server.service.voice_sessions import VoiceSessions
 
 log = logging.getLogger("streamserve.server")
 

@@ -11,12 +11,12 @@ chunk it was waiting for, whether its ack was lost with the old connection or ca
 TTL, a detached session is closed and its pages come back. The server holds at most `max_total`
 sessions, open and detached together: when full, the oldest detached session makes room (the opener's own
 address's first), and when none is detached, `open` is refused. Each client address (the owner's `address`,
-server/clients.py) holds at most `max_per_address` of them, open, detached and opening together, so that one
+server/transports/clients.py) holds at most `max_per_address` of them, open, detached and opening together, so that one
 address cannot fill the table and so evict other addresses' detached sessions; a session keeps its address while
-detached and takes its new holder's on a resume. A session another instance handed over (server/lifecycle.py) joins
+detached and takes its new holder's on a resume. A session another instance handed over (lifecycle.py) joins
 with `adopt`, under its id and resume token; only native sessions (`portable`) are handed over by a drain.
 Thread-safe: `open` runs in a worker thread. Owned by the session
-service (server/service.py); an owner is whatever object stands for one connection there (an owner without an
+service (server/service/service.py); an owner is whatever object stands for one connection there (an owner without an
 `address` is counted per connection and in the total only).
 """
 
@@ -32,7 +32,7 @@ from typing import Any
 
 from streamserve.engine import Engine, Session
 from streamserve.errors import SessionNotFoundError, StreamserveError
-from streamserve.server.results import ChunkResult
+from streamserve.server.service.results import ChunkResult
 
 RECENT_RESULTS = 64  # chunk results kept per session for a resume (>= the engine's queue bound per session)
 

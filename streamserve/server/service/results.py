@@ -1,5 +1,5 @@
 """What the session service answers, protocol-neutral: plain dataclasses that each protocol adapter renders
-in its own wire format (server/native.py: msgpack maps). No aiohttp, no msgpack, no torch here.
+in its own wire format (server/adapters/native.py: msgpack maps). No aiohttp, no msgpack, no torch here.
 
 Direct answers (`Opened`, `Rewound`, `Configured`, `Closed`, `Stats`) are returned by the service call;
 asynchronous ones (`ChunkResult`, `ReplyDelta`, `ReplyDone`, `ServiceError` for a session moved or
@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from streamserve.errors import InvalidInputError, StepError, StreamserveError
+from streamserve.errors import QuotaExceededError as QuotaExceededError  # the service's too (re-exported)
 
 log = logging.getLogger("streamserve.server")
 
@@ -61,7 +62,7 @@ class AudioInfo:
 
 @dataclass(frozen=True)
 class ImageInfo:
-    """What the server does with images (server/vision.py)."""
+    """What the server does with images (images.py)."""
 
     input: str  # "labels" (a classifier's labels as a text note, for text-only models) or "encoder" (the model's own)
     model: str | None  # the classifier of the labels path (efficientnet-lite0)
@@ -235,12 +236,7 @@ class ResultListener(Protocol):
 
 
 # ---- the service's own typed errors --------------------------------------------------------------------
-class QuotaExceededError(StreamserveError):
-    """Over one of this connection's quotas (KV pages reserved, tokens queued); nothing was taken."""
-
-    code = "quota_exceeded"
-
-
+# (and QuotaExceededError, imported above: defined in streamserve.errors, for the media runtime's budgets raise it too)
 class WindowTooLargeError(InvalidInputError):
     """window + sinks over the model's context or the server's --max-window."""
 
@@ -281,7 +277,7 @@ class OpenRequest:
     drafter: str | None = None
     chunk_budget_ms: float | None = None
     sampling: dict[str, Any] | None = None  # reply defaults
-    voice: dict[str, Any] | None = None  # voice settings (protocol-checked shape; server/voice_sessions.py checks)
+    voice: dict[str, Any] | None = None  # voice settings (protocol-checked shape; voice_sessions.py checks)
 
 
 @dataclass(frozen=True)
@@ -293,7 +289,7 @@ class AppendRequest:
     text: str | None = None
     token_ids: list[int] | None = None
     audio: bytes | None = None  # raw audio in `encoding` at `rate` with `channels` interleaved
-    image: Any = None  # JPEG/PNG bytes or a decoded array (server/vision.py turns it into text or embeds)
+    image: Any = None  # JPEG/PNG bytes or a decoded array (images.py turns it into text or embeds)
     embeds: Any = None  # a torch tensor [T, hidden]: an image through the model's own image encoder
     rate: int | None = None  # audio only: None takes the session's voice input rate
     channels: int | None = None

@@ -1,4 +1,4 @@
-"""Chunk seqs shared by a client and the server on one session (used by server/service.py and voice_sessions.py).
+"""Chunk seqs shared by a client and the server on one session (used by service.py and voice_sessions.py).
 
 A session's chunks carry seqs that must grow (engine/session.py). The client numbers its own chunks; the server
 numbers the chunks it appends itself (the agreed words of the session's speech, transcript deltas). The two cannot

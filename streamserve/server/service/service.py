@@ -1,13 +1,13 @@
 """The session service: every session operation a front end offers, protocol-neutral.
 
-Protocol adapters (server/native.py, server/realtime/) decode their frames into calls on this service and render
-what it returns (server/results.py). It owns the registry of resumable sessions, the limits and quotas (checked
-before anything is taken), sampling checks and the client-secret scope. It never waits for the model on the event
-loop: operations that take the engine lock (open, rewind, close) run on a small executor of their own, long texts
-are tokenized on another, so a burst of long texts can never delay an open or a close.
+Protocol adapters (server/adapters/: native.py, realtime/, ...) decode their frames into calls on this service and
+render what it returns (results.py). It owns the registry of resumable sessions, the limits and quotas (checked before
+anything is taken), sampling checks and the client-secret scope. It never waits for the model on the event loop:
+operations that take the engine lock (open, rewind, close) run on a small executor of their own, long texts are
+tokenized on another, so a burst of long texts can never delay an open or a close.
 
-Per connection: a `ClientContext` (server/context.py). Audio: server/voice_sessions.py. Images: server/vision.py.
-Reaping, shutdown and the drain: server/lifecycle.py.
+Per connection: a `ClientContext` (context.py). Audio: voice_sessions.py. Images: images.py (the vision model:
+server/media/vision.py). Reaping, shutdown and the drain: lifecycle.py.
 """
 
 from __future__ import annotations
@@ -23,14 +23,17 @@ from streamserve.engine import Engine, Session
 from streamserve.engine.openmp import releasing
 from streamserve.engine.sampling import check_sampling, check_seed, check_stop
 from streamserve.errors import ChunkTooLargeError, InvalidInputError, SessionClosedError, SessionNotFoundError
-from streamserve.server.acks import Acks
-from streamserve.server.auth import Grant
-from streamserve.server.chat import ChatSessions
-from streamserve.server.context import ClientContext, page_reservation
-from streamserve.server.lifecycle import ServiceLifecycle
-from streamserve.server.media_budget import MediaBudget, charging
-from streamserve.server.registry import Entry, SessionRegistry
-from streamserve.server.results import (
+from streamserve.server.media.media_budget import MediaBudget, charging
+from streamserve.server.media.vision import model_image_encoder
+from streamserve.server.media.voice.embed import model_encoder
+from streamserve.server.service.acks import Acks
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.chat import ChatSessions
+from streamserve.server.service.context import ClientContext, page_reservation
+from streamserve.server.service.images import ImageSessions
+from streamserve.server.service.lifecycle import ServiceLifecycle
+from streamserve.server.service.registry import Entry, SessionRegistry
+from streamserve.server.service.results import (
     AppendRequest,
     ChunkResult,
     Closed,
@@ -50,13 +53,11 @@ from streamserve.server.results import (
     WindowTooLargeError,
     service_error,
 )
-from streamserve.server.vision import ImageSessions, model_image_encoder
-from streamserve.server.voice.embed import model_encoder
-from streamserve.server.voice_sessions import VoiceSessions
+from streamserve.server.service.voice_sessions import VoiceSessions
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.vision import VisionRuntime
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.vision import VisionRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 log = logging.getLogger("streamserve.server")
 
 CHARS_PER_TOKEN = 32  # text longer than max_chunk_tokens times this is refused before tokenizing
@@ -72,10 +73,10 @@ class SessionService(ServiceLifecycle):
                  step_tokens: int = ACCELERATOR_STEP_TOKENS, voice: VoiceRuntime | None = None,
                  vision: VisionRuntime | None = None) -> None:
         self.engine, self.config, self.defaults = engine, config, session_defaults
-        self.voice = voice  # the voice models (server/voice): None when not loaded, and audio is refused
+        self.voice = voice  # the voice models (server/media/voice): None when not loaded, and audio is refused
         if voice is not None:  # replies started at the likely end of a turn, held until it is confirmed
             voice.speculations.enabled = not config.no_speculation
-        self.vision = vision  # the vision model (server/vision.py): None when not loaded, and images are refused
+        self.vision = vision  # the vision model (server/media/vision.py): None when not loaded, and images are refused
         self.step_tokens = step_tokens  # the most tokens of one session one engine step runs
         self.policy_model: str | None = None  # what WS /v1/policy serves (set by the server once it knows; hello)
         self.registry = SessionRegistry(engine, config.resume_ttl, config.max_sessions_per_connection,
@@ -83,7 +84,7 @@ class SessionService(ServiceLifecycle):
         self.engine_executor = ThreadPoolExecutor(ENGINE_WORKERS, thread_name_prefix="streamserve-engine")
         self.tokenize_executor = ThreadPoolExecutor(TOKENIZE_WORKERS, thread_name_prefix="streamserve-tokenize")
         self.tasks: set[asyncio.Task] = set()  # the service's own: acks follow their session to a resume
-        self.chats = ChatSessions(engine, self.run_engine, self.spawn)  # sessions opened with `chat` (server/chat.py)
+        self.chats = ChatSessions(engine, self.run_engine, self.spawn)  # sessions opened with `chat` (chat.py)
         self.audio = VoiceSessions(voice, self.registry, self.chats, config.max_audio_buffer_s,  # audio in and out
                                    self.respond, self.cancel_session, self.spawn,
                                    model_encoder(engine) if voice is not None else None)
@@ -92,13 +93,13 @@ class SessionService(ServiceLifecycle):
         self.budget = MediaBudget(config.max_media_bytes, config.max_media_bytes_per_connection)  # media_budget.py
         self.acks = Acks(self.registry, self.audio.seqs)  # chunk results to their session's connection (acks.py)
         self.deliver, self.finish_chunk = self.acks.deliver, self.acks.finish
-        self.start_lifecycle()  # the snapshot store and the drain (server/lifecycle.py)
+        self.start_lifecycle()  # the snapshot store and the drain (server/service/lifecycle.py)
 
     # ---- what the server is --------------------------------------------------------------------------
     def metrics(self, registry: Any) -> None:
-        """Register the service's Prometheus metrics: media bytes held and refused (server/media_budget.py); with
-        voice, the STT queue depth, passes and their latencies by kind, batch sizes (server/voice/stt_scheduler), and
-        the replies speculated by outcome (server/voice/speculate.py)."""
+        """Register the service's Prometheus metrics: media bytes held and refused (media/media_budget.py); with
+        voice, the STT queue depth, passes and their latencies by kind, batch sizes (media/voice/stt_scheduler.py),
+        and the replies speculated by outcome (media/voice/speculate.py)."""
         self.budget.metrics(registry)
         if self.voice is not None:
             self.voice.stt.metrics(registry)
@@ -170,7 +171,7 @@ class SessionService(ServiceLifecycle):
         return max(ms, self.config.min_deadline_ms)
 
     def page_reservation(self, window: int | None, sinks: int, page_cap: int | None) -> int:
-        """The most KV pages a session can ever hold (server/context.py)."""
+        """The most KV pages a session can ever hold (server/service/context.py)."""
         return page_reservation(self.engine.pool.page_size, self.engine.config.max_position_embeddings,
                                 self.step_tokens, window, sinks, page_cap)
 
@@ -243,7 +244,7 @@ class SessionService(ServiceLifecycle):
 
     async def resume(self, ctx: ClientContext, session_id: str, token: str) -> tuple[Opened, list[ChunkResult]]:
         """-> (the session, the results of its latest chunks, sent again for the client to pick from). A session
-        another instance handed over is taken from the snapshot store (server/lifecycle.py)."""
+        another instance handed over is taken from the snapshot store (server/service/lifecycle.py)."""
         ctx.grant.check_resume(session_id)
         try:
             found = self.registry.verified(session_id, token)  # the token first: nothing about the session without it
@@ -267,7 +268,7 @@ class SessionService(ServiceLifecycle):
         """Queue a chunk (a chat session's: `message`, {role, content}); its ChunkResult reaches whichever
         connection holds the session when it is done. Refusals (limits, quotas, input) raise here, queuing nothing."""
         s = self.registry.get(ctx, session_id).session
-        if req.audio is not None:  # the session's Listener, or its model's encoder (server/voice_sessions.py)
+        if req.audio is not None:  # the session's Listener, or its model's encoder (server/service/voice_sessions.py)
             with charging(self.budget.account(ctx)):  # what the Listener holds counts against this connection
                 return await self.audio.append(ctx, session_id, req, self.deliver, self.finish_chunk)
         if req.image is not None:  # its note (text or a chat message), or the model's image embeds (vision.py)
@@ -321,7 +322,7 @@ class SessionService(ServiceLifecycle):
 
     def respond(self, ctx: ClientContext, session_id: str, params: dict[str, Any],
                 listener: ResultListener | None = None) -> None:
-        """Start a reply (a chat session's: server/chat.py); its ReplyDeltas and ReplyDone reach this connection
+        """Start a reply (a chat session's: server/service/chat.py); its ReplyDeltas and ReplyDone reach this connection
         (or `listener`: a speculated reply's, held until the turn is confirmed: voice_speculation.py)."""
         entry = self.registry.get(ctx, session_id)
         params = self.check_sampling({**entry.sampling, **params})

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streamserve.media import VOICE_EXTRA, VoiceUnavailableError
-from streamserve.server.results import (
+from streamserve.server.service.results import (
     ReplyAudio,
     ReplyAudioDone,
     ReplyDelta,
@@ -28,10 +28,10 @@ from streamserve.server.results import (
 if TYPE_CHECKING:  # pragma: no cover
     from streamserve.media.audio import AudioFormat
     from streamserve.media.vad import VADConfig
-    from streamserve.server.voice.embed import AudioEmbedder
-    from streamserve.server.voice.listen import Listener
-    from streamserve.server.voice.runtime import VoiceRuntime
-    from streamserve.server.voice.speak import Speaker
+    from streamserve.server.media.voice.embed import AudioEmbedder
+    from streamserve.server.media.voice.listen import Listener
+    from streamserve.server.media.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.speak import Speaker
 
 log = logging.getLogger("streamserve.voice")
 
@@ -90,7 +90,7 @@ class SpeakingReply:
 
     def speaker_for(self, response: str) -> Speaker:
         if self.speaker is None:
-            from streamserve.server.voice.speak import Speaker
+            from streamserve.server.media.voice.speak import Speaker
 
             fmt = self.st.speak
             assert fmt is not None and self.runtime is not None

@@ -1,8 +1,8 @@
 """Audio on sessions of the session service (split from service.py, which calls this and owns the rest).
 
 Each session that takes audio has a `VoiceState`: its voice settings (input format, server-VAD turn detection,
-reply audio), a Listener (server/voice/listen.py) made at its first audio append, and the Speaker of the reply
-being spoken (server/voice/speak.py). What the Listener hears goes where the session's text goes:
+reply audio), a Listener (server/media/voice/listen.py) made at its first audio append, and the Speaker of the reply
+being spoken (server/media/voice/speak.py). What the Listener hears goes where the session's text goes:
 
 - agreed transcript words are appended to a plain session as they arrive (text chunks of kind "audio"); a chat
   session gets the utterance as one user message at its end;
@@ -26,10 +26,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any
 
-from streamserve.server import voice_speculation as speculation
-from streamserve.server.chat import ChatSessions
-from streamserve.server.registry import SessionRegistry
-from streamserve.server.results import (
+from streamserve.server.media.voice import listen as L
+from streamserve.server.service import voice_speculation as speculation
+from streamserve.server.service.chat import ChatSessions
+from streamserve.server.service.registry import SessionRegistry
+from streamserve.server.service.results import (
     AppendRequest,
     AudioInfo,
     ChunkResult,
@@ -40,15 +41,20 @@ from streamserve.server.results import (
     VoiceSettings,
     service_error,
 )
-from streamserve.server.seqs import ClientSeqs
-from streamserve.server.voice import listen as L
-from streamserve.server.voice_reply import SpeakingReply, VoiceState, default_rate, voice_settings, voice_unavailable
+from streamserve.server.service.seqs import ClientSeqs
+from streamserve.server.service.voice_reply import (
+    SpeakingReply,
+    VoiceState,
+    default_rate,
+    voice_settings,
+    voice_unavailable,
+)
 
 if TYPE_CHECKING:  # pragma: no cover
     from streamserve.media.audio import AudioFormat
     from streamserve.media.encoder import AudioEncoder
-    from streamserve.server.voice.runtime import VoiceRuntime
-    from streamserve.server.voice.speak import Speaker
+    from streamserve.server.media.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.speak import Speaker
 
 log = logging.getLogger("streamserve.voice")
 Respond = Callable[..., None]  # (connection, session id, params, listener=None): the service's respond
@@ -182,7 +188,7 @@ class VoiceSessions:
         append too short for one embedding waits for the next and is acked with 0 tokens)."""
         import torch
 
-        from streamserve.server.voice.embed import AudioEmbedder
+        from streamserve.server.media.voice.embed import AudioEmbedder
 
         assert self.runtime is not None and self.encoder is not None
         if st.embedder is None or st.embedder.fmt != fmt:

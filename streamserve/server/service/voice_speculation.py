@@ -1,10 +1,9 @@
 """A native voice session's reply speculated at the likely end of a turn, held until the turn is confirmed (the
-mechanism: server/voice/speculate.py; the Realtime API's: server/realtime/speculation.py). Chat sessions with
-turn detection and create_response: the reply's results (ReplyDelta, ReplyAudio, ReplyDone, ReplyAudioDone) reach
-the connection through a `HeldListener` whose gate holds them until the speech's stop and final transcript
-confirm the turn; if speech resumes, they are dropped, the reply is cancelled and, once it is recorded, the chat
-returns to its mark (engine/chat_mark.py) with the person's message open again. (Split from voice_sessions.py,
-which calls this.)
+mechanism: server/media/voice/speculate.py; the Realtime API's: server/adapters/realtime/speculation.py). Chat sessions
+with turn detection and create_response: the reply's results (ReplyDelta, ReplyAudio, ReplyDone, ReplyAudioDone) reach
+the connection through a `HeldListener` whose gate holds them until the speech's stop and final transcript confirm the
+turn; if speech resumes, they are dropped, the reply is cancelled and, once it is recorded, the chat returns to its mark
+(engine/chat_mark.py) with the person's message open again. (Split from voice_sessions.py, which calls this.)
 """
 
 from __future__ import annotations
@@ -15,14 +14,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from streamserve.engine.chat_mark import ChatMark
-from streamserve.server.results import ReplyDone, ResultListener, service_error
-from streamserve.server.voice.speculate import Gate
+from streamserve.server.media.voice.speculate import Gate
+from streamserve.server.service.results import ReplyDone, ResultListener, service_error
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.chat import ChatSessions
-    from streamserve.server.registry import SessionRegistry
-    from streamserve.server.voice.listen_events import TurnLikely
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.listen_events import TurnLikely
+    from streamserve.server.media.voice.runtime import VoiceRuntime
+    from streamserve.server.service.chat import ChatSessions
+    from streamserve.server.service.registry import SessionRegistry
 
 log = logging.getLogger("streamserve.voice")
 

@@ -8,8 +8,8 @@ one from the right were written by the client and are never read). A header that
 address it counts as. IPv4-mapped IPv6 peers (`::ffff:a.b.c.d`, a dual-stack listener) count as their IPv4 address.
 
 `ConnectionCounts` holds the connections (WebSockets and WebRTC calls) each address has open against
-`--max-connections-per-ip`; an address over it is refused with `too_many_connections` (WebSocket close 1013, HTTP
-429). Sessions per address are counted by the session registry (server/registry.py) from `ClientContext.address`.
+`--max-connections-per-ip`; an address over it is refused with `too_many_connections` (WebSocket close 1013, HTTP 429).
+Sessions per address are counted by the session registry (server/service/registry.py) from `ClientContext.address`.
 
 `expect` is the `expect_handler` of every route (and, through `answer_unmatched_expectations`, of aiohttp's own 404
 and 405 answers): `Expect: 100-continue` (any case) gets the interim 100 on HTTP/1.1, anything else 417 — aiohttp's
@@ -26,7 +26,7 @@ from aiohttp import hdrs, web
 from aiohttp.web_urldispatcher import MatchInfoError, UrlMappingMatchInfo
 
 from streamserve.errors import InvalidInputError, StreamserveError
-from streamserve.server.http_replies import error_response
+from streamserve.server.transports.http_replies import error_response
 
 IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
 UNKNOWN = "unknown"  # the address of a request whose peer is not known (its transport already gone)

@@ -10,7 +10,7 @@ root, with a known type, no dot-files, no symlink leading outside the root) and 
 kB, capped). A request names a key of that table or gets 404: no request path ever reaches the file system, so
 `..`, `%2e%2e`, absolute paths, backslashes, NUL bytes and symlinks cannot escape. Every answer carries
 `X-Content-Type-Options: nosniff` and a Content-Security-Policy that lets the page load only its own scripts and
-connect only to this server (no CDN, no third party). `Expect` is answered by server/clients.py's handler.
+connect only to this server (no CDN, no third party). `Expect` is answered by server/transports/clients.py's handler.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from pathlib import Path
 
 from aiohttp import web
 
-from streamserve.server.clients import expect
+from streamserve.server.transports.clients import expect
 
 log = logging.getLogger("streamserve.server")
 
@@ -54,7 +54,7 @@ def web_root() -> Path | None:
     except (ImportError, ValueError):
         spec = None
     candidates = [Path(p) for p in (spec.submodule_search_locations or [])] if spec is not None else []
-    candidates.append(Path(__file__).resolve().parents[2] / "clients" / "web")  # streamserve/server/static.py
+    candidates.append(Path(__file__).resolve().parents[3] / "clients" / "web")  # <checkout>/clients/web
     return next((c for c in candidates if (c / INDEX).is_file()), None)
 
 

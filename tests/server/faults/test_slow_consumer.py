@@ -18,7 +18,7 @@ from serving import RunningServer, serve
 
 import streamserve.server.app as app_module
 from streamserve.config import ServerConfig
-from streamserve.server.transport import Transport
+from streamserve.server.transports.transport import Transport
 
 PROMPT = "In the beginning God created"
 SESSIONS = 4  # each asks for a 1024-token reply: far more than 4 KiB socket buffers and the queue hold

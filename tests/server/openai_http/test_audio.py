@@ -1,6 +1,6 @@
-"""POST /v1/audio/transcriptions and /v1/audio/speech (streamserve/server/openai_http/audio.py) through the `openai`
-SDK and pipecat's OpenAI STT and TTS services, on a real server with the voice models (skipped, naming what to pull,
-without them)."""
+"""POST /v1/audio/transcriptions and /v1/audio/speech (streamserve/server/adapters/openai_http/audio.py) through the
+`openai` SDK and pipecat's OpenAI STT and TTS services, on a real server with the voice models (skipped, naming what to
+pull, without them)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from serving import RunningServer
 from streamserve.config import ServerConfig
 from streamserve.engine import Engine
 from streamserve.robot.projector import save_state_projector
-from streamserve.server.policy import wire
+from streamserve.server.adapters.policy import wire
 
 STATE_KEY = "observation/state"
 # ids: 0..256 the byte tokenizer's, 257 <obs>, 258 <act>, 259 <task>, 260..275 state bins, 276..291 action bins (< 300)

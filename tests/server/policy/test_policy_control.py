@@ -17,8 +17,8 @@ from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader,
 from serving import RunningServer, engine_paused, serve
 
 from streamserve.robot.codec import PolicyCodec
-from streamserve.server.policy import wire
-from streamserve.server.policy.connection import PolicyConnection
+from streamserve.server.adapters.policy import wire
+from streamserve.server.adapters.policy.connection import PolicyConnection
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 H, D = 4, 2

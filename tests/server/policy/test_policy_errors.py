@@ -16,8 +16,8 @@ from serving import RunningServer, serve
 from streamserve.config import ServerConfig
 from streamserve.errors import InvalidInputError
 from streamserve.robot.codec import PolicyCodec
-from streamserve.server.policy import wire
-from streamserve.server.policy.observation import parse_observation
+from streamserve.server.adapters.policy import wire
+from streamserve.server.adapters.policy.observation import parse_observation
 
 MODULE_LOOP = pytest.mark.asyncio(loop_scope="module")
 

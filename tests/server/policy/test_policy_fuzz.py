@@ -25,7 +25,7 @@ from hypothesis import strategies as st
 from policy_fixture import STATE_KEY, connect, freed, infer, obs, pack_raw, sessions
 from serving import RunningServer
 
-from streamserve.server.policy import wire
+from streamserve.server.adapters.policy import wire
 
 WAIT = 60.0  # seconds any one reply or close may take (a tiny model on 2 shared cores)
 LIMIT = 1 << 16  # POLICY_CONFIG.max_frame_bytes

@@ -22,8 +22,8 @@ from streamserve.config import ServerConfig
 from streamserve.media.encoder import save_image_projector
 from streamserve.media.vision import MAX_PIXELS
 from streamserve.robot.codec import PolicyCodec, PolicyInputError
-from streamserve.server.policy import wire
-from streamserve.server.policy.observation import parse_observation
+from streamserve.server.adapters.policy import wire
+from streamserve.server.adapters.policy.observation import parse_observation
 
 H, D = POLICY["action_horizon"], POLICY["action_dims"]
 CAMERA = "observation/image"
@@ -52,7 +52,7 @@ def png(rgb: np.ndarray) -> bytes:
 
 def vision_model() -> None:
     from streamserve.models.store import installed
-    from streamserve.server.vision import VISION_MODEL
+    from streamserve.server.media.vision import VISION_MODEL
 
     if installed(VISION_MODEL) is None:
         pytest.skip(f"the vision model is not in the model cache: run `streamserve models pull {VISION_MODEL}`")

@@ -15,7 +15,7 @@ from policy_fixture import POLICY, POLICY_CONFIG, connect, freed, infer, loader
 from serving import RunningServer
 
 from streamserve.robot.codec import PolicyCodec
-from streamserve.server.policy import wire
+from streamserve.server.adapters.policy import wire
 
 pytestmark = pytest.mark.asyncio
 

@@ -15,10 +15,10 @@ from rt import RawRealtime, user_text
 from serving import serve
 
 from streamserve.config import ServerConfig
-from streamserve.server.protocol import CLOSE_BAD_CLIENT
-from streamserve.server.realtime import events as E
-from streamserve.server.realtime.events import ClientEvent, RealtimeError
-from streamserve.server.realtime.inbox import MAX_BAD_FRAMES, MAX_WAITING, MAX_WAITING_BYTES, Inbox
+from streamserve.server.adapters.protocol import CLOSE_BAD_CLIENT
+from streamserve.server.adapters.realtime import events as E
+from streamserve.server.adapters.realtime.events import ClientEvent, RealtimeError
+from streamserve.server.adapters.realtime.inbox import MAX_BAD_FRAMES, MAX_WAITING, MAX_WAITING_BYTES, Inbox
 
 MiB = 1 << 20
 

@@ -1,4 +1,4 @@
-"""/v1/realtime: a reply speculated at the likely end of a turn (server/voice/speculate.py). A pause in the middle
+"""/v1/realtime: a reply speculated at the likely end of a turn (server/media/voice/speculate.py). A pause in the middle
 of an utterance, long enough for the VAD to score silence and for the first half's words to look complete but
 shorter than the hangover, starts a reply that is taken back when speech resumes: not one event or audio byte of
 it reaches the client, the chat returns exactly to where it stood (token ids, messages, the open message), and
@@ -18,7 +18,7 @@ from test_realtime_turns import RATE, play
 from voice_assets import norm_words, speech
 
 from streamserve.config import ServerConfig
-from streamserve.server.realtime import speculation
+from streamserve.server.adapters.realtime import speculation
 
 PAUSE_S, HANGOVER_MS = 0.45, 1000
 

@@ -156,7 +156,7 @@ async def test_a_peer_that_vanishes_without_a_word_is_noticed() -> None:
 async def test_ice_and_dtls_failures_free_the_call(monkeypatch: pytest.MonkeyPatch) -> None:
     """Whichever notices first, the peer's state (failed) or the connect deadline (no connected peer with an events
     channel within CONNECT_TIMEOUT, shortened here), the call is freed."""
-    from streamserve.server.webrtc import call
+    from streamserve.server.adapters.webrtc import call
 
     monkeypatch.setattr(call, "CONNECT_TIMEOUT", 5.0)
     async with serve(ServerConfig()) as srv:

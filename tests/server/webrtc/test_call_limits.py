@@ -1,8 +1,8 @@
-"""WebRTC calls and the limits per client address (server/clients.py): `max_calls_per_key` counts a client secret's
-own calls and, for the API key or with no key configured, the calls of each client address; every call is a
+"""WebRTC calls and the limits per client address (server/transports/clients.py): `max_calls_per_key` counts a client
+secret's own calls and, for the API key or with no key configured, the calls of each client address; every call is a
 connection of its address (`max_connections_per_ip`, shared with WebSockets) until it ends. Offers are only POSTed
-(answered, never connected: the call stays live until DELETE), from 127.0.0.1 and 127.0.0.2 (the client socket
-bound to either: both loopback)."""
+(answered, never connected: the call stays live until DELETE), from 127.0.0.1 and 127.0.0.2 (the client socket bound to
+either: both loopback)."""
 
 from __future__ import annotations
 

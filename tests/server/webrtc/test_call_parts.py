@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
-from streamserve.server.webrtc import tracks as T
-from streamserve.server.webrtc.channel import HIGH_WATER, RECEIVE_QUEUE, DataChannel
+from streamserve.server.adapters.webrtc import tracks as T
+from streamserve.server.adapters.webrtc.channel import HIGH_WATER, RECEIVE_QUEUE, DataChannel
 
 
 def pcm(ms: int, level: int = 1000) -> bytes:

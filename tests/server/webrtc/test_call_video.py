@@ -30,7 +30,7 @@ def mouse() -> np.ndarray:
 
 def vision_model() -> None:
     from streamserve.models.store import installed
-    from streamserve.server.vision import VISION_MODEL
+    from streamserve.server.media.vision import VISION_MODEL
 
     if installed(VISION_MODEL) is None:
         pytest.skip(f"the vision model is not in the model cache: run `streamserve models pull {VISION_MODEL}`")

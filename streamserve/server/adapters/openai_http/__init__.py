@@ -1,5 +1,5 @@
-"""The OpenAI HTTP APIs on the session service (docs/openai.md): a protocol adapter, like server/native.py and
-server/realtime/, with the server's auth, Origin rules, limits and quotas.
+"""The OpenAI HTTP APIs on the session service (docs/openai.md): a protocol adapter, like server/adapters/native.py and
+server/adapters/realtime/, with the server's auth, Origin rules, limits and quotas.
 
     GET  /v1/models, /v1/models/{model}            what is served (routes.py)
     POST /v1/chat/completions                      stream or not; a request that extends a conversation a resident
@@ -13,6 +13,6 @@ server/realtime/, with the server's auth, Origin rules, limits and quotas.
 Sessions: turns.py (which session a turn runs on: continue, fork, restore, prefill); stored state: store.py.
 """
 
-from streamserve.server.openai_http.routes import OpenAIHttp
+from streamserve.server.adapters.openai_http.routes import OpenAIHttp
 
 __all__ = ["OpenAIHttp"]

@@ -39,18 +39,18 @@ from aiohttp import BodyPartReader, web
 
 from streamserve.errors import InvalidInputError
 from streamserve.media.whisper import Word
-from streamserve.server.openai_http import audio_codec as codec
-from streamserve.server.openai_http.errors import ApiError, bad, from_exception, read_json
-from streamserve.server.openai_http.params import number
-from streamserve.server.openai_http.sse import EventStream
-from streamserve.server.voice_reply import voice_unavailable
+from streamserve.server.adapters.openai_http import audio_codec as codec
+from streamserve.server.adapters.openai_http.errors import ApiError, bad, from_exception, read_json
+from streamserve.server.adapters.openai_http.params import number
+from streamserve.server.adapters.openai_http.sse import EventStream
+from streamserve.server.service.voice_reply import voice_unavailable
 
 if TYPE_CHECKING:  # pragma: no cover
     from collections.abc import Awaitable, Callable
 
     from streamserve.media.tts import PiperVoice
-    from streamserve.server.openai_http.host import Host
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.adapters.openai_http.host import Host
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.server")
 

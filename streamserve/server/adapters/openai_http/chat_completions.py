@@ -14,12 +14,12 @@ from typing import Any
 from aiohttp import web
 
 from streamserve.engine.chat import Message
-from streamserve.server.openai_http.errors import bad, from_exception, read_json
-from streamserve.server.openai_http.host import Api
-from streamserve.server.openai_http.items import content_text, new_id
-from streamserve.server.openai_http.params import integer, number, sampling
-from streamserve.server.openai_http.sse import EventStream
-from streamserve.server.openai_http.turns import TurnResult
+from streamserve.server.adapters.openai_http.errors import bad, from_exception, read_json
+from streamserve.server.adapters.openai_http.host import Api
+from streamserve.server.adapters.openai_http.items import content_text, new_id
+from streamserve.server.adapters.openai_http.params import integer, number, sampling
+from streamserve.server.adapters.openai_http.sse import EventStream
+from streamserve.server.adapters.openai_http.turns import TurnResult
 
 ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
 FINISH = {"stop": "stop", "length": "length", "context": "length", "cancelled": "stop"}

@@ -21,10 +21,10 @@ from typing import Any
 
 from aiohttp import web
 
-from streamserve.server.openai_http.errors import ApiError, bad, not_found, read_json
-from streamserve.server.openai_http.host import Api
-from streamserve.server.openai_http.items import listing, metadata, new_id, parse_input
-from streamserve.server.openai_http.store import StoredConversation
+from streamserve.server.adapters.openai_http.errors import ApiError, bad, not_found, read_json
+from streamserve.server.adapters.openai_http.host import Api
+from streamserve.server.adapters.openai_http.items import listing, metadata, new_id, parse_input
+from streamserve.server.adapters.openai_http.store import StoredConversation
 
 BASE = "/v1/conversations"
 

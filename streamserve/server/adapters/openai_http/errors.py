@@ -10,7 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from streamserve.errors import CapacityError, InvalidInputError, SessionNotFoundError, StreamserveError
-from streamserve.server.results import QuotaExceededError, ServiceError, service_error
+from streamserve.server.service.results import QuotaExceededError, ServiceError, service_error
 
 TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "invalid_request_error",
          409: "invalid_request_error", 413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error",

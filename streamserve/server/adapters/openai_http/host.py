@@ -1,6 +1,6 @@
 """What every OpenAI HTTP route needs of the server: the session service once the model is ready, and who is asking.
 
-Auth is the server's (server/auth.py): with an API key configured, `Authorization: Bearer <key>`; without one,
+Auth is the server's (server/service/auth.py): with an API key configured, `Authorization: Bearer <key>`; without one,
 any bearer or none. A client secret is refused here: it opens one Realtime session, not stored state. Stored state
 (responses, conversations, reusable chat sessions) belongs to an *owner*: the sha256 of the bearer presented, so
 that on a server without a key two clients with different keys never see each other's ids (404, as an unknown id).
@@ -13,12 +13,12 @@ from typing import Protocol
 
 from aiohttp import web
 
-from streamserve.server.auth import SECRET_PREFIX, Authenticator, bearer
-from streamserve.server.http_replies import utf8
-from streamserve.server.openai_http.errors import ApiError
-from streamserve.server.openai_http.store import ObjectStore
-from streamserve.server.openai_http.turns import Turns
-from streamserve.server.service import SessionService
+from streamserve.server.adapters.openai_http.errors import ApiError
+from streamserve.server.adapters.openai_http.store import ObjectStore
+from streamserve.server.adapters.openai_http.turns import Turns
+from streamserve.server.service.auth import SECRET_PREFIX, Authenticator, bearer
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.http_replies import utf8
 
 
 class ServerState(Protocol):

@@ -12,7 +12,7 @@ import secrets
 from typing import Any
 
 from streamserve.engine.chat import Message
-from streamserve.server.openai_http.errors import bad
+from streamserve.server.adapters.openai_http.errors import bad
 
 ROLES = {"user": "user", "system": "system", "developer": "system", "assistant": "assistant"}
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from streamserve.server.openai_http.errors import bad
+from streamserve.server.adapters.openai_http.errors import bad
 
 OPENAI_TEMPERATURE = 1.0  # OpenAI's defaults, where a request does not say
 OPENAI_TOP_P = 1.0

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from streamserve.engine.chat import Message
-from streamserve.server.auth import Grant
-from streamserve.server.context import ClientContext
-from streamserve.server.openai_http.errors import ApiError
-from streamserve.server.openai_http.store import Resume
+from streamserve.server.adapters.openai_http.errors import ApiError
+from streamserve.server.adapters.openai_http.store import Resume
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.context import ClientContext
 
 if TYPE_CHECKING:  # pragma: no cover
-    from streamserve.server.service import SessionService
+    from streamserve.server.service.service import SessionService
 
 log = logging.getLogger("streamserve.server")
 
@@ -45,7 +45,7 @@ class Resident:
 class Dispatch:
     """An owner's ResultListener: each session's results go to the queue of the turn running on it."""
 
-    hands_off = True  # a drain hands its sessions over to the snapshot store (server/lifecycle.py)
+    hands_off = True  # a drain hands its sessions over to the snapshot store (server/service/lifecycle.py)
 
     def __init__(self, record_ttl: float) -> None:
         self.queues: dict[str, asyncio.Queue] = {}

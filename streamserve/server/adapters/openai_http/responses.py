@@ -17,13 +17,20 @@ from typing import Any
 from aiohttp import web
 
 from streamserve.engine.chat import Message
-from streamserve.server.openai_http.errors import ApiError, bad, from_exception, not_found, read_json
-from streamserve.server.openai_http.host import Api
-from streamserve.server.openai_http.items import item_message, listing, message_item, metadata, new_id, parse_input
-from streamserve.server.openai_http.params import sampling
-from streamserve.server.openai_http.sse import EventStream
-from streamserve.server.openai_http.store import StoredConversation, StoredResponse
-from streamserve.server.openai_http.turns import TurnResult
+from streamserve.server.adapters.openai_http.errors import ApiError, bad, from_exception, not_found, read_json
+from streamserve.server.adapters.openai_http.host import Api
+from streamserve.server.adapters.openai_http.items import (
+    item_message,
+    listing,
+    message_item,
+    metadata,
+    new_id,
+    parse_input,
+)
+from streamserve.server.adapters.openai_http.params import sampling
+from streamserve.server.adapters.openai_http.sse import EventStream
+from streamserve.server.adapters.openai_http.store import StoredConversation, StoredResponse
+from streamserve.server.adapters.openai_http.turns import TurnResult
 
 FIELDS = {"model", "input", "instructions", "max_output_tokens", "temperature", "top_p", "store", "metadata",
           "previous_response_id", "conversation", "stream", "background", "text", "truncation", "user", "tools",

@@ -10,15 +10,15 @@ from typing import Any
 
 from aiohttp import web
 
-from streamserve.server.clients import expect
-from streamserve.server.openai_http.audio import AudioRoutes
-from streamserve.server.openai_http.chat_completions import ChatCompletions
-from streamserve.server.openai_http.conversations import Conversations
-from streamserve.server.openai_http.errors import ApiError, from_exception
-from streamserve.server.openai_http.host import Host
-from streamserve.server.openai_http.responses import Responses
-from streamserve.server.openai_http.store import ObjectStore, Resume, Stored
-from streamserve.server.openai_http.turns import Turns
+from streamserve.server.adapters.openai_http.audio import AudioRoutes
+from streamserve.server.adapters.openai_http.chat_completions import ChatCompletions
+from streamserve.server.adapters.openai_http.conversations import Conversations
+from streamserve.server.adapters.openai_http.errors import ApiError, from_exception
+from streamserve.server.adapters.openai_http.host import Host
+from streamserve.server.adapters.openai_http.responses import Responses
+from streamserve.server.adapters.openai_http.store import ObjectStore, Resume, Stored
+from streamserve.server.adapters.openai_http.turns import Turns
+from streamserve.server.transports.clients import expect
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 STARTED = int(time.time())

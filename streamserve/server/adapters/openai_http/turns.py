@@ -26,9 +26,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from streamserve.engine.chat import Message
-from streamserve.server.openai_http.residents import Owner, Resident, Residents, common, groups, log
-from streamserve.server.openai_http.store import Resume
-from streamserve.server.results import AppendRequest, ChunkResult, OpenRequest, ReplyDelta, ReplyDone, ServiceError
+from streamserve.server.adapters.openai_http.residents import Owner, Resident, Residents, common, groups, log
+from streamserve.server.adapters.openai_http.store import Resume
+from streamserve.server.service.results import (
+    AppendRequest,
+    ChunkResult,
+    OpenRequest,
+    ReplyDelta,
+    ReplyDone,
+    ServiceError,
+)
 
 QUEUE = 64  # results waiting for a turn's reader (the reply waits when its client reads slower than it decodes)
 TEMPLATE_TOKENS = 16  # per message, for its role header and end of turn, when appends are sized

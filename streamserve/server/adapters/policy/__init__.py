@@ -7,6 +7,6 @@
     endpoint.py     the route, the second site, the served checkpoint's codec
 """
 
-from streamserve.server.policy.endpoint import PATH, PolicyEndpoint
+from streamserve.server.adapters.policy.endpoint import PATH, PolicyEndpoint
 
 __all__ = ["PATH", "PolicyEndpoint"]

@@ -38,15 +38,15 @@ from prometheus_client import Counter
 from streamserve.errors import SessionClosedError
 from streamserve.robot.codec import PolicyCodec
 from streamserve.robot.projector import StateProjector
-from streamserve.server import protocol as P
-from streamserve.server.adapter import ProtocolAdapter
-from streamserve.server.auth import Grant
-from streamserve.server.policy import wire
-from streamserve.server.policy.episode import Episode, ServiceFailure
-from streamserve.server.policy.observation import EXTENSION_KEYS, Observation, parse_observation
-from streamserve.server.results import Pushed, service_error
-from streamserve.server.service import SessionService
-from streamserve.server.transport import Frame, Transport
+from streamserve.server.adapters import protocol as P
+from streamserve.server.adapters.adapter import ProtocolAdapter
+from streamserve.server.adapters.policy import wire
+from streamserve.server.adapters.policy.episode import Episode, ServiceFailure
+from streamserve.server.adapters.policy.observation import EXTENSION_KEYS, Observation, parse_observation
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.results import Pushed, service_error
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.transport import Frame, Transport
 
 log = logging.getLogger("streamserve.server")
 POLICY_TIMING_KEYS = ("forwards", "draft_tokens", "accepted_tokens")  # of the reply's usage, in policy_timing

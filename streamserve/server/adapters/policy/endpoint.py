@@ -2,7 +2,7 @@
 --policy-port, the same endpoint at `/` on a second aiohttp site of the same host (openpi's client connects to
 `ws://host:port` with no path). Both go through the server's WebSocket route (auth, origin check, connection
 limits, those per client address included, transport) and the same session service; the second site's routes
-answer `Expect` as the main site's do (server/clients.py).
+answer `Expect` as the main site's do (server/transports/clients.py).
 
 With --policy-model, the endpoint serves that checkpoint on an engine and a session service of its own (loaded
 after the main model, before the server is ready; the same config, auth and limits), so one server serves a chat
@@ -30,13 +30,13 @@ from streamserve.engine import Engine
 from streamserve.errors import ModelLoadError, StreamserveError
 from streamserve.robot.codec import PolicyCodec
 from streamserve.robot.projector import StateProjector
-from streamserve.server.auth import Grant
-from streamserve.server.clients import answer_unmatched_expectations, expect
-from streamserve.server.loaders import engine_loader
-from streamserve.server.policy.connection import PolicyConnection
-from streamserve.server.service import SessionService
-from streamserve.server.transport import Transport
-from streamserve.server.vision import unavailable
+from streamserve.server.adapters.policy.connection import PolicyConnection
+from streamserve.server.media.loaders import engine_loader
+from streamserve.server.media.vision import unavailable
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.clients import answer_unmatched_expectations, expect
+from streamserve.server.transports.transport import Transport
 
 log = logging.getLogger("streamserve.server")
 

@@ -1,10 +1,10 @@
 """One episode of a robot on one persistent session of the session service (the contract of docs/robot.md).
 
 The session is opened with the codec's window and sinks (rolling positions: an endless episode holds constant KV
-memory). A tick appends `[<task>, *prompt]` on the episode's first tick and whenever the instruction changes, then
-each camera image of the codec's `image_keys`, in that order, through the service's image path (server/vision.py,
-as a native `append(image=...)`): a chunk of kind "image" holding a text note of its labels for a text-only model
-(none, 0 tokens, while the labels stay the same) or the model's image-encoder embeddings; then the observation's
+memory). A tick appends `[<task>, *prompt]` on the episode's first tick and whenever the instruction changes, then each
+camera image of the codec's `image_keys`, in that order, through the service's image path (server/service/images.py, as
+a native `append(image=...)`): a chunk of kind "image" holding a text note of its labels for a text-only model (none, 0
+tokens, while the labels stay the same) or the model's image-encoder embeddings; then the observation's
 state, chunks of kind "state": `[<obs>, s_1 .. s_Ds, <act>]`, or for a "projector" policy `[<obs>]`, one embedding
 vector [1, hidden], `[<act>]` (codec.state_parts), followed in the same chunk by the observation's `action_prefix`
 ids when it sent one (real-time chunking: the k rows the robot executes meanwhile, forced as the chunk's first
@@ -34,8 +34,8 @@ import numpy as np
 from streamserve.errors import StreamserveError
 from streamserve.media.vision import ImageError
 from streamserve.robot.codec import PolicyCodec, PolicyInputError
-from streamserve.server.context import ClientContext
-from streamserve.server.results import (
+from streamserve.server.service.context import ClientContext
+from streamserve.server.service.results import (
     AppendRequest,
     ChunkResult,
     OpenRequest,
@@ -44,7 +44,7 @@ from streamserve.server.results import (
     ReplyDone,
     ServiceError,
 )
-from streamserve.server.service import INLINE_TOKENIZE_CHARS, SessionService
+from streamserve.server.service.service import INLINE_TOKENIZE_CHARS, SessionService
 
 log = logging.getLogger("streamserve.server")
 

@@ -16,17 +16,17 @@ from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter
 
-from streamserve.server import protocol as P
-from streamserve.server.adapter import ProtocolAdapter
-from streamserve.server.auth import Grant
-from streamserve.server.realtime import events as E
-from streamserve.server.realtime import settings as S
-from streamserve.server.realtime.conversation import Conversation, Entry, Item, common_prefix, message_of
-from streamserve.server.realtime.events import RealtimeError, event
-from streamserve.server.realtime.inbox import Inbox
-from streamserve.server.realtime.items import ItemEvents
-from streamserve.server.realtime.response import ResponseRun, usage
-from streamserve.server.results import (
+from streamserve.server.adapters import protocol as P
+from streamserve.server.adapters.adapter import ProtocolAdapter
+from streamserve.server.adapters.realtime import events as E
+from streamserve.server.adapters.realtime import settings as S
+from streamserve.server.adapters.realtime.conversation import Conversation, Entry, Item, common_prefix, message_of
+from streamserve.server.adapters.realtime.events import RealtimeError, event
+from streamserve.server.adapters.realtime.inbox import Inbox
+from streamserve.server.adapters.realtime.items import ItemEvents
+from streamserve.server.adapters.realtime.response import ResponseRun, usage
+from streamserve.server.service.auth import Grant
+from streamserve.server.service.results import (
     AppendRequest,
     ChunkResult,
     OpenRequest,
@@ -35,13 +35,13 @@ from streamserve.server.results import (
     ReplyDone,
     ServiceError,
 )
-from streamserve.server.service import SessionService
-from streamserve.server.transport import Frame, Transport
+from streamserve.server.service.service import SessionService
+from streamserve.server.transports.transport import Frame, Transport
 
 if TYPE_CHECKING:
-    from streamserve.server.realtime.listening import InputAudio
-    from streamserve.server.realtime.media import MediaPath
-    from streamserve.server.voice.speculate import Gate
+    from streamserve.server.adapters.realtime.listening import InputAudio
+    from streamserve.server.adapters.realtime.media import MediaPath
+    from streamserve.server.media.voice.speculate import Gate
 
 log = logging.getLogger("streamserve.server")
 KEEP_SPOKEN = 8  # recent audio responses whose Speaker is kept for conversation.item.truncate
@@ -126,7 +126,7 @@ class RealtimeConnection(ItemEvents, ProtocolAdapter):
         opened = await self.service.open(self.ctx, OpenRequest(), chat=True)
         self.session = opened.session
         if self.voice:
-            from streamserve.server.realtime.listening import InputAudio
+            from streamserve.server.adapters.realtime.listening import InputAudio
 
             self.audio = InputAudio(self)
 

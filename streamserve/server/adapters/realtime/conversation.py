@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from streamserve.server.realtime.events import MAX_ITEM_ID, RealtimeError, new_id, opt_str
+from streamserve.server.adapters.realtime.events import MAX_ITEM_ID, RealtimeError, new_id, opt_str
 
 MAX_ITEMS = 1024  # items one conversation holds; more are refused (delete some, or start a new connection)
 MAX_PARTS = 16  # content parts of one item

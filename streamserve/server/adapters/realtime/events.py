@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from streamserve.server.results import ServiceError, service_error
+from streamserve.server.service.results import ServiceError, service_error
 
 CLIENT_EVENTS = ("session.update", "input_audio_buffer.append", "input_audio_buffer.commit", "input_audio_buffer.clear",
                  "conversation.item.create", "conversation.item.retrieve", "conversation.item.truncate",

@@ -7,12 +7,12 @@ import asyncio
 from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
-    from streamserve.server.realtime.conversation import Conversation, Entry, Item
-    from streamserve.server.realtime.media import MediaPath
-    from streamserve.server.realtime.response import ResponseRun
-    from streamserve.server.realtime.settings import Settings
-    from streamserve.server.service import ClientContext, SessionService
-    from streamserve.server.voice.speculate import Gate
+    from streamserve.server.adapters.realtime.conversation import Conversation, Entry, Item
+    from streamserve.server.adapters.realtime.media import MediaPath
+    from streamserve.server.adapters.realtime.response import ResponseRun
+    from streamserve.server.adapters.realtime.settings import Settings
+    from streamserve.server.media.voice.speculate import Gate
+    from streamserve.server.service.service import ClientContext, SessionService
 
 
 class Host(Protocol):

@@ -9,7 +9,7 @@ pings at once. What waits to be handled is bounded, whatever the frame: audio by
 append past it is refused with `audio_buffer_full`, as the Listener refuses audio it cannot transcribe in time),
 every entry (an event, or the error of a frame that is none) by MAX_WAITING, and the events' frames by
 MAX_WAITING_BYTES; the frames of audio events also count against the connection's media account
-(server/media_budget.py: `quota_exceeded`, or `server_busy` when the server's media budget is full) until they are
+(server/media/media_budget.py: `quota_exceeded`, or `server_busy` when the server's media budget is full) until they are
 handled; a refusal is an `error` event naming the refused event, and the connection goes on. A frame that
 is no valid event is malformed: the MAX_BAD_FRAMES-th closes the connection with 4400, as the native protocol does
 (native.py), after its `error` event.
@@ -22,11 +22,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 from streamserve.errors import StreamserveError
-from streamserve.server.media_budget import Holding, MediaAccount
-from streamserve.server.native import MAX_BAD_MESSAGES
-from streamserve.server.protocol import CLOSE_BAD_CLIENT
-from streamserve.server.realtime.events import ClientEvent, RealtimeError
-from streamserve.server.transport import Frame
+from streamserve.server.adapters.native import MAX_BAD_MESSAGES
+from streamserve.server.adapters.protocol import CLOSE_BAD_CLIENT
+from streamserve.server.adapters.realtime.events import ClientEvent, RealtimeError
+from streamserve.server.media.media_budget import Holding, MediaAccount
+from streamserve.server.transports.transport import Frame
 
 MAX_WAITING = 1024  # entries read and not yet handled: events (each at most max_frame_bytes) and parse errors
 MAX_WAITING_BYTES = 16 << 20  # frame bytes of the events waiting (UTF-8, as max_frame_bytes counts them)

@@ -5,15 +5,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from streamserve.server.realtime import events as E
-from streamserve.server.realtime import settings as S
-from streamserve.server.realtime.conversation import Conversation, Item, parse_item
-from streamserve.server.realtime.events import RealtimeError, event
+from streamserve.server.adapters.realtime import events as E
+from streamserve.server.adapters.realtime import settings as S
+from streamserve.server.adapters.realtime.conversation import Conversation, Item, parse_item
+from streamserve.server.adapters.realtime.events import RealtimeError, event
 
 if TYPE_CHECKING:
-    from streamserve.server.realtime.conversation import Entry
-    from streamserve.server.realtime.listening import InputAudio
-    from streamserve.server.realtime.response import ResponseRun
+    from streamserve.server.adapters.realtime.conversation import Entry
+    from streamserve.server.adapters.realtime.listening import InputAudio
+    from streamserve.server.adapters.realtime.response import ResponseRun
 
 
 class ItemEvents:

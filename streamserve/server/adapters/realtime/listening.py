@@ -2,7 +2,7 @@
 with local agreement) and the `Speaker` of each spoken response. Imported only when the server has voice.
 
 Input: `input_audio_buffer.append` feeds the Listener (decoded and resampled once, bounded by max_audio_buffer_s and
-by the connection's media account: server/media_budget.py).
+by the connection's media account: server/media/media_budget.py).
 With server_vad, speech start is `input_audio_buffer.speech_started` (and cancels a running response when
 interrupt_response); words agreed by two transcription passes are `conversation.item.input_audio_transcription.delta`
 as the person speaks; at the end of speech the utterance is committed as a user item whose transcript is the
@@ -20,13 +20,13 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from streamserve.media.audio import AudioInput
-from streamserve.server.realtime import speculation
-from streamserve.server.realtime.conversation import Entry, Item, with_transcripts
-from streamserve.server.realtime.events import RealtimeError, event, new_id
-from streamserve.server.realtime.host import Host
-from streamserve.server.realtime.response import ResponseRun
-from streamserve.server.realtime.settings import Settings, TurnDetection
-from streamserve.server.voice.listen import (
+from streamserve.server.adapters.realtime import speculation
+from streamserve.server.adapters.realtime.conversation import Entry, Item, with_transcripts
+from streamserve.server.adapters.realtime.events import RealtimeError, event, new_id
+from streamserve.server.adapters.realtime.host import Host
+from streamserve.server.adapters.realtime.response import ResponseRun
+from streamserve.server.adapters.realtime.settings import Settings, TurnDetection
+from streamserve.server.media.voice.listen import (
     Listener,
     SpeechStarted,
     SpeechStopped,
@@ -35,7 +35,7 @@ from streamserve.server.voice.listen import (
     TurnLikely,
     TurnResumed,
 )
-from streamserve.server.voice.speak import Speaker
+from streamserve.server.media.voice.speak import Speaker
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat

@@ -1,7 +1,8 @@
-"""The hook a Realtime connection's audio takes when it does not travel in events: a WebRTC call (server/webrtc/)
-carries the person's audio on a microphone track and the reply's audio on an outgoing track, and the connection's
-events go over the data channel. One implementation serves both transports: RealtimeConnection and InputAudio ask
-this object (`RealtimeConnection.media`, None on a WebSocket) only at the few points where the paths part:
+"""The hook a Realtime connection's audio takes when it does not travel in events: a WebRTC call
+(server/adapters/webrtc/) carries the person's audio on a microphone track and the reply's audio on an outgoing track,
+and the connection's events go over the data channel. One implementation serves both transports: RealtimeConnection and
+InputAudio ask this object (`RealtimeConnection.media`, None on a WebSocket) only at the few points where the paths
+part:
 
     input_format     what the Listener is fed (the microphone track decoded: PCM16 mono 48 kHz), whatever
                      session.update says of audio formats (those are the WebSocket's)
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat
-    from streamserve.server.realtime.response import ResponseRun
+    from streamserve.server.adapters.realtime.response import ResponseRun
 
 
 class MediaPath(Protocol):

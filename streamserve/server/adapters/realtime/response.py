@@ -16,12 +16,12 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TYPE_CHECKING, Any
 
-from streamserve.server.realtime.conversation import Item
-from streamserve.server.realtime.events import RealtimeError, event
+from streamserve.server.adapters.realtime.conversation import Item
+from streamserve.server.adapters.realtime.events import RealtimeError, event
 
 if TYPE_CHECKING:
-    from streamserve.server.voice.speak import Speaker
-    from streamserve.server.voice.speculate import Gate
+    from streamserve.server.media.voice.speak import Speaker
+    from streamserve.server.media.voice.speculate import Gate
 
 Send = Callable[[dict[str, Any]], Awaitable[None]]
 FINISH = {"stop": ("completed", None), "length": ("incomplete", "max_output_tokens"),

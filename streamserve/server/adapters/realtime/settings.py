@@ -16,7 +16,7 @@ from typing import Any
 
 from streamserve.media.audio import AudioFormat
 from streamserve.media.turns import EAGERNESS
-from streamserve.server.realtime.events import (
+from streamserve.server.adapters.realtime.events import (
     RealtimeError,
     opt_bool,
     opt_float,

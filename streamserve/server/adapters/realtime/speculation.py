@@ -1,5 +1,5 @@
 """A Realtime response started at the likely end of a turn, held until the turn is confirmed (the mechanism:
-server/voice/speculate.py). WebSocket and WebRTC alike: the response's events and its audio (events, or the call's
+server/media/voice/speculate.py). WebSocket and WebRTC alike: the response's events and its audio (events, or the call's
 outgoing track) go through the speculation's Gate.
 
 At `TurnLikely` (InputAudio.on_event): the chat is marked (engine/chat_mark.py), the person's message gets the
@@ -23,15 +23,15 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 from streamserve.engine.chat_mark import ChatMark
-from streamserve.server.realtime.conversation import Entry, Item
-from streamserve.server.voice.speculate import Gate
+from streamserve.server.adapters.realtime.conversation import Entry, Item
+from streamserve.server.media.voice.speculate import Gate
 
 if TYPE_CHECKING:
-    from streamserve.server.realtime.host import Host
-    from streamserve.server.realtime.response import ResponseRun
-    from streamserve.server.realtime.settings import Settings
-    from streamserve.server.voice.listen_events import TurnLikely
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.adapters.realtime.host import Host
+    from streamserve.server.adapters.realtime.response import ResponseRun
+    from streamserve.server.adapters.realtime.settings import Settings
+    from streamserve.server.media.voice.listen_events import TurnLikely
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.voice")
 

@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING, Any
 
 from aiortc import RTCConfiguration, RTCPeerConnection, RTCSessionDescription
 
-from streamserve.server.realtime.connection import RealtimeConnection
-from streamserve.server.realtime.events import event
-from streamserve.server.transport import RateLimiter, Transport
-from streamserve.server.webrtc.channel import LABEL, DataChannel
-from streamserve.server.webrtc.tracks import FORMAT, MicDrain, ReplyTrack
-from streamserve.server.webrtc.video import CameraSampler
+from streamserve.server.adapters.realtime.connection import RealtimeConnection
+from streamserve.server.adapters.realtime.events import event
+from streamserve.server.adapters.webrtc.channel import LABEL, DataChannel
+from streamserve.server.adapters.webrtc.tracks import FORMAT, MicDrain, ReplyTrack
+from streamserve.server.adapters.webrtc.video import CameraSampler
+from streamserve.server.transports.transport import RateLimiter, Transport
 
 if TYPE_CHECKING:
     from aiortc import RTCDataChannel
     from aiortc.mediastreams import MediaStreamTrack
     from prometheus_client import Counter
 
-    from streamserve.server.auth import Grant
-    from streamserve.server.realtime.response import ResponseRun
-    from streamserve.server.service import SessionService
+    from streamserve.server.adapters.realtime.response import ResponseRun
+    from streamserve.server.service.auth import Grant
+    from streamserve.server.service.service import SessionService
 
 log = logging.getLogger("streamserve.server")
 
@@ -220,8 +220,8 @@ class Call:
             return
         if conn.audio is not None and conn.audio.streaming:
             return  # tried again when the next sample or reply ends
-        from streamserve.server.realtime.conversation import Item
-        from streamserve.server.realtime.events import new_id
+        from streamserve.server.adapters.realtime.conversation import Item
+        from streamserve.server.adapters.realtime.events import new_id
 
         self.pending_note = None
         # a system item the client sees (conversation.item.added, then .done at its ack), as the model reads it

@@ -11,7 +11,7 @@ its send_timeout, then aborts the call) and `receive` yields nothing yet.
     send     waits while the SCTP send buffer holds more than HIGH_WATER bytes, until aiortc's
              `bufferedamountlow` (threshold LOW_WATER): a client that stops reading holds at most HIGH_WATER bytes
              here, and the Transport's bounded queue and send timeout do the rest.
-    close    closes the data channel (the call ends with it: server/webrtc/call.py); abort is the same, at once.
+    close    closes the data channel (the call ends with it: call.py); abort is the same, at once.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import asyncio
 from collections.abc import AsyncIterator, Callable
 from typing import TYPE_CHECKING
 
-from streamserve.server.transport import Channel, Frame
+from streamserve.server.transports.transport import Channel, Frame
 
 if TYPE_CHECKING:
     from aiortc import RTCDataChannel

@@ -9,7 +9,7 @@ OpenAI's JSON error shape: {"error": {"message", "type", "code", "param"}}.
         no_audio (no audio m-line), invalid_session (or the session field's own code), invalid_body
     401 invalid_api_key / client_secret_used      413 sdp_too_large      415 unsupported_media_type
     429 too_many_calls (calls per key), too_many_connections (max_connections_per_ip: a call is a connection of
-        its client address, server/clients.py, until it ends)
+        its client address, server/transports/clients.py, until it ends)
     503 not_ready (model loading) / server_busy (max_connections)
 
 Calls per key (`max_calls_per_key`): a client secret counts its own calls; the API key, and every caller when no
@@ -28,19 +28,19 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 from aiohttp import BodyPartReader, web
 
-from streamserve.server.clients import UNKNOWN, TooManyConnectionsError, expect
-from streamserve.server.realtime import events as E
-from streamserve.server.realtime import settings as S
-from streamserve.server.realtime.events import RealtimeError
-from streamserve.server.webrtc.call import Call
-from streamserve.server.webrtc.video import MAX_FPS
+from streamserve.server.adapters.realtime import events as E
+from streamserve.server.adapters.realtime import settings as S
+from streamserve.server.adapters.realtime.events import RealtimeError
+from streamserve.server.adapters.webrtc.call import Call
+from streamserve.server.adapters.webrtc.video import MAX_FPS
+from streamserve.server.transports.clients import UNKNOWN, TooManyConnectionsError, expect
 
 if TYPE_CHECKING:
     from streamserve.config import ServerConfig
-    from streamserve.server.adapter import ProtocolAdapter
-    from streamserve.server.auth import Grant
-    from streamserve.server.clients import ConnectionCounts
-    from streamserve.server.service import SessionService
+    from streamserve.server.adapters.adapter import ProtocolAdapter
+    from streamserve.server.service.auth import Grant
+    from streamserve.server.service.service import SessionService
+    from streamserve.server.transports.clients import ConnectionCounts
 
 log = logging.getLogger("streamserve.server")
 

@@ -11,7 +11,7 @@ Microphone (`drain_audio`): aiortc's receive queue is unbounded, so a task takes
 bounded deque of MIC_QUEUE frames (when the feeding falls behind, the oldest frame is dropped and counted); a second
 task converts what has gathered (av's AudioResampler: any layout and rate -> s16 mono 48 kHz) and feeds it to the
 sink in one call. Audio the sink refuses is dropped and counted; when the refusal is the media budget's (the
-connection's or the server's media bytes are full: server/media_budget.py), the call is told once per run of
+connection's or the server's media bytes are full: server/media/media_budget.py), the call is told once per run of
 refusals by an `error` event on the data channel (`refused`), as a WebSocket client is told per append.
 """
 
@@ -28,7 +28,7 @@ import av
 from aiortc.mediastreams import MediaStreamError, MediaStreamTrack
 
 from streamserve.media.audio import AudioFormat
-from streamserve.server.media_budget import MediaBusyError, MediaQuotaError
+from streamserve.server.media.media_budget import MediaBusyError, MediaQuotaError
 
 log = logging.getLogger("streamserve.server")
 

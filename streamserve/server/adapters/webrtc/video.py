@@ -1,6 +1,6 @@
 """A call's camera track: drained continuously (only the newest frame is kept: nothing queues), sampled at `fps`
 (default DEFAULT_FPS, at most MAX_FPS), each sample converted to an RGB array [H, W, 3] uint8 and labelled by the
-server's vision model (`service.vision.labels(rgb) -> [(label, confidence)]`, server/vision.py). SceneNotes
+server's vision model (`service.vision.labels(rgb) -> [(label, confidence)]`, server/media/vision.py). SceneNotes
 (streamserve.media.vision) turns labels into a short text note only when they change; the note goes to `on_note`
 (the call appends it to the conversation's session as a sheddable video chunk, call.py). `on_note` is called after
 every sample, with None when nothing changed: a note that had to wait (the person was speaking) goes in at the next

@@ -20,7 +20,7 @@ log = logging.getLogger("streamserve.voice")
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat
     from streamserve.media.encoder import AudioEncoder
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
 
 class AudioEmbedder:

@@ -11,11 +11,11 @@ go in the final delta). The end of speech is transcribed speculatively: when the
 speech (TurnDetector.silent_since_ms), the worker runs a pass over the utterance so far at once and holds back the
 audio after it. If the stop follows, that audio was the VAD's hangover and is dropped, so finish() needs no pass;
 if speech resumes, the held audio goes to the transcriber. When that pass's words look complete, `TurnLikely` goes
-out (a reply may start, held back: server/voice/speculate.py), then `TurnResumed` if speech resumes after all.
+out (a reply may start, held back: server/media/voice/speculate.py), then `TurnResumed` if speech resumes after all.
 What is queued or not yet transcribed is bounded: past `max_buffer_s` seconds of it, `append` refuses audio
 (`audio_buffer_full`); its bytes (16 kHz float32: 64 kB a second) count against the connection's media account
-(server/media_budget.py): past its or the server's budget an append is refused (`quota_exceeded`, `server_busy`).
-Events (server/voice/listen_events.py, importable from here too), in order for one utterance:
+(server/media/media_budget.py): past its or the server's budget an append is refused (`quota_exceeded`, `server_busy`).
+Events (server/media/voice/listen_events.py, importable from here too), in order for one utterance:
     SpeechStarted, (TranscriptDelta | TranscriptPartial | TurnLikely | TurnResumed)*, SpeechStopped,
     TranscriptDelta?, TranscriptDone            (TurnResumed follows a TurnLikely, before any other event)
 With turn detection off there are no speech events: all audio is one utterance until `commit()`.
@@ -32,8 +32,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from streamserve.media.turns import turn_state
-from streamserve.server import media_budget
-from streamserve.server.voice.listen_events import (
+from streamserve.server.media import media_budget
+from streamserve.server.media.voice.listen_events import (
     AudioBufferFullError,
     ListenerClosedError,
     ListenEvent,
@@ -51,8 +51,8 @@ if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat, AudioInput
     from streamserve.media.stt import StreamingTranscriber
     from streamserve.media.vad import TurnDetector, VADConfig
-    from streamserve.server.media_budget import MediaAccount
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.media_budget import MediaAccount
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.voice")
 

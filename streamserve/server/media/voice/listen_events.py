@@ -1,4 +1,4 @@
-"""What a Listener (server/voice/listen.py) emits and raises: turn events, transcript text, and its two errors;
+"""What a Listener (server/media/voice/listen.py) emits and raises: turn events, transcript text, and its two errors;
 and the items of its work queue. Protocol-neutral: the session service turns them into TurnEvent / Transcript
 results."""
 
@@ -45,7 +45,7 @@ class TranscriptDone:
 @dataclass(frozen=True)
 class TurnLikely:
     """At the first silence, before the VAD's hangover confirms a stop: the pass over the speech so far gave words
-    that look complete (media/turns.py). A reply may start now, held back (server/voice/speculate.py). Then either
+    that look complete (media/turns.py). A reply may start now, held back (server/media/voice/speculate.py). Then either
     the stop follows (SpeechStopped, the final delta: `tail`, TranscriptDone whose text is `text`) or TurnResumed."""
 
     text: str  # the utterance's whole transcript if the stop follows
@@ -73,7 +73,7 @@ class ListenerClosedError(StreamserveError):
 
 @dataclass
 class Work:
-    """One item of a Listener's work queue (server/voice/listen.py), in the order its audio came."""
+    """One item of a Listener's work queue (server/media/voice/listen.py), in the order its audio came."""
 
     kind: str  # "audio" (samples), "start" (SpeechStarted: samples = its audio), "stop", "commit", "reset",
     # "silence" (the VAD scores silence since `ms`: speculate), "resume" (speech again before the stop),

@@ -9,11 +9,11 @@ stall) nor on the engine thread (decode would stall). Three executors, so cheap 
     run_stt    Whisper passes, one batch at a time for the whole server (two at once on a small CPU would each
                take twice as long, so both utterances would be final late instead of one on time), fed by `stt`,
                the scheduler that batches the passes of all streams and runs final passes first
-               (server/voice/stt_scheduler.py);
+               (server/media/voice/stt_scheduler.py);
     run        everything else (text to speech, whole-item transcriptions), sized to the cores the engine leaves;
-               text to speech goes through `tts` (server/voice/deadlines.py): the piece due soonest first, so every
+               text to speech goes through `tts` (deadlines.py): the piece due soonest first, so every
                reply's first audio goes before other replies' later sentences.
-How many threads each model gets: server/threads.py (one budget over the cores this process may use).
+How many threads each model gets: server/media/threads.py (one budget over the cores this process may use).
 """
 
 from __future__ import annotations
@@ -25,10 +25,10 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from streamserve.media import VOICE_EXTRA, VOICE_MODELS, VoiceUnavailableError, require
-from streamserve.server.threads import ThreadBudget
-from streamserve.server.voice.deadlines import DeadlineRunner
-from streamserve.server.voice.speculate import Speculations
-from streamserve.server.voice.stt_scheduler import SttScheduler
+from streamserve.server.media.threads import ThreadBudget
+from streamserve.server.media.voice.deadlines import DeadlineRunner
+from streamserve.server.media.voice.speculate import Speculations
+from streamserve.server.media.voice.stt_scheduler import SttScheduler
 
 if TYPE_CHECKING:
     from streamserve.media.stt import Whisper
@@ -67,7 +67,7 @@ class VoiceRuntime:
     def load(cls, threads: int | None = None) -> VoiceRuntime:
         """The voice models from the model cache. VoiceUnavailableError when the voice extra is not installed
         (naming it) or a model is not pulled (naming the command). `threads`: cores each model's inference may
-        use (default: server/threads.py's budget over the cores this process may use)."""
+        use (default: server/media/threads.py's budget over the cores this process may use)."""
         for module in ("onnxruntime", "faster_whisper", "soxr", "espeakng_loader"):
             require(module)
         paths = voice_model_paths()

@@ -8,8 +8,8 @@ own reply), piece n+1 is synthesised, so the next sentence is ready when the las
 The first audio leaves after the splitter's first piece (an early clause), long before the reply is finished.
 `cancel()` (barge-in) stops both at once: queued text and audio are dropped and nothing is emitted after it returns.
 `heard_text(ms)` maps audio played back to the text spoken in it, for truncating a reply to what was heard.
-Audio synthesised and not yet emitted counts on the connection's media account (server/media_budget.py) until it is
-emitted or dropped. It is taken, never refused: the reply was admitted and its text is generated already, and it is
+Audio synthesised and not yet emitted counts on the connection's media account (server/media/media_budget.py) until it
+is emitted or dropped. It is taken, never refused: the reply was admitted and its text is generated already, and it is
 bounded by the AHEAD pieces; the input media of the connection (and of the server) is refused earlier instead.
 """
 
@@ -21,12 +21,12 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from streamserve.server import media_budget
+from streamserve.server.media import media_budget
 
 if TYPE_CHECKING:
     from streamserve.media.audio import AudioFormat, AudioOutput
-    from streamserve.server.media_budget import MediaAccount
-    from streamserve.server.voice.runtime import VoiceRuntime
+    from streamserve.server.media.media_budget import MediaAccount
+    from streamserve.server.media.voice.runtime import VoiceRuntime
 
 log = logging.getLogger("streamserve.voice")
 
@@ -144,7 +144,7 @@ class Speaker:
             await self._audio.put(_END)  # the emitter ends (the reply's audio stops here)
 
     async def _run(self, fn: Callable[..., bytes], *args: str) -> bytes:
-        """fn(*args) through the runtime's text-to-speech scheduler (server/voice/deadlines.py), due when the audio
+        """fn(*args) through the runtime's text-to-speech scheduler (deadlines.py), due when the audio
         synthesised so far and not yet emitted has played: at once for the reply's first piece."""
         due = asyncio.get_running_loop().time() + self.fmt.duration_ms(self._held.bytes) / 1e3
         fut = self.runtime.tts.submit(due, fn, *args)

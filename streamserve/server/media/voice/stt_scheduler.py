@@ -4,7 +4,7 @@
 
 Kinds, most urgent first:
     final        the end of an utterance: a turn waits for it
-    speculative  the pass at the first silence (server/voice/listen.py): the likely final, a turn may wait for it
+    speculative  the pass at the first silence (server/media/voice/listen.py): the likely final, a turn may wait for it
     step         a partial transcript while the person speaks: nothing waits for it
 Each round runs, as one batch on the speech-to-text thread (Whisper.words_batch: one encoder forward per window
 length, one batched decode), every waiting final and speculative pass, up to `max_batch`; only when none waits, up
