@@ -31,7 +31,8 @@ CHECK_SERVER := $(PIP) --python $(CHECK_DIR)/server/bin/python install --no-comp
 CHECK_CLIENT := $(PIP) --python $(CHECK_DIR)/client/bin/python install --no-compile $(CONSTRAIN)
 SMOKE        := $(abspath .ci/wheel_smoke.py)
 
-.PHONY: serve demo test test-latest lock test-sglang models voice-models wheel-check bench install install-dev openpi-venv \
+.PHONY: serve demo test test-latest lock test-sglang models voice-models wheel-check bench bench-doc install install-dev \
+	openpi-venv \
 	llamacpp-venv clean
 
 serve: $(VENV)/.installed voice-models
@@ -130,18 +131,21 @@ $(OPENPI_VENV)/.installed: requirements/openpi.in $(OPENPI_LOCK)
 # llama.cpp as the peer of benchmarks/cpu_decode.py --with-llamacpp and of the pipecat pipeline in
 # benchmarks/voice_latency.py (its OpenAI-compatible server: the `server` extra); not part of `make test` or CI.
 # llama-cpp-python built from its sdist on the package index, in a virtual environment of its own, with every x86
-# SIMD extension this CPU family has named one by one (AVX2, FMA, F16C, AVX-512 F/CD/VL/DQ/BW, VBMI, VNNI, BF16,
-# AVX-VNNI) instead of GGML_NATIVE: the native build also turns on AMX, whose path crashes on these machines.
+# SIMD extension this CPU has named one by one, AMX never (benchmarks/llamacpp_flags.py reads them from
+# /proc/cpuinfo: GGML_NATIVE also turns on AMX, whose path crashes on these machines, and a flag the CPU lacks
+# dies with SIGILL). The stamp names the flags: on a CPU with other extensions it builds again; pip's wheel cache
+# is bypassed, since it would hand back a wheel built with other flags.
 LLAMACPP_VENV    := build/llamacpp-venv
 LLAMACPP_VERSION := 0.3.36
-LLAMACPP_CMAKE   := -DGGML_NATIVE=OFF -DGGML_AVX2=ON -DGGML_AVX512=ON -DGGML_FMA=ON -DGGML_F16C=ON \
-	-DGGML_AVX512_VBMI=ON -DGGML_AVX512_VNNI=ON -DGGML_AVX512_BF16=ON -DGGML_AVX_VNNI=ON
-llamacpp-venv: $(LLAMACPP_VENV)/.installed
-$(LLAMACPP_VENV)/.installed:
+LLAMACPP_CMAKE   := $(shell $(PYTHON) benchmarks/llamacpp_flags.py)
+LLAMACPP_STAMP   := $(LLAMACPP_VENV)/.installed-$(shell echo '$(LLAMACPP_CMAKE)' | cksum | cut -d' ' -f1)
+llamacpp-venv: $(LLAMACPP_STAMP)
+$(LLAMACPP_STAMP):
+	rm -rf $(LLAMACPP_VENV)
 	$(PYTHON) -m venv $(LLAMACPP_VENV)
 	CMAKE_ARGS="$(LLAMACPP_CMAKE)" $(LLAMACPP_VENV)/bin/python -m pip --disable-pip-version-check -q install \
-		--no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
-	touch $@
+		--no-cache-dir --no-binary llama-cpp-python "llama-cpp-python[server]==$(LLAMACPP_VERSION)"
+	echo '$(LLAMACPP_CMAKE)' > $@
 
 # The SGLang backend's tests against a real SGLang (tests/sglang; not part of `make test` or CI: SGLang's own
 # environment is 2.6 GB and ~3 minutes to build, and each SGLang server takes ~40 s to start on 2 cores, which does
@@ -156,6 +160,11 @@ $(SGLANG_VENV)/.installed: tests/support/sglang/install.sh tests/support/sglang/
 
 bench: $(VENV)/.installed-dev
 	$(PY) benchmarks/decode.py
+
+# docs/benchmarks.md's measured sections, rendered from the kept results (benchmarks/results/*.json, each written by
+# `python benchmarks/record.py SCRIPT ARGS`: the script's JSON with its command, commit, date and machine)
+bench-doc: $(VENV)/.installed-dev
+	$(PY) benchmarks/report.py
 
 install: $(VENV)/.installed
 install-dev: $(VENV)/.installed-dev

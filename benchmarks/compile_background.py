@@ -12,9 +12,10 @@ defaults but for the compile setting, on this machine's cores:
 - `baseline`: an engine with cpu_compile "off" runs --ticks ticks.
 - `during_cold_compile`: an engine at its defaults (cpu_compile "auto") over an empty Inductor cache directory runs
   the loop from its load until its start-up compile is done (at least --ticks ticks): every tick eager, beside a
-  compile at the lowest CPU priority (engine/inductor_setup.py `lower_priority`).
-- `during_cold_compile_normal_priority`: the same with the compile thread left at normal priority (what the
-  priority buys); a second empty cache directory.
+  compile at the lowest CPU priority that yields the GIL to the engine's steps (engine/inductor_setup.py
+  `lower_priority`, `EngineFirst`).
+- `during_cold_compile_normal_priority`: the same with the compile thread at normal priority and never yielding
+  to the engine (`EngineFirst` off: what the two buy); a second empty cache directory.
 - `compiled`: the defaults engine's loop once its step is compiled, --ticks ticks.
 - `warm_start`: a fresh process loads the defaults engine over the cache `during_cold_compile` filled: its compile
   seconds and how long after the load it served compiled (`ready_after_s`), as `streamserve chat` or `serve` after
@@ -82,6 +83,19 @@ def figures(ms: list[float]) -> dict[str, Any]:
             "max_ms": round(max(ms), 1), "deadline_misses": sum(m > PERIOD_S * 1e3 for m in ms)}
 
 
+class NoYield:
+    """In place of `EngineFirst`: the compile never pauses for the engine."""
+
+    def __init__(self, quiet: object) -> None:
+        pass
+
+    def __enter__(self) -> NoYield:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
 def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]:
     """One phase in this process (each runs in a fresh one: no compile of an earlier phase is in memory)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
@@ -89,8 +103,9 @@ def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]
         engine = Engine.from_pretrained(path, cpu_compile="off")
         tick_loop(engine, 5)  # warm-up
         return figures(tick_loop(engine, ticks))
-    if phase == "cold_normal_priority":
+    if phase == "cold_normal_priority":  # the compile thread as it was: normal priority, never yielding
         compiled_module.lower_priority = lambda: None  # type: ignore[assignment]  # read by the compile thread
+        compiled_module.EngineFirst = NoYield  # type: ignore[misc,assignment]  # read by CompiledSteps()
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path)  # the defaults
     load_s = time.perf_counter() - t0

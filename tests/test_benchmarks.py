@@ -108,3 +108,27 @@ def test_real_models_benchmark_runs_on_smollm2() -> None:
     res = last["smollm2-135m-instruct"]
     assert res["decode_ours_over_hf"] > 0 and res["kv_bytes"]["1000"] > 0
     assert res["session_workload"]["turns"] == 12
+
+
+def test_benchmarks_doc_is_what_the_kept_results_give() -> None:
+    """docs/benchmarks.md's generated sections are exactly benchmarks/report.py's rendering of
+    benchmarks/results/ (a figure edited by hand, or a result kept without `python benchmarks/report.py`, fails)."""
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "report.py"), "--check"], capture_output=True,
+                         text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    for result in (ROOT / "benchmarks" / "results").glob("*.json"):  # every kept result is shown
+        assert f"<!-- results:{result.stem} -->" in doc, result.name
+
+
+def test_llamacpp_is_built_with_what_the_cpu_has_and_never_amx() -> None:
+    """benchmarks/llamacpp_flags.py: the peer at full strength on this CPU, without an extension it lacks (SIGILL)."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import llamacpp_flags
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    flags = llamacpp_flags.cmake_flags({"avx", "avx2", "fma", "f16c", "avx512f", "avx512_vnni", "amx_tile"})
+    assert flags[0] == "-DGGML_NATIVE=OFF" and "-DGGML_AVX512_VNNI=ON" in flags and "-DGGML_AVX2=ON" in flags
+    assert "-DGGML_AVX_VNNI=OFF" in flags and "-DGGML_AVX512_BF16=OFF" in flags  # not in that CPU's flags
+    assert not any("AMX" in f for f in flags)
