@@ -59,6 +59,7 @@ from streamserve.engine.inductor_setup import (
     CompileAborted,
     EngineFirst,
     cpu_compile_wanted,
+    guard_fx_traces,
     inductor,
     inductor_cache_dir,
     input_guards,
@@ -291,6 +292,7 @@ class CompiledSteps:
 
     def _compile_queued(self) -> None:
         lower_priority()  # the engine's steps first: a serving engine keeps its deadlines while this compiles
+        guard_fx_traces()  # an FX trace and an eager engine step never overlap
         while True:
             with self._cv:
                 while not self._queue and not self._closed:

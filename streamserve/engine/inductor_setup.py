@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import functools
 import gc
 import logging
 import os
@@ -64,6 +65,36 @@ def cpu_compile_wanted(setting: str, device_type: str, ops: str) -> bool:
     return why is None
 
 
+# FX's symbolic tracer (`Tracer.trace`, which Inductor's pattern matcher and passes run) patches
+# `torch.nn.Module.__call__` for every thread while it traces: an eager forward on the engine thread at that moment
+# fails ("module is not installed as a submodule"). The engine holds FX_TRACES around its forwards, and the compile
+# thread holds it around each trace (`guard_fx_traces`), so the two never overlap; a trace is not paused for the
+# engine (`EngineFirst`), so the engine's wait is the trace's length.
+FX_TRACES = threading.RLock()
+_tracing = threading.local()  # .depth: Tracer.trace calls in progress on this thread
+
+
+def guard_fx_traces() -> None:
+    """Make every `torch.fx.Tracer.trace` hold FX_TRACES (once per process)."""
+    from torch.fx import _symbolic_trace
+
+    original = _symbolic_trace.Tracer.trace
+    if getattr(original, "holds_fx_traces", False):
+        return
+
+    @functools.wraps(original)
+    def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with FX_TRACES:
+            _tracing.depth = getattr(_tracing, "depth", 0) + 1
+            try:
+                return original(self, *args, **kwargs)
+            finally:
+                _tracing.depth -= 1
+
+    trace.holds_fx_traces = True  # type: ignore[attr-defined]
+    _symbolic_trace.Tracer.trace = trace  # type: ignore[method-assign]
+
+
 class EngineFirst:
     """While the engine steps, the compile thread holds Python's GIL only in short slices.
 
@@ -90,6 +121,8 @@ class EngineFirst:
 
     def __call__(self, phase: str, info: dict[str, int]) -> None:
         if phase != "stop" or threading.get_ident() != self.thread or self.quiet.is_set():
+            return
+        if getattr(_tracing, "depth", 0):  # inside an FX trace: the engine waits for it (FX_TRACES), so no pause
             return
         now = time.perf_counter()
         if now < self.slice_end:

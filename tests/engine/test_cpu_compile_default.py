@@ -26,6 +26,7 @@ from streamserve.engine.inductor_setup import (
     EngineFirst,
     compiler_missing,
     cpu_compile_wanted,
+    guard_fx_traces,
 )
 from streamserve.errors import InvalidInputError
 from streamserve.tools.batched import replies_together
@@ -206,3 +207,33 @@ def test_a_script_that_exits_while_its_engine_compiles_exits_cleanly(tmp_path: P
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=WAIT)
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
     assert done.stdout.strip() == "compiling True"
+
+
+def test_an_fx_trace_and_an_engine_step_never_overlap(tiny: Path) -> None:
+    """FX's symbolic tracer patches torch.nn.Module.__call__ for every thread while it traces (Inductor's passes
+    run such traces): an eager step then failed ("module is not installed as a submodule"). With the guard a step
+    waits for the trace to end, then gives the same tokens."""
+    import concurrent.futures
+
+    guard_fx_traces()
+    inside, release = threading.Event(), threading.Event()
+
+    class Slow(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            inside.set()
+            assert release.wait(WAIT)  # the trace holds its patches until the test lets it go
+            return x + 1
+
+    engine = Engine.from_pretrained(tiny, device="cpu", kv_memory="16MiB", cpu_compile="off")
+    prompt = random_ids(20, seed=14)
+    want = greedy(engine, prompt, 6)
+    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Slow(),))
+    with concurrent.futures.ThreadPoolExecutor(1) as pool:
+        tracer.start()
+        assert inside.wait(WAIT)
+        step = pool.submit(greedy, engine, prompt, 6)  # waits for the trace (it failed at once without the guard)
+        concurrent.futures.wait([step], timeout=1.0)  # a second in which a step beside the trace would fail
+        release.set()
+        tracer.join(WAIT)
+        assert step.result(WAIT) == want
+    engine.shutdown()
