@@ -5,7 +5,7 @@ and how long a start takes to serve compiled, cold and from the cache.
 
 On SmolLM2-135M-Instruct (its pulled GGUF; the embedded default model when it is not pulled), the engine at its
 defaults but for the compile setting, on this machine's cores:
-- the loop: a real-time client's rhythm, one tick every 200 ms: append an 8-token chunk, then decode 8 greedy tokens
+- the loop: a real-time client's rhythm, one tick every 200 ms: append an 8-token chunk, then decode 4 greedy tokens
   (a robot's observation and its action chunk, or a voice turn's words); the session is rewound to its first 64
   tokens when it passes 448, so every tick does the same work. A tick's latency is from its append to its last
   token; a tick longer than its 200 ms period misses its deadline (the next tick starts late).
@@ -47,7 +47,7 @@ from streamserve.models import store
 
 SMOLLM2 = "smollm2-135m-instruct"
 PERIOD_S = 0.2  # a tick's period: its deadline
-CHUNK, DECODE, KEEP, LIMIT = 8, 8, 64, 448  # tokens appended, decoded, kept on a rewind, before a rewind
+CHUNK, DECODE, KEEP, LIMIT = 8, 4, 64, 448  # tokens appended, decoded, kept on a rewind, before a rewind
 WAIT = 1800.0  # seconds a cold compile may take
 
 
