@@ -112,7 +112,7 @@ class BatchForward:
         t0 = time.perf_counter()
         graphs = self.graphs
         captured = graphs.captured if graphs is not None else 0
-        with threads_for(self.device, sum(widths), self.wide), FX_TRACES:  # never beside a compile's FX trace
+        with threads_for(self.device, sum(widths), self.wide), FX_TRACES.forward():  # never beside an FX trace
             logits = None  # embedding steps (appends) are not graph widths' work: they always run eagerly
             if graphs is not None and override is None and graphable(widths):
                 logits = graphs.run(kvs, ids, flags)  # None: a window policy graphs do not serve now

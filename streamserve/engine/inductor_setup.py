@@ -16,7 +16,7 @@ import sysconfig
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -65,18 +65,67 @@ def cpu_compile_wanted(setting: str, device_type: str, ops: str) -> bool:
     return why is None
 
 
-# FX's symbolic tracer (`Tracer.trace`, which Inductor's pattern matcher and passes run) patches
-# `torch.nn.Module.__call__` for every thread while it traces: an eager forward on the engine thread at that moment
-# fails ("module is not installed as a submodule"). The engine holds FX_TRACES around its forwards, and the compile
-# thread holds it around each trace (`guard_fx_traces`), so the two never overlap; a trace is not paused for the
-# engine (`EngineFirst`), so the engine's wait is the trace's length.
-FX_TRACES = threading.RLock()
-_tracing = threading.local()  # .depth: Tracer.trace calls in progress on this thread
+class TraceGate:
+    """FX's symbolic tracer (`Tracer.trace`, run by Inductor's passes and pattern matcher) patches
+    `torch.nn.Module.__call__` for every thread while it traces: an eager forward on the engine thread at that
+    moment fails ("module is not installed as a submodule"). So the two never overlap: the engine's forwards go
+    through `forward()`, a compile's traces through `trace()` (`guard_fx_traces`). The engine goes first: a trace
+    starts only while no forward runs or waits, and a forward waits only for the trace in progress (a trace is never
+    paused: `EngineFirst`). make_fx's tracer (AOT autograd's trace of a whole step, seconds long) is not gated: its
+    `call_module` runs a foreign module as it is, so an engine forward under its patches works."""
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._tracer: int | None = None  # the thread whose trace runs
+        self._depth = 0  # its nested traces
+        self._forwards = 0  # engine forwards running
+        self._waiting = 0  # engine forwards waiting for a trace to end
+
+    @contextlib.contextmanager
+    def forward(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cv:
+            self._waiting += 1
+            while self._tracer is not None and self._tracer != me:
+                self._cv.wait()
+            self._waiting -= 1
+            self._forwards += 1
+        try:
+            yield
+        finally:
+            with self._cv:
+                self._forwards -= 1
+                self._cv.notify_all()
+
+    @contextlib.contextmanager
+    def trace(self) -> Iterator[None]:
+        me = threading.get_ident()
+        with self._cv:
+            if self._tracer != me:
+                while self._forwards or self._waiting or self._tracer is not None:
+                    self._cv.wait()
+                self._tracer = me
+            self._depth += 1
+        _tracing.depth = getattr(_tracing, "depth", 0) + 1
+        try:
+            yield
+        finally:
+            _tracing.depth -= 1
+            with self._cv:
+                self._depth -= 1
+                if not self._depth:
+                    self._tracer = None
+                    self._cv.notify_all()
+
+
+FX_TRACES = TraceGate()
+_tracing = threading.local()  # .depth: gated traces in progress on this thread
 
 
 def guard_fx_traces() -> None:
-    """Make every `torch.fx.Tracer.trace` hold FX_TRACES (once per process)."""
+    """Make every `torch.fx.Tracer.trace` but make_fx's go through FX_TRACES.trace() (once per process)."""
     from torch.fx import _symbolic_trace
+    from torch.fx.experimental.proxy_tensor import PythonKeyTracer
 
     original = _symbolic_trace.Tracer.trace
     if getattr(original, "holds_fx_traces", False):
@@ -84,12 +133,10 @@ def guard_fx_traces() -> None:
 
     @functools.wraps(original)
     def trace(self: Any, *args: Any, **kwargs: Any) -> Any:
-        with FX_TRACES:
-            _tracing.depth = getattr(_tracing, "depth", 0) + 1
-            try:
-                return original(self, *args, **kwargs)
-            finally:
-                _tracing.depth -= 1
+        if isinstance(self, PythonKeyTracer):
+            return original(self, *args, **kwargs)
+        with FX_TRACES.trace():
+            return original(self, *args, **kwargs)
 
     trace.holds_fx_traces = True  # type: ignore[attr-defined]
     _symbolic_trace.Tracer.trace = trace  # type: ignore[method-assign]

@@ -166,7 +166,7 @@ class DraftModelDrafter:
                     raise
                 self.states.pop(victim).kv.release()
         try:
-            with FX_TRACES:  # never beside a compile's FX trace (engine/inductor_setup.py)
+            with FX_TRACES.forward():  # never beside a compile's FX trace (engine/inductor_setup.py)
                 logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.pool.device), st.kv)
         except BaseException:
             st.kv.abort()
