@@ -81,6 +81,7 @@ def render_compile_background(rec: dict[str, Any]) -> str:
                        ("during_cold_compile", "while a cold compile runs (the default)"),
                        ("during_cold_compile_normal_priority", "while a cold compile runs, without the yielding "
                         "and priority"),
+                       ("warm_start", "while a second start compiles from the cache"),
                        ("compiled", "compiled, once ready")):
         if key in r:
             p = r[key]
