@@ -57,7 +57,7 @@ def main() -> None:
     ap.add_argument("--quick", action="store_true", help="5 reps (CI smoke run)")
     args = ap.parse_args()
     reps = 5 if args.quick else args.reps
-    engine = Engine.from_pretrained("default", device="cpu", kv_memory="256MiB")
+    engine = Engine.from_pretrained("default", device="cpu", kv_memory="256MiB", cpu_compile="off")  # eager steps
     s = engine.open_session()
     s.append(token_ids=list(range(10, 300)))
     res: dict = {"benchmark": "step_costs", "model": "default", "device": "cpu", "threads": torch.get_num_threads()}
