@@ -26,10 +26,11 @@ from streamserve.models import CausalLM
 from streamserve.models.quantize import weight_bytes
 from streamserve.sessions import PagedSessionKV
 
-# On a CPU, steps of fewer tokens than this run on one intra-op thread: waking a thread pool costs more than
-# these small matmuls gain from it (default model, 2 vCPUs: a 3-token step is 2.7x-4.4x slower on 2 threads;
-# larger steps keep the process's setting; benchmarks/step_costs.py, docs/benchmarks.md)
-CPU_SMALL_STEP_TOKENS = 64
+# On a CPU, steps of fewer tokens than this run on one intra-op thread; larger ones keep the process's setting. Set
+# from benchmarks/step_costs.py's sweep (benchmarks/results/step_costs.json, docs/benchmarks.md): on the default
+# model, 2 vCPUs, every step from 48 tokens on ran faster on both threads (0.65-0.84x the time); below, 1 and 32
+# tokens were not faster and 3-16 were by 9-16%, within this machine's noise
+CPU_SMALL_STEP_TOKENS = 48
 # ...unless the model reads at least this many bytes of weights per token: such a decode is bound by memory
 # reads, and more cores read faster (SmolLM2-135M on 2 vCPUs, every weight format: benchmarks/cpu_decode.py)
 CPU_WIDE_STEP_BYTES = 32 << 20
