@@ -116,14 +116,25 @@ def warm_compiled_step(path: Path) -> float | None:
     into Inductor's on-disk cache under the streamserve cache home, so that their first start serves compiled
     within seconds -> the compile's seconds (None: nothing compiles here: a GPU, no C++ compiler, or
     STREAMSERVE_CPU_COMPILE=off). Progress goes to stderr."""
-    from streamserve.engine import Engine
+    import torch
 
-    engine = Engine.from_pretrained(path)  # the defaults chat and serve load with: the same step shapes
+    from streamserve.engine import Engine
+    from streamserve.engine.inductor_setup import cpu_compile_wanted
+    from streamserve.errors import StreamserveError
+
+    if torch.cuda.is_available() or not cpu_compile_wanted("auto", "cpu", "torch"):
+        print("streamserve: no CPU decode step to compile here (a GPU, no C++ compiler, or "
+              "STREAMSERVE_CPU_COMPILE=off)", file=sys.stderr)
+        return None
+    try:
+        engine = Engine.from_pretrained(path)  # the defaults chat and serve load with: the same step shapes
+    except StreamserveError as e:  # the pull stands; the first start compiles instead
+        print(f"streamserve: the decode step was not compiled ({e})", file=sys.stderr)
+        return None
     try:
         compiled = engine.graphs.compiled if engine.graphs is not None else None
         if compiled is None:
-            print("streamserve: no CPU decode step to compile here (a GPU, no C++ compiler, or "
-                  "STREAMSERVE_CPU_COMPILE=off)", file=sys.stderr)
+            print("streamserve: this model's decode step does not compile here", file=sys.stderr)
             return None
         print(f"streamserve: compiling {path.name}'s CPU decode step into the cache (once: minutes cold, "
               "seconds when cached; --no-warm skips)", file=sys.stderr, flush=True)

@@ -165,6 +165,10 @@ def test_models_pull_warms_the_default_decode_step(tiny: Path, auto: None, monke
     assert seconds is not None and seconds > 0
     err = capsys.readouterr().err
     assert "compiling qwen3's CPU decode step into the cache" in err and "decode step compiled in" in err
+    bad = tiny.parent / "damaged.gguf"
+    bad.write_bytes(b"GGUF" + b"x" * 64)
+    assert models_cli.warm_compiled_step(bad) is None  # the pull stands; the first start compiles instead
+    assert "the decode step was not compiled" in capsys.readouterr().err
     monkeypatch.setenv(CPU_COMPILE_ENV, "off")
     assert models_cli.warm_compiled_step(tiny) is None
     assert "no CPU decode step to compile here" in capsys.readouterr().err
