@@ -50,8 +50,8 @@ class EngineConfig:
     cpu_compile: str = field(default="auto", metadata={
         "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code torch.compile "
                 "(Inductor) generates, weights frozen in and matmuls autotuned: each shape runs eagerly while it "
-                "compiles in a background thread at the lowest CPU priority (minutes cold for a 135M model; from "
-                "the cache under the streamserve cache home, which `streamserve models pull` warms, in seconds), "
+                "compiles in a background thread at the lowest CPU priority (minutes cold for a 135M model; about "
+                "twenty seconds from the cache under the streamserve cache home, which `models pull` warms), "
                 "then compiled. auto = on where a C++ compiler is there (and STREAMSERVE_CPU_COMPILE is not off), "
                 "off = always eager. No effect on CUDA or with triton kernels (docs/quantization.md)",
         "choices": ("auto", "on", "off")})

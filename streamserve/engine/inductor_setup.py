@@ -90,9 +90,11 @@ class TraceGate:
                 self._cv.wait()
             self._waiting -= 1
             self._forwards += 1
+        _tracing.forwards = getattr(_tracing, "forwards", 0) + 1
         try:
             yield
         finally:
+            _tracing.forwards -= 1
             with self._cv:
                 self._forwards -= 1
                 self._cv.notify_all()
@@ -101,8 +103,9 @@ class TraceGate:
     def trace(self) -> Iterator[None]:
         me = threading.get_ident()
         with self._cv:
-            if self._tracer != me:
-                while self._forwards or self._waiting or self._tracer is not None:
+            if self._tracer != me:  # a trace inside this thread's own forward waits for the others' only
+                mine = getattr(_tracing, "forwards", 0)
+                while self._forwards - mine or self._waiting or self._tracer is not None:
                     self._cv.wait()
                 self._tracer = me
             self._depth += 1
@@ -119,7 +122,7 @@ class TraceGate:
 
 
 FX_TRACES = TraceGate()
-_tracing = threading.local()  # .depth: gated traces in progress on this thread
+_tracing = threading.local()  # .depth: gated traces in progress on this thread; .forwards: its engine forwards
 
 
 def guard_fx_traces() -> None:
@@ -282,7 +285,7 @@ def input_guards(entries: list[Any]) -> list[bool]:
     never change while an engine runs: the traced model is the engine's, nothing assigns to it after load, and its
     weights are constants of the graph (frozen) that no guard would compare anyway. A SmolLM2 step holds ~4,600
     guards, ~140 of them on its arguments: checking all of them took 1.1 ms a step, the kept ones 0.5
-    (docs/benchmarks.md, issue 16)."""
+    (benchmarks/cpu_compile_options.py --variants all_guards)."""
     return [not e.name or e.name.split("[", 1)[0].split(".", 1)[0] in STEP_INPUTS for e in entries]
 
 

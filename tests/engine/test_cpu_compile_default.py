@@ -24,6 +24,7 @@ from streamserve.engine.inductor_setup import (
     COMPILE_NICE,
     CPU_COMPILE_ENV,
     EngineFirst,
+    TraceGate,
     compiler_missing,
     cpu_compile_wanted,
     guard_fx_traces,
@@ -241,3 +242,11 @@ def test_an_fx_trace_and_an_engine_step_never_overlap(tiny: Path) -> None:
         tracer.join(WAIT)
         assert step.result(WAIT) == want
     engine.shutdown()
+
+
+def test_a_trace_inside_a_forward_of_its_own_thread_does_not_wait_for_itself() -> None:
+    gate = TraceGate()
+    with gate.forward(), gate.trace(), gate.trace():  # nested: would wait for itself forever without the count
+        pass
+    with gate.trace():  # and nothing is left held
+        pass
