@@ -20,7 +20,6 @@ from streamserve.engine.admission import Admission
 from streamserve.engine.counters import Counters
 from streamserve.engine.graphs import DecodeGraphs, graphable, rows_of
 from streamserve.engine.guard import BetweenSteps
-from streamserve.engine.inductor_setup import FX_TRACES
 from streamserve.engine.state import SessionState
 from streamserve.models import CausalLM
 from streamserve.models.quantize import weight_bytes
@@ -113,7 +112,7 @@ class BatchForward:
         t0 = time.perf_counter()
         graphs = self.graphs
         captured = graphs.captured if graphs is not None else 0
-        with threads_for(self.device, sum(widths), self.wide), FX_TRACES.forward():  # never beside an FX trace
+        with threads_for(self.device, sum(widths), self.wide):
             logits = None  # embedding steps (appends) are not graph widths' work: they always run eagerly
             if graphs is not None and override is None and graphable(widths):
                 logits = graphs.run(kvs, ids, flags)  # None: a window policy graphs do not serve now

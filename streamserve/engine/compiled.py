@@ -1,73 +1,79 @@
 """Compiled CPU decode steps (`cpu_compile` "auto", the default, or "on"): the fixed-shape steps of engine/graphs.py
-run from code that `torch.compile` (Inductor) generated, compiled in a background thread at the lowest CPU priority
-while the same steps run eagerly.
+run from code that AOTInductor generated, compiled in a child process at the lowest CPU priority while the same
+steps run eagerly.
 
-What is compiled: `CausalLM.forward_batch` over a step's static buffers (engine/static_step.py), one graph with no
-breaks (`fullgraph=True`), attention as matmul + masked softmax (engine/compiled_ops.py). One compiled callable
-per `CompileKey` = (width W, any all-rows session, per part its window policy and batch bucket, intra-op threads):
-the key-read lengths are marked dynamic, so one graph serves every key bucket of a shape (a long chat crosses
-64, 128, 256, ... keys without a new compile). Threads are part of the key because Inductor bakes the thread
-count into its OpenMP kernels: each shape is compiled on a thread set to the count its steps run with
-(`threads_for`). Every callable has its own code object, so Dynamo's per-code cache holds exactly its one graph.
+What is compiled: `CausalLM.forward_batch` over a step's static buffers (engine/static_step.py), exported whole
+(`torch.export`, engine/exported_step.py) with attention as matmul + masked softmax (engine/compiled_ops.py) and
+compiled into a package (a shared library and its constants) by the compile worker (engine/compile_worker.py). One
+package per `CompileKey` = (width W, any all-rows session, per part its window policy and batch bucket, intra-op
+threads): the key-read lengths are dynamic, so one package serves every key bucket of a shape (a long chat crosses
+64, 128, 256, ... keys without a new compile). Threads are part of the key because Inductor bakes the thread count
+into its OpenMP kernels.
+
+Why a child process: tracing and lowering are minutes of Python (cold), and in the engine's process they held the
+GIL against the engine thread: a 2-core real-time loop missed about half its deadlines while a compile ran, however
+the compile thread yielded (benchmarks/compile_background.py). The worker shares only the CPUs, at SCHED_IDLE. The
+engine's compile thread only waits for it, then loads the package between two steps (`quiet`: loading holds the GIL
+for a fraction of a second) and publishes it. The package's step has no Python inside (no guards, C++ calling the
+kernels), so it costs the engine thread less than a torch.compile'd step did.
+
+Cached: packages live under Inductor's cache directory (`inductor_setup.step_cache_dir`; the streamserve cache home
+unless TORCHINDUCTOR_CACHE_DIR is set), named by a digest of everything they depend on (the model's fingerprint,
+dtype and quantize mode, the shape, the pool's tensor shapes, Inductor's options, torch's version, the CPU, the
+source of the model code: `inductor_setup.step_digest`). A restart, or `streamserve models pull` before it, loads
+the package in well under a second; no worker runs.
 
 Bounded: a shape is queued after it ran `COMPILE_AFTER_STEPS` times (the start-up shape, W 1 batch 1 of the
 default policy, at once), and at most `MAX_COMPILED` shapes are ever compiled per engine (ready or failed);
-the rest run eagerly. Graph keys are bucketed already (graphs.py), so no client can grow either number.
+the rest run eagerly. Graph keys are bucketed already (graphs.py), so no client can grow either number. Each
+loaded package holds its own copy of the model's weights as its constants (frozen; SmolLM2-135M's is 240 MB).
 
-Never waits, never wrong: a step whose shape is not ready runs eagerly. The compile thread never takes the
-engine's step guard: it compiles against scratch buffers over a scratch KV pool (same tensor shapes as the
-engine's, allocated lazily: only the page its warm-up writes is touched), checks the compiled logits against
-the eager ones on those buffers, then publishes the callable; the engine thread switches on its next step of
-that shape. A compile that raises (or disagrees) is logged once and its shape stays eager. The backend refuses
-to compile anywhere but the compile thread: a guard that failed on a real step would otherwise recompile on
-the engine thread for a minute; such a step runs eagerly and its shape stays eager. Dynamo checks only the guards
-on a step's arguments and on global state before each call (`input_guards`), not the thousands on the traced
-model, which never changes while the engine runs. Inductor's on-disk cache
-lives under the streamserve cache home (unless TORCHINDUCTOR_CACHE_DIR is set; `streamserve models pull` warms
-it): a restart compiles from it. `close()` (engine shutdown) never waits: the thread ends after the compile in
-progress. Setup (what `auto` decides, the options, the cache, the priority): engine/inductor_setup.py.
+Never waits, never wrong: a step whose shape is not ready runs eagerly. The worker checks the compiled logits
+against the eager ones on scratch buffers before the package is moved into place; a compile that fails (or
+disagrees) is logged once and its shape stays eager; a package that raises on a real step makes that step rerun
+eagerly and its shape stay eager. `close()` (engine shutdown) never waits: it kills the worker (its process group:
+the C++ compilers it started too).
 
 Frozen and autotuned (`INDUCTOR_OPTIONS`): the weights, and the quantized projections' CPU-packed forms, are
-constants of the graph, and each matmul shape is timed at compile time between aten's packed kernel and Inductor's
-CPP GEMM template over a weight it reblocks (a second copy of the weights that choose it: int8's, at ~1x their
-bytes). At batch 1 the template times 1.2-1.7x faster than aten's int8 kernel per shape, which is compute-bound.
-The code that calls the kernels is C++ (`cpp_wrapper`), and small kernels run on one thread (`cpp.min_chunk_size`):
-benchmarks/cpu_compile_options.py measures both against the step without them.
+constants of the package, and each matmul shape is timed at compile time between aten's packed kernel and
+Inductor's CPP GEMM template over a weight it reblocks. At batch 1 the template times 1.2-1.7x faster than aten's
+int8 kernel per shape, which is compute-bound. Small kernels run on one thread (`cpp.min_chunk_size`):
+benchmarks/cpu_compile_options.py measures the options against the step without them.
 
 MoE layers compile with float experts (`compiled_ops.moe_experts` gathers the chosen experts inside the graph).
-Quantized experts loop over the chosen ones on the host: their compile fails at once and the engine stays eager.
+Quantized experts loop over the chosen ones on the host: their export fails and the engine stays eager.
 """
 
 from __future__ import annotations
 
-import copy
+import contextlib
+import json
 import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
 import threading
 import time
-import types
 from collections import deque
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from streamserve.engine.batch import threads_for
-from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
+from streamserve.engine.exported_step import ModelRecipe, policy_spec, pool_spec, step_inputs
 from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
 from streamserve.engine.inductor_setup import (
     INDUCTOR_OPTIONS,
-    CompileAborted,
-    EngineFirst,
     cpu_compile_wanted,
-    guard_fx_traces,
-    inductor,
-    inductor_cache_dir,
-    input_guards,
-    lower_priority,
+    step_cache_dir,
+    step_digest,
     stop_at_exit,
 )
-from streamserve.engine.openmp import release_openmp_threads
-from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey, build_entry
+from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey
 from streamserve.errors import InvalidInputError
 from streamserve.models import CausalLM
 from streamserve.sessions import KVPool, WindowPolicy
@@ -77,15 +83,12 @@ log = logging.getLogger("streamserve")
 MAX_COMPILED = 8  # step shapes compiled per engine (ready or failed); others always run eagerly
 COMPILE_AFTER_STEPS = 16  # a shape is queued for compiling once it ran this many steps
 SEEN_LIMIT = 256  # shapes whose steps are counted at a time (the count restarts when full)
-CHECK_TOLERANCE = 0.05  # compiled vs eager logits on the scratch step: max |diff| <= this * (1 + max |logit|)
+LOAD_WAIT_S = 2.0  # the most a finished package waits for a moment the engine has no work, to load then
+WORKER = [sys.executable, "-m", "streamserve.engine.compile_worker"]  # + the request file
+WORKER_IDLE = True  # the worker runs at SCHED_IDLE (benchmarks/compile_background.py compares normal priority)
 
 CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
-def traced_model(model: CausalLM) -> CausalLM:
-    """The model the compiled steps trace: the same layers and weights (a shallow copy) with its own op table
-    (attention as matmul + softmax)."""
-    traced = copy.copy(model)
-    traced.ops = COMPILED_CPU_OPS
-    return traced
+StepFn = Callable[[Entry], torch.Tensor]
 
 
 def compile_key(key: GraphKey, threads: int) -> CompileKey:
@@ -93,40 +96,29 @@ def compile_key(key: GraphKey, threads: int) -> CompileKey:
     return width, all_rows, tuple((p.policy, p.batch) for p in parts), threads
 
 
-class CompileRefused(RuntimeError):
-    """A compile outside the compile thread (a guard failed on a real step): that step runs eagerly."""
-
-
-def scratch_pool(pool: KVPool) -> KVPool:
-    """A pool of the same tensor shapes as `pool` (so compiled guards hold for both) that shares nothing with it:
-    uninitialized, so the system maps only what is touched; page 0, which a scratch step writes and reads, is
-    zeroed (freed heap memory may hold NaNs)."""
-    scratch = copy.copy(pool)
-    scratch.k = [torch.empty_like(t) for t in pool.k]
-    scratch.v = [torch.empty_like(t) for t in pool.v]
-    for t in (*scratch.k, *scratch.v):
-        t[0].zero_()
-    scratch.k_slots = [t.view(-1, pool.num_kv_heads, pool.head_dim) for t in scratch.k]
-    scratch.v_slots = [t.view(-1, pool.num_kv_heads, pool.head_dim) for t in scratch.v]
-    return scratch
+def load_package(path: Path) -> Callable[..., torch.Tensor]:
+    """An AOTInductor package's step (its inputs: exported_step.step_inputs)."""
+    return torch._inductor.aoti_load_package(str(path))
 
 
 def decode_graphs(model: CausalLM, pool: KVPool, max_batch: int, ops: str, cuda_graphs: str, cpu_compile: str,
-                  wide: bool, quiet: threading.Event | None = None) -> DecodeGraphs | None:
+                  wide: bool, recipe: ModelRecipe | None = None, quiet: threading.Event | None = None
+                  ) -> DecodeGraphs | None:
     """The engine's fixed-shape decode steps (`Engine.from_pretrained`): CUDA graphs with `cuda_graphs` "on"
     (or "auto" on CUDA with Triton kernels); on a CPU with torch kernels `cpu_compile` "auto" (the default, where a
-    compiler is there: `cpu_compile_wanted`) or "on" runs the same steps compiled (elsewhere it has no effect).
-    None: every step runs eagerly. `wide`: `BatchForward.wide`. `quiet`: set while the engine has no work (the
-    compile yields to it otherwise: `EngineFirst`)."""
+    compiler is there: `cpu_compile_wanted`) or "on" runs the same steps compiled (elsewhere it has no effect;
+    `recipe`: how the compile worker loads the model again, None: never compiled). None: every step runs eagerly.
+    `wide`: `BatchForward.wide`. `quiet`: set while the engine has no work (a package loads then)."""
     if cuda_graphs not in ("auto", "on", "off"):
         raise InvalidInputError(f"cuda_graphs must be auto, on or off, got {cuda_graphs!r}")
     dev = pool.device
-    compiled = cpu_compile_wanted(cpu_compile, dev.type, ops)
+    compiled = cpu_compile_wanted(cpu_compile, dev.type, ops) and recipe is not None
     if not (compiled or cuda_graphs == "on" or (cuda_graphs == "auto" and dev.type == "cuda" and ops == "triton")):
         return None
     graphs = DecodeGraphs.start(model, pool, max_batch, dev.type == "cuda")
     if compiled:
-        start_compiled_steps(graphs, pool, wide, quiet)
+        assert recipe is not None
+        start_compiled_steps(graphs, pool, wide, recipe, quiet)
     return graphs
 
 
@@ -142,11 +134,11 @@ def compile_note(graphs: DecodeGraphs | None, tell: Callable[[str], None]) -> st
     return "; the decode step compiles in the background (eager until ready; --cpu-compile off to skip)"
 
 
-def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool,
+def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool, recipe: ModelRecipe,
                          quiet: threading.Event | None = None) -> CompiledSteps:
     """Compile `graphs`' CPU steps from now on (`wide`: the model's steps use every thread, `BatchForward.wide`);
     the start-up shape (W 1, batch 1, the default policy) is queued at once."""
-    compiled = graphs.compiled = CompiledSteps(graphs.model, pool, quiet)
+    compiled = graphs.compiled = CompiledSteps(graphs.model, pool, recipe, quiet)
     with threads_for(pool.device, 1, wide):  # the count a one-token step runs with
         threads = torch.get_num_threads()
     policy = WindowPolicy()
@@ -156,27 +148,29 @@ def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool,
 
 
 class CompiledSteps:
-    def __init__(self, model: CausalLM, pool: KVPool, quiet: threading.Event | None = None) -> None:
-        self.model, self.pool = model, pool
-        if quiet is None:  # no engine loop to yield to: always quiet
+    def __init__(self, model: CausalLM, pool: KVPool, recipe: ModelRecipe,
+                 quiet: threading.Event | None = None) -> None:
+        self.model, self.pool, self.recipe = model, pool, recipe
+        if quiet is None:  # no engine loop to wait for: always quiet
             quiet = threading.Event()
             quiet.set()
-        self.engine_first = EngineFirst(quiet)  # the compile's GIL slices while the engine steps
-        self.traced = traced_model(model)
-        self._fns: dict[CompileKey, Callable[..., torch.Tensor]] = {}  # ready
+        self.quiet = quiet
+        self._fns: dict[CompileKey, StepFn] = {}  # ready
         self.failed: dict[CompileKey, str] = {}  # shape -> why it stays eager
-        self.compile_seconds: dict[CompileKey, float] = {}
+        self.compile_seconds: dict[CompileKey, float] = {}  # the worker's time (0 for a package from the cache)
+        self.from_cache: set[CompileKey] = set()  # shapes whose package was in the cache
+        self.builds = 0  # worker processes started
         self._queued: set[CompileKey] = set()  # queued, compiling, ready or failed: never queued again
         self._seen: dict[CompileKey, int] = {}  # steps run per shape not queued yet
         self._queue: deque[tuple[CompileKey, GraphKey, dict[PolicyKey, WindowPolicy]]] = deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
+        self._worker: subprocess.Popen[bytes] | None = None  # the compile worker running now
         self._closed = False
-        self._scratch: KVPool | None = None
         self.idle = threading.Event()  # set while nothing is queued or compiling
         self.idle.set()
         self.steps = 0  # steps served from compiled code
-        self.eager_steps = 0  # steps of these shapes that ran eagerly (not ready, failed, refused)
+        self.eager_steps = 0  # steps of these shapes that ran eagerly (not ready, failed)
         self.started = time.perf_counter()
         self.ready_after: float | None = None  # seconds from the start to the first compiled shape's publication
         self._on_ready: list[Callable[[str], None]] = []  # told once, when the first shape serves compiled
@@ -192,10 +186,10 @@ class CompiledSteps:
             return entry.forward(self.model)
         try:
             with torch.inference_mode():
-                out = fn(entry.ids, entry.kvs, entry.rows)
-        except Exception as e:  # a recompile refused, or a fault: this shape runs eagerly for good
+                out = fn(entry)
+        except Exception as e:  # a fault: this shape runs eagerly for good
             self._fail(ck, e)
-            reload()  # the buffers are only read by a step, but the step is run again from scratch
+            reload()  # the step may have written some layers' keys: it is run again from scratch
             self.eager_steps += 1
             return entry.forward(self.model)
         self.steps += 1
@@ -236,7 +230,7 @@ class CompiledSteps:
 
     def _fail(self, ck: CompileKey, e: BaseException) -> None:
         self._fns.pop(ck, None)
-        if ck not in self.failed:  # the first line says what (Dynamo's messages run to pages)
+        if ck not in self.failed:  # the first line says what
             self.failed[ck] = f"{type(e).__name__}: {next(iter(str(e).strip().splitlines()), '')}"[:300]
             log.warning("cpu_compile: the step shape %s runs eagerly: %s", ck, self.failed[ck])
 
@@ -258,41 +252,36 @@ class CompiledSteps:
         tell(self._ready_message())
 
     def _ready_message(self) -> str:
-        return (f"the compiled decode step serves from now on ({self.ready_after:.0f}s after start; compiled in "
-                f"{min(self.compile_seconds.values(), default=0.0):.0f}s)")
+        how = ("loaded from the cache" if self.from_cache and not self.builds else
+               f"compiled in {min(self.compile_seconds.values(), default=0.0):.0f}s")
+        return f"the compiled decode step serves from now on ({self.ready_after:.0f}s after start; {how})"
 
     def describe(self) -> dict[str, Any]:
         """For the engine's stats: `state` is "compiling" (nothing compiled yet, steps run eagerly), "active" (at
         least one shape serves compiled) or "failed" (every compile failed: eager for good)."""
         state = "active" if self._fns else "failed" if self.failed and self.idle.is_set() else "compiling"
         return {"state": state, "ready_after_s": self.ready_after, "shapes_ready": len(self._fns),
-                "shapes_failed": len(self.failed), "compile_seconds": sum(self.compile_seconds.values()),
-                "steps_compiled": self.steps, "steps_eager": self.eager_steps}
+                "shapes_failed": len(self.failed), "shapes_from_cache": len(self.from_cache),
+                "compile_seconds": sum(self.compile_seconds.values()), "steps_compiled": self.steps,
+                "steps_eager": self.eager_steps}
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Wait until nothing is queued or compiling -> whether that happened within `timeout`."""
         return self.idle.wait(timeout)
 
     def close(self) -> None:
-        """Stop: nothing more is compiled or published. Never waits: a compile in progress (minutes, cold) cannot
-        be interrupted, so the thread (a daemon, at the lowest priority) ends when it is done, its result
-        dropped; a process that exits first does not wait for it."""
+        """Stop: nothing more is compiled or published, and the worker running now is killed. Never waits."""
         with self._cv:
             self._closed = True
             self._queue.clear()
+            worker = self._worker
             self._cv.notify()
+        if worker is not None:
+            kill_worker(worker)
         self.idle.set()
 
     # ---- the compile thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
-        try:
-            self._compile_queued()
-        except CompileAborted:  # the interpreter exits (inductor_setup.stop_compiles_at_exit)
-            log.info("cpu_compile: a compile was stopped by the interpreter's exit")
-
-    def _compile_queued(self) -> None:
-        lower_priority()  # the engine's steps first: a serving engine keeps its deadlines while this compiles
-        guard_fx_traces()  # an FX trace and an eager engine step never overlap
         while True:
             with self._cv:
                 while not self._queue and not self._closed:
@@ -302,75 +291,81 @@ class CompiledSteps:
                     return
                 ck, key, policies = self._queue.popleft()
             try:
-                t0 = time.perf_counter()
-                with self.engine_first:  # imports, the trace, the lowering: the engine's steps go first
-                    fn = self._compile(ck, key, policies)
-                self.compile_seconds[ck] = time.perf_counter() - t0
+                fn = self._compile(ck, key, policies)
                 tell: list[Callable[[str], None]] = []
                 with self._cv:
-                    if not self._closed:
-                        self._fns[ck] = fn
-                        if self.ready_after is None:  # the first: who waits for it is told
-                            self.ready_after = time.perf_counter() - self.started
-                            tell, self._on_ready = self._on_ready, []
+                    if self._closed:
+                        return
+                    self._fns[ck] = fn
+                    if self.ready_after is None:  # the first: who waits for it is told
+                        self.ready_after = time.perf_counter() - self.started
+                        tell, self._on_ready = self._on_ready, []
                 for t in tell:
                     try:
                         t(self._ready_message())
                     except Exception:  # a listener's fault is not the compile's
                         log.exception("cpu_compile: telling that the compiled step serves failed")
-                log.info("cpu_compile: the compiled decode step serves shape %s (compiled in %.1fs, %.1fs after "
-                         "start)", ck, self.compile_seconds[ck], time.perf_counter() - self.started)
+                log.info("cpu_compile: the compiled decode step serves shape %s (%s, %.1fs after start)", ck,
+                         "from the cache" if ck in self.from_cache else f"compiled in {self.compile_seconds[ck]:.1f}s",
+                         time.perf_counter() - self.started)
             except Exception as e:  # logged once; the shape stays eager
+                if self._closed:  # the worker was killed by close()
+                    return
                 self._fail(ck, e)
-            finally:  # this thread's OpenMP workers (autotuning, the check): not kept while it waits
-                release_openmp_threads()
 
-    def _backend(self, gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Callable[..., Any]:
-        if threading.current_thread() is not self._thread:
-            raise CompileRefused("a compile was asked for outside the compile thread (a guard failed)")
-        return inductor(gm, example_inputs)
+    def _compile(self, ck: CompileKey, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]) -> StepFn:
+        """The package of shape `ck`, from the cache or built by the worker now, loaded -> its step function."""
+        request = {"recipe": self.recipe.__dict__, "width": key[0], "all_rows": key[1], "threads": ck[3],
+                   "parts": [{"policy": policy_spec(policies[p.policy]), "batch": p.batch} for p in key[2]],
+                   "pool": pool_spec(self.pool), "options": dict(INDUCTOR_OPTIONS)}
+        out = step_cache_dir() / f"{step_digest(request)}.pt2"
+        if out.is_file():
+            self.from_cache.add(ck)
+            self.compile_seconds[ck] = 0.0
+        else:
+            t0 = time.perf_counter()
+            self._build({**request, "out": str(out), "idle": WORKER_IDLE})
+            self.compile_seconds[ck] = time.perf_counter() - t0
+        self.quiet.wait(LOAD_WAIT_S)  # between two steps: the load holds the GIL (~0.3 s for SmolLM2-135M)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("closed")
+        step = load_package(out)
+        return lambda entry: step(*step_inputs(entry))
 
-    def _compile(self, ck: CompileKey, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]
-                 ) -> Callable[..., torch.Tensor]:
-        """Compile shape `ck` on scratch buffers and check it against eager -> the compiled callable."""
-        inductor_cache_dir()
-        from torch._dynamo import mark_dynamic  # (importing torch._dynamo writes Inductor's default cache dir)
+    def _build(self, request: dict[str, Any]) -> None:
+        """Run the compile worker on `request` (waits; `close()` kills it). Its output goes to a log beside the
+        package; a failure raises with the worker's last line."""
+        out = Path(request["out"])
+        out.parent.mkdir(parents=True, exist_ok=True)
+        log_path = out.with_suffix(".log")
+        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+            json.dump(request, f)
+        try:
+            with self._cv:
+                if self._closed:
+                    raise RuntimeError("closed")
+                self.builds += 1
+                with log_path.open("wb") as sink:
+                    # its own process group: a kill reaches the C++ compilers it started
+                    self._worker = subprocess.Popen([*WORKER, f.name], stdin=subprocess.DEVNULL, stdout=sink,
+                                                    stderr=subprocess.STDOUT, start_new_session=True)
+            code = self._worker.wait()
+        finally:
+            with self._cv:
+                self._worker = None
+            os.unlink(f.name)
+        if code != 0:
+            lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.is_file() else []
+            why = lines[-1] if lines else f"exit status {code}"
+            raise RuntimeError(f"the compile worker failed ({why}; its log: {log_path})")
 
-        torch.set_num_threads(ck[3])  # this thread's own setting: Inductor's kernels are generated for it
-        if self._scratch is None:
-            self._scratch = scratch_pool(self.pool)
-        # distinct key buckets per (part, layer group): equal sizes would be unified into one symbol, and a real
-        # step whose buckets differ would then fail the guard
-        n_groups = len(key[2][0].keys)
-        parts = tuple(Part(p.policy, p.batch, tuple(64 << (i * n_groups + g) for g in range(n_groups)))
-                      for i, p in enumerate(key[2]))
-        entry = build_entry((key[0], key[1], parts), self._scratch, policies)
-        for static in entry.parts:  # one graph for every key bucket: the read length is symbolic
-            for t in (*static.k_pos, *static.read_slots):
-                mark_dynamic(t, 1)
-            for slot in static.slots:
-                for grp in slot.groups:
-                    mark_dynamic(grp.k_pos, 0)
-                    mark_dynamic(grp.read_slots, 0)
-        expect = entry.forward(self.model)  # eagerly: also packs quantized weights before tracing reads them
-        fn = torch.compile(self._step_function(len(self.compile_seconds) + len(self.failed)),
-                           backend=self._backend, fullgraph=True, dynamic=False,
-                           options={"guard_filter_fn": input_guards})
-        import torch._inductor.config as inductor_config
 
-        with torch.inference_mode(), inductor_config.patch(INDUCTOR_OPTIONS):  # the trace and compile happen here
-            got = fn(entry.ids, entry.kvs, entry.rows)
-        diff = (got - expect).abs().max().item()
-        if not diff <= CHECK_TOLERANCE * (1 + expect.abs().max().item()):  # NaN fails too
-            raise RuntimeError(f"compiled logits differ from eager ones by {diff:.3g}")
-        return fn
-
-    def _step_function(self, n: int) -> Callable[..., torch.Tensor]:
-        """forward_batch on the traced model, as a function with its own code object (Dynamo caches per code)."""
-        traced, raw = self.traced, CausalLM.forward_batch.__wrapped__  # type: ignore[attr-defined]
-
-        def step(ids: torch.Tensor, kvs: list[Any], rows: torch.Tensor | None) -> torch.Tensor:
-            return raw(traced, ids, kvs, rows)
-
-        code = step.__code__.replace(co_name=f"decode_step_{n}")
-        return types.FunctionType(code, step.__globals__, code.co_name, step.__defaults__, step.__closure__)
+def kill_worker(worker: subprocess.Popen[bytes]) -> None:
+    """End a compile worker and what it started (its process group), by its id."""
+    with contextlib.suppress(ProcessLookupError, PermissionError):  # it ended already
+        os.killpg(worker.pid, signal.SIGKILL)
+    try:
+        worker.wait(5.0)
+    except subprocess.TimeoutExpired:
+        log.warning("cpu_compile: the compile worker %d did not end", worker.pid)

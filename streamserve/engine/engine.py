@@ -33,6 +33,7 @@ from streamserve.engine.batch import BatchForward, Job
 from streamserve.engine.compiled import decode_graphs
 from streamserve.engine.counters import Counters
 from streamserve.engine.drafters import MAX_DRAFT, DrafterCatalog
+from streamserve.engine.exported_step import ModelRecipe
 from streamserve.engine.graphs import DecodeGraphs
 from streamserve.engine.guard import BetweenSteps
 from streamserve.engine.loading import (
@@ -81,8 +82,7 @@ class Engine:
 
     def __init__(self, model: CausalLM, tokenizer: Tokenizer, path: Path, eos_token_ids: tuple[int, ...],
                  kv_bytes: int, page_size: int = DEFAULT_PAGE_SIZE, idle_ttl: float | None = None,
-                 scheduler: SchedulerConfig | None = None,
-                 rewind_reach: int = ENGINE_DEFAULTS.rewind_reach) -> None:
+                 scheduler: SchedulerConfig | None = None, rewind_reach: int = ENGINE_DEFAULTS.rewind_reach) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.config: ModelConfig = model.cfg
@@ -192,9 +192,9 @@ class Engine:
         eos_ids = resolve_eos_ids(path, cfg.eos_token_ids, tokenizer.eos_token_ids, cfg.vocab_size)
         engine = cls(net, tokenizer, path, eos_ids, resolve_kv_bytes(kv_memory, dev), page_size, idle_ttl, scheduler,
                      rewind_reach)
-        # cuda_graphs / cpu_compile: the fixed-shape decode steps, captured (CUDA) or compiled (CPU), or None
+        recipe = ModelRecipe(str(path), str(dt).removeprefix("torch."), quantize, engine.fingerprint)  # for a worker
         engine.graphs = decode_graphs(net, engine.pool, engine.scheduler.limits.max_batch, ops.name, cuda_graphs,
-                                      cpu_compile, engine.batch.wide, engine.loop.quiet)
+                                      cpu_compile, engine.batch.wide, recipe, engine.loop.quiet)  # fixed-shape steps
         engine.set_drafter(drafter, max_draft)
         release_openmp_threads()  # this thread's loading workers: the engine thread's steps must not share the CPUs
         return engine

@@ -30,7 +30,6 @@ import torch
 
 from streamserve.engine.drafters.base import DraftProposal
 from streamserve.engine.drafters.verify import target_probs
-from streamserve.engine.inductor_setup import FX_TRACES
 from streamserve.engine.token_log import TokenLog
 from streamserve.errors import CapacityError, ContextLengthError, InvalidInputError, RewindError, StreamserveError
 from streamserve.kernels.reference import MIN_TEMPERATURE, argmax_last
@@ -166,8 +165,7 @@ class DraftModelDrafter:
                     raise
                 self.states.pop(victim).kv.release()
         try:
-            with FX_TRACES.forward():  # never beside a compile's FX trace (engine/inductor_setup.py)
-                logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.pool.device), st.kv)
+            logits = self.model(torch.tensor(ids, dtype=torch.long, device=self.pool.device), st.kv)
         except BaseException:
             st.kv.abort()
             raise
