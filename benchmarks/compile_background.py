@@ -11,15 +11,14 @@ defaults but for the compile setting, on this machine's cores:
   token; a tick longer than its 200 ms period misses its deadline (the next tick starts late).
 - `baseline`: an engine with cpu_compile "off" runs --ticks ticks.
 - `during_cold_compile`: an engine at its defaults (cpu_compile "auto") over an empty Inductor cache directory runs
-  the loop from its load until its start-up compile is done (at least --ticks ticks): every tick eager, beside a
-  compile at the lowest CPU priority that yields the GIL to the engine's steps (engine/inductor_setup.py
-  `lower_priority`, `EngineFirst`).
-- `during_cold_compile_normal_priority`: the same with the compile thread at normal priority and never yielding
-  to the engine (`EngineFirst` off: what the two buy); a second empty cache directory.
+  the loop from its load until its start-up compile is done (at least --ticks ticks): every tick eager, beside the
+  compile worker, a child process at SCHED_IDLE (engine/compile_worker.py).
+- `during_cold_compile_normal_priority`: the same with the worker at normal priority (what SCHED_IDLE buys); a
+  second empty cache directory.
 - `compiled`: the defaults engine's loop once its step is compiled, --ticks ticks.
 - `warm_start`: a fresh process loads the defaults engine over the cache `during_cold_compile` filled and runs the
-  loop at once: its compile seconds, how long after the load it served compiled (`ready_after_s`), and the ticks
-  meanwhile, as `streamserve serve` after `streamserve models pull`.
+  loop at once: how long after the load it served compiled (`ready_after_s`: the package loads from the cache, no
+  worker runs), and the ticks meanwhile, as `streamserve serve` after `streamserve models pull`.
 Human lines go to stderr; the last line is one JSON object with p50/p95/max tick ms and deadline misses per phase,
 and the ratios of the phases' p95 to the baseline's.
 """
@@ -83,19 +82,6 @@ def figures(ms: list[float]) -> dict[str, Any]:
             "max_ms": round(max(ms), 1), "deadline_misses": sum(m > PERIOD_S * 1e3 for m in ms)}
 
 
-class NoYield:
-    """In place of `EngineFirst`: the compile never pauses for the engine."""
-
-    def __init__(self, quiet: object) -> None:
-        pass
-
-    def __enter__(self) -> NoYield:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        pass
-
-
 def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]:
     """One phase in this process (each runs in a fresh one: no compile of an earlier phase is in memory)."""
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
@@ -103,9 +89,8 @@ def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]
         engine = Engine.from_pretrained(path, cpu_compile="off")
         tick_loop(engine, 5)  # warm-up
         return figures(tick_loop(engine, ticks))
-    if phase == "cold_normal_priority":  # the compile thread as it was: normal priority, never yielding
-        compiled_module.lower_priority = lambda: None  # type: ignore[assignment]  # read by the compile thread
-        compiled_module.EngineFirst = NoYield  # type: ignore[misc,assignment]  # read by CompiledSteps()
+    if phase == "cold_normal_priority":  # the compile worker at normal priority, not SCHED_IDLE
+        compiled_module.WORKER_IDLE = False  # type: ignore[misc]  # read when the worker starts
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path)  # the defaults
     load_s = time.perf_counter() - t0
@@ -118,7 +103,8 @@ def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]
     if not compiled.wait_idle(WAIT):
         raise SystemExit("the compile did not finish")
     res.update(compile_s=round(sum(compiled.compile_seconds.values()), 1), failed=list(compiled.failed.values()),
-               ready_after_s=compiled.ready_after and round(compiled.ready_after, 1))
+               ready_after_s=compiled.ready_after and round(compiled.ready_after, 2),
+               from_cache=len(compiled.from_cache), workers=compiled.builds)
     if phase == "cold":  # then the loop compiled
         after = figures(tick_loop(engine, ticks))
         step = engine.stats()["compiled_step"]

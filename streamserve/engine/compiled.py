@@ -69,6 +69,7 @@ from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
 from streamserve.engine.inductor_setup import (
     INDUCTOR_OPTIONS,
     cpu_compile_wanted,
+    source_digest,
     step_cache_dir,
     step_digest,
     stop_at_exit,
@@ -137,7 +138,11 @@ def compile_note(graphs: DecodeGraphs | None, tell: Callable[[str], None]) -> st
 def start_compiled_steps(graphs: DecodeGraphs, pool: KVPool, wide: bool, recipe: ModelRecipe,
                          quiet: threading.Event | None = None) -> CompiledSteps:
     """Compile `graphs`' CPU steps from now on (`wide`: the model's steps use every thread, `BatchForward.wide`);
-    the start-up shape (W 1, batch 1, the default policy) is queued at once."""
+    the start-up shape (W 1, batch 1, the default policy) is queued at once. Imports torch._inductor and reads the
+    model code's digest here, on the caller's thread (a second of Python, which on the compile thread would hold the
+    GIL against the engine's first steps)."""
+    step_cache_dir()
+    source_digest()
     compiled = graphs.compiled = CompiledSteps(graphs.model, pool, recipe, quiet)
     with threads_for(pool.device, 1, wide):  # the count a one-token step runs with
         threads = torch.get_num_threads()

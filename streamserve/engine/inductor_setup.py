@@ -139,8 +139,7 @@ def source_digest() -> str:
 def step_digest(request: dict[str, Any]) -> str:
     """The name of a step's package: a digest of its compile request (model, shape, pool, options), torch's version,
     the CPU's vector instructions and the model code (`source_digest`)."""
-    from torch._inductor.cpu_vec_isa import pick_vec_isa
-
     h = hashlib.sha256(json.dumps(request, sort_keys=True).encode())
-    h.update(f"{torch.__version__}|{pick_vec_isa()}|{platform.machine()}|{source_digest()}".encode())
+    cpu = torch.backends.cpu.get_cpu_capability()
+    h.update(f"{torch.__version__}|{cpu}|{platform.machine()}|{source_digest()}".encode())
     return h.hexdigest()[:32]

@@ -1,21 +1,25 @@
-"""cpu_compile="on" (engine/compiled.py): decode steps compiled by torch.compile in a background thread give the
-eager engine's greedy tokens (int8, int4; a window/sinks session, two sessions batched, a key-bucket crossing; a
-float MoE model), switch from eager to compiled once ready, stay eager when a compile fails (or its code fails on a real
-step: that step reruns eagerly), never compile on the engine thread, stop with the engine, never compile more
-than MAX_COMPILED shapes, and keep Dynamo's guards on the step's inputs only.
+"""cpu_compile="on" (engine/compiled.py): decode steps compiled into AOTInductor packages by a child process (the
+compile worker, engine/compile_worker.py) give the eager engine's greedy tokens (int8, int4; a window/sinks session,
+two sessions batched, a key-bucket crossing; a float MoE model), switch from eager to compiled once ready, load from
+the cache on a second start (no worker), stay eager when a compile fails (or its code fails on a real step: that
+step reruns eagerly), stop with the engine (its worker killed), and never compile more than MAX_COMPILED shapes.
 
-The checkpoint is a 2-layer tiny Qwen3 so that each Inductor compile is small (seconds; the first of a process
-pays Inductor's start-up), with an intermediate size of 64: torch 2.13's `_weight_int8pack_mm` crashes the process
-on 16 or more rows when the input width is not a multiple of 16 (the test sizes' 72), eager or compiled. The
-mechanism tests that need no generated code compile with Dynamo's "eager" backend (`cheap_backend`): the same
-tracing, guards and switching, without the C++ compile."""
+The checkpoint is a 2-layer tiny Qwen3 so that each compile is small (tens of seconds, most of it the worker's
+start and the C++ build), with an intermediate size of 64: torch 2.13's `_weight_int8pack_mm` crashes the process
+on 16 or more rows when the input width is not a multiple of 16 (the test sizes' 72), eager or compiled. The tests
+share one package cache (a module-scoped Inductor cache directory): a shape compiled with the same options is built
+once. The mechanism tests that need no real package run a stand-in worker (`fake_worker`)."""
 
 from __future__ import annotations
 
+import json
 import logging
-import threading
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
@@ -25,14 +29,15 @@ from streamserve import Engine
 from streamserve.engine import compiled as compiled_module
 from streamserve.engine.compiled import CompiledSteps
 from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
+from streamserve.engine.inductor_setup import step_cache_dir, step_digest
 from streamserve.errors import InvalidInputError
 from streamserve.kernels import reference as ref
 from streamserve.models.ops import TORCH_OPS
-from streamserve.models.quant import QuantLinear
 from streamserve.tools.batched import replies_together
 
 WINDOW = {"window": 24, "sinks": 4}  # rolling positions (the default with a window)
 WAIT = 600.0  # seconds a test waits for compiles (an event, never a sleep: the wait ends when they are done)
+PLAIN = {"freezing": True}  # frozen, not autotuned: the mechanism tests' options (one shared package)
 
 
 @pytest.fixture(scope="module")
@@ -40,6 +45,15 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> Path:
     path = tmp_path_factory.mktemp("compile") / "qwen3"
     make_checkpoint(path, "qwen3", num_hidden_layers=2, intermediate_size=64)
     return path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def package_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    """One Inductor cache (and so one package cache) for the module's real compiles."""
+    with pytest.MonkeyPatch.context() as mp:
+        path = tmp_path_factory.mktemp("inductor")
+        mp.setenv("TORCHINDUCTOR_CACHE_DIR", str(path))
+        yield path
 
 
 def load(path: Path, quantize: str = "none", cpu_compile: str = "off") -> Engine:
@@ -57,63 +71,34 @@ def greedy(engine: Engine, prompt: list[int], n: int, **kw: object) -> list[int]
         return s.generate(max_tokens=n, stop_token_ids=())
 
 
-class CountingBackend:
-    """Wraps the compile backend: counts compiles per thread; `fail` makes each raise."""
-
-    def __init__(self, inner: object, fail: bool = False) -> None:
-        self.inner, self.fail = inner, fail
-        self.threads: list[str] = []
-        self.constants: list[set[int]] = []  # per compile: the storages its graph holds as constants (frozen)
-
-    def __call__(self, gm: torch.fx.GraphModule, inputs: list[object]) -> object:
-        self.threads.append(threading.current_thread().name)
-        self.constants.append({t.untyped_storage().data_ptr() for t in (*gm.parameters(), *gm.buffers())})
-        if self.fail:
-            raise RuntimeError("compile failed on purpose")
-        return self.inner(gm, inputs)  # type: ignore[operator]
+def fake_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: str) -> None:
+    """A stand-in worker running `code` (`request`: the compile request; its own cache directory, so that nothing
+    it writes is ever loaded by another test)."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    script = f"import json, pathlib, sys, time\nrequest = json.loads(pathlib.Path(sys.argv[1]).read_text())\n{code}"
+    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", script])
 
 
-def cheap_backend(gm: torch.fx.GraphModule, inputs: list[object]) -> object:
-    return gm.forward  # Dynamo's "eager" backend: the traced graph as it is
-
-
-@pytest.fixture
-def backend(monkeypatch: pytest.MonkeyPatch) -> CountingBackend:
-    counting = CountingBackend(compiled_module.inductor)
-    monkeypatch.setattr(compiled_module, "inductor", counting)
-    return counting
-
-
-def packed_weights(engine: Engine) -> set[int]:
-    """The storages of every quantized projection's CPU-packed weight (what the CPU kernels read)."""
-    return {m.cpu_weight.untyped_storage().data_ptr() for m in engine.model.modules()
-            if isinstance(m, QuantLinear) and m.cpu_weight is not None}
-
-
-# Inductor compiles, the start-up shape's autotuning its quantized matmul shapes (INDUCTOR_OPTIONS): int8 two shapes,
+# Real compiles, the start-up shape autotuning its quantized matmul shapes (INDUCTOR_OPTIONS): int8 two shapes,
 # int4 one; the int8 batched shape is not autotuned. The quantized formats are what a CPU compiles for (issue 16);
 # unquantized weights take the same graph with plain linears (CI's time)
 @pytest.mark.slow
 @pytest.mark.parametrize("quantize", ["int8", "int4"])
-def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, backend: CountingBackend,
-                                      monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(compiled_module, "COMPILE_AFTER_STEPS", 1)  # a new shape is queued on its first step
     eager, engine = load(tiny, quantize), load(tiny, quantize, "on")
     compiled = compiled_of(engine)
     try:
         assert compiled.wait_idle(WAIT) and not compiled.failed  # the start-up shape: W 1, batch 1
-        assert compiled.ready == 1
+        assert compiled.ready == 1 and compiled.builds == 1
         prompt = random_ids(40, seed=5)
-        # 40 + 40 tokens: key buckets 64 then 128, one graph (dynamic key reads)
+        # 40 + 40 tokens: key buckets 64 then 128, one package (dynamic key reads)
         assert greedy(engine, prompt, 40) == greedy(eager, prompt, 40)
         assert compiled.steps >= 39
-        # frozen: the graph holds the packed weights as its constants (Inductor may reblock them), not as inputs
-        assert packed_weights(engine) and packed_weights(engine) <= backend.constants[0]
         if quantize == "int4":  # the batched shape's compile once, in int8 (CI's time)
             return
         # the batched shape is about batching and padding, not the matmul choice: frozen, not autotuned (CI's time)
-        monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS",
-                            {**compiled_module.INDUCTOR_OPTIONS, "max_autotune": False})
+        monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS", PLAIN)
         prompts = [random_ids(30, seed=6), random_ids(45, seed=7)]
         kws = [WINDOW, WINDOW]  # rolling positions, 4 sinks, a 24-token window: keys past it are dropped
         want = replies_together(eager, prompts, 30, kws)
@@ -122,9 +107,6 @@ def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, backend: Counti
         before = compiled.steps
         assert replies_together(engine, prompts, 30, kws) == want  # now compiled
         assert compiled.steps >= before + 29
-        # every compile ran on the compile thread, once per shape: no real step ever failed a guard
-        assert not compiled.failed
-        assert set(backend.threads) == {"streamserve-compile"} and len(backend.threads) == compiled.ready == 2
         engine.check_integrity()
     finally:
         engine.shutdown()
@@ -132,10 +114,10 @@ def test_compiled_greedy_equals_eager(tiny: Path, quantize: str, backend: Counti
 
 
 @pytest.mark.slow
-def test_compiled_moe_equals_eager(tmp_path: Path, backend: CountingBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_compiled_moe_equals_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A float MoE model compiles (its experts gathered inside the graph, `compiled_ops.moe_experts`) and gives the
     eager engine's greedy tokens. Frozen but not autotuned: the matmul choice is the test above's (CI's time)."""
-    monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS", {"freezing": True})
+    monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS", PLAIN)
     path = tmp_path / "moe"
     make_checkpoint(path, "qwen3_moe", num_hidden_layers=2)
     eager, engine = load(path), load(path, cpu_compile="on")
@@ -150,68 +132,52 @@ def test_compiled_moe_equals_eager(tmp_path: Path, backend: CountingBackend, mon
         eager.shutdown()
 
 
-def test_background_switch_and_shutdown(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    gate = threading.Event()
-
-    def held(gm: torch.fx.GraphModule, inputs: list[object]) -> object:
-        assert gate.wait(WAIT)  # the compile is held until the test has decoded eagerly
-        return cheap_backend(gm, inputs)
-
-    monkeypatch.setattr(compiled_module, "inductor", held)
+def test_background_switch_then_a_second_start_loads_from_the_cache(tiny: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                    tmp_path: Path) -> None:
+    """The real worker, held until the test has decoded eagerly (it waits for a file, then runs): steps switch to
+    compiled once its package is there. A second engine of the same model and options loads that package without a
+    worker; other options name another package."""
+    monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS", PLAIN)
+    gate = tmp_path / "go"
+    held = (f"import pathlib, runpy, sys, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"
+            "sys.argv = ['compile_worker', sys.argv[1]]\nrunpy.run_module('streamserve.engine.compile_worker', "
+            "run_name='__main__')")
+    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", held])
     eager, engine = load(tiny), load(tiny, cpu_compile="on")
     compiled = compiled_of(engine)
     prompt = random_ids(20, seed=8)
     want = greedy(eager, prompt, 12)
-    assert greedy(engine, prompt, 12) == want  # served while the compile waits: every step eager
+    assert greedy(engine, prompt, 12) == want  # served while the worker waits: every step eager
     assert compiled.steps == 0 and compiled.eager_steps >= 11 and not compiled.idle.is_set()
-    gate.set()
-    assert compiled.wait_idle(WAIT) and compiled.ready == 1
+    gate.touch()
+    assert compiled.wait_idle(WAIT) and compiled.ready == 1 and not compiled.failed
     assert greedy(engine, prompt, 12) == want
     assert compiled.steps >= 11  # switched
-    thread = next(t for t in threading.enumerate() if t.name == "streamserve-compile")
+    assert len(list(step_cache_dir().glob("*.pt2"))) >= 1
+    thread = compiled.thread
     engine.shutdown()
-    eager.shutdown()
-    thread.join(WAIT)  # the shutdown does not wait; the idle thread ends at once
+    assert thread is not None
+    thread.join(WAIT)  # the idle thread ends at once
     assert not thread.is_alive()
 
-
-def test_guards_are_kept_on_the_step_inputs_only(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """`input_guards`: Dynamo checks the guards on a step's arguments (inputs that no longer match the graph ask for
-    a compile, which is refused off the compile thread: `run` then steps eagerly, the test below), not those on the
-    traced model (a parameter swapped for an equal one would fail one: the steps stay compiled)."""
-    monkeypatch.setattr(compiled_module, "inductor", cheap_backend)
-    seen: list[Any] = []  # the entries of the compiled steps
-    run = CompiledSteps.run
-
-    def spy(self: CompiledSteps, entry: Any, key: Any, reload: Any) -> torch.Tensor:
-        seen.append(entry)
-        return run(self, entry, key, reload)
-
-    monkeypatch.setattr(CompiledSteps, "run", spy)
-    engine = load(tiny, cpu_compile="on")
-    compiled = compiled_of(engine)
+    again = load(tiny, cpu_compile="on")  # the same model and options: from the cache
+    compiled = compiled_of(again)
     try:
         assert compiled.wait_idle(WAIT) and compiled.ready == 1
-        prompt = random_ids(20, seed=3)
-        want = greedy(engine, prompt, 8)
-        steps = compiled.steps
-        assert steps >= 7
-        # the final norm's weight swapped for an equal copy (the engine never swaps one) fails a guard on the model
-        # (on the parameter's id): none is checked
-        engine.model.norm = torch.nn.Parameter(engine.model.norm.detach().clone(), requires_grad=False)
-        assert greedy(engine, prompt, 8) == want and compiled.steps >= steps + 7 and not compiled.failed
-        entry = seen[-1]
-        step = next(iter(compiled._fns.values()))
-        with pytest.raises(Exception, match="outside the compile thread"):  # an argument's guard failed
-            step(entry.ids.to(torch.int32), entry.kvs, entry.rows)
+        assert compiled.builds == 0 and len(compiled.from_cache) == 1
+        assert again.stats()["compiled_step"]["shapes_from_cache"] == 1
+        assert greedy(again, prompt, 12) == want and compiled.steps >= 11
     finally:
-        engine.shutdown()
+        again.shutdown()
+        eager.shutdown()
+    request = {"recipe": {"path": str(tiny)}, "options": PLAIN}
+    assert step_digest(request) != step_digest({**request, "options": {"freezing": False}})
+    assert step_digest(request) == step_digest(json.loads(json.dumps(request)))
 
 
-def test_failed_compile_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPatch,
+def test_failed_compile_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path,
                                        caplog: pytest.LogCaptureFixture) -> None:
-    failing = CountingBackend(cheap_backend, fail=True)
-    monkeypatch.setattr(compiled_module, "inductor", failing)
+    fake_worker(monkeypatch, tmp_path, "print('compile failed: on purpose', file=sys.stderr)\nsys.exit(1)")
     eager, engine = load(tiny), load(tiny, cpu_compile="on")
     compiled = compiled_of(engine)
     try:
@@ -220,28 +186,30 @@ def test_failed_compile_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPat
             prompt = random_ids(30, seed=9)
             assert greedy(engine, prompt, 20) == greedy(eager, prompt, 20)
             assert greedy(engine, prompt, 20) == greedy(eager, prompt, 20)
-        assert compiled.ready == 0 and compiled.steps == 0 and len(compiled.failed) == 1
-        assert failing.threads == ["streamserve-compile"]  # tried once, on the compile thread
+        assert compiled.ready == 0 and compiled.steps == 0 and compiled.builds == 1
+        assert len(compiled.failed) == 1 and "on purpose" in next(iter(compiled.failed.values()))
+        assert engine.stats()["compiled_step"]["state"] == "failed"
         assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1  # logged once
+        assert not list(step_cache_dir().glob("*.pt2"))  # nothing cached: a restart tries again
     finally:
         engine.shutdown()
         eager.shutdown()
 
 
 def test_compiled_code_that_raises_on_a_real_step_falls_back(tiny: Path, monkeypatch: pytest.MonkeyPatch,
+                                                              tmp_path: Path,
                                                               caplog: pytest.LogCaptureFixture) -> None:
-    """Compiled code that passes its check on the scratch step but raises on the engine thread: that step is run
-    again eagerly (the same tokens), the shape stays eager, logged once."""
+    """A package whose step raises on the engine thread: that step is run again eagerly (the same tokens), the
+    shape stays eager, logged once."""
+    fake_worker(monkeypatch, tmp_path, "pathlib.Path(request['out']).write_bytes(b'')")
 
-    def flaky(gm: torch.fx.GraphModule, inputs: list[object]) -> object:
+    def flaky(path: Path) -> object:
         def run(*args: object) -> object:
-            if threading.current_thread().name != "streamserve-compile":
-                raise RuntimeError("a fault at run time")
-            return gm.forward(*args)
+            raise RuntimeError("a fault at run time")
 
         return run
 
-    monkeypatch.setattr(compiled_module, "inductor", flaky)
+    monkeypatch.setattr(compiled_module, "load_package", flaky)
     eager, engine = load(tiny), load(tiny, cpu_compile="on")
     compiled = compiled_of(engine)
     try:
@@ -251,14 +219,14 @@ def test_compiled_code_that_raises_on_a_real_step_falls_back(tiny: Path, monkeyp
             assert greedy(engine, prompt, 12) == greedy(eager, prompt, 12)
         assert compiled.steps == 0 and compiled.ready == 0 and len(compiled.failed) == 1
         assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1
+        engine.check_integrity()
     finally:
         engine.shutdown()
         eager.shutdown()
 
 
-def test_shape_count_is_bounded(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    counting = CountingBackend(cheap_backend)
-    monkeypatch.setattr(compiled_module, "inductor", counting)
+def test_shape_count_is_bounded(tiny: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    fake_worker(monkeypatch, tmp_path, "sys.exit(1)")
     monkeypatch.setattr(compiled_module, "COMPILE_AFTER_STEPS", 1)
     monkeypatch.setattr(compiled_module, "MAX_COMPILED", 3)
     eager, engine = load(tiny), load(tiny, cpu_compile="on")
@@ -272,12 +240,40 @@ def test_shape_count_is_bounded(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> 
                     want = replies_together(eager, prompts, 4, [kw] * n)
                     assert replies_together(engine, prompts, 4, [kw] * n) == want
                     assert compiled.wait_idle(WAIT)
-        assert len(counting.threads) == compiled.ready == 3  # MAX_COMPILED compiles, no more
-        assert len(compiled.failed) == 3 and all(why.startswith("over the limit") for why in compiled.failed.values())
-        assert compiled.steps > 0
+        assert compiled.builds == 3  # MAX_COMPILED workers, no more
+        over = [why for why in compiled.failed.values() if why.startswith("over the limit")]
+        assert len(compiled.failed) == 6 and len(over) == 3
     finally:
         engine.shutdown()
         eager.shutdown()
+
+
+def test_shutdown_kills_the_worker_at_once(tiny: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A worker that would run for ten minutes is ended (its process group) by the engine's shutdown, which does
+    not wait for it; the compile thread ends too, logging no failure."""
+    marker = tmp_path / "pid"
+    fake_worker(monkeypatch, tmp_path, f"pathlib.Path({str(marker)!r}).write_text(str(__import__('os').getpid()))\n"
+                                       "time.sleep(600)")
+    engine = load(tiny, cpu_compile="on")
+    compiled = compiled_of(engine)
+    deadline = time.monotonic() + WAIT
+    while not marker.exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    pid = int(marker.read_text())
+    thread = compiled.thread
+    engine.shutdown()
+    assert thread is not None
+    thread.join(WAIT)
+    assert not thread.is_alive() and not compiled.failed
+    assert not Path(f"/proc/{pid}").exists() or "Z" in Path(f"/proc/{pid}/stat").read_text().split()[2]
+
+
+@pytest.mark.skipif(not hasattr(os, "SCHED_IDLE"), reason="SCHED_IDLE is Linux's")
+def test_the_worker_runs_at_idle_priority() -> None:
+    code = ("import os; from streamserve.engine.compile_worker import idle_priority; "
+            "print(idle_priority(), os.sched_getscheduler(0) == os.SCHED_IDLE)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=WAIT, check=True)
+    assert out.stdout.split() == ["idle", "True"]
 
 
 def test_no_effect_off_cpu_torch(tiny: Path) -> None:

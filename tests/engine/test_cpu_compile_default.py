@@ -6,11 +6,11 @@ says STREAMSERVE_CPU_COMPILE=off (as the rest of this suite does: tests/conftest
 
 from __future__ import annotations
 
-import gc
 import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -20,15 +20,7 @@ from helpers import make_checkpoint, random_ids
 from streamserve import Engine
 from streamserve.engine import compiled as compiled_module
 from streamserve.engine.compiled import CompiledSteps
-from streamserve.engine.inductor_setup import (
-    COMPILE_NICE,
-    CPU_COMPILE_ENV,
-    EngineFirst,
-    TraceGate,
-    compiler_missing,
-    cpu_compile_wanted,
-    guard_fx_traces,
-)
+from streamserve.engine.inductor_setup import CPU_COMPILE_ENV, compiler_missing, cpu_compile_wanted
 from streamserve.errors import InvalidInputError
 from streamserve.tools.batched import replies_together
 
@@ -95,42 +87,40 @@ def test_default_engine_serves_compiled_once_ready(tiny: Path, auto: None, monke
         eager.shutdown()
 
 
-def test_serves_while_compiling_at_low_priority_and_shutdown_does_not_wait(tiny: Path, auto: None,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The compile is held (a gate in the backend) while the default engine serves two sessions at once: every
-    step eager, the same tokens as an eager engine; the compile thread runs at the lowest priority; a shutdown
-    with the compile still held returns, and the thread ends once the compile does, its result dropped."""
-    gate, entered = threading.Event(), threading.Event()
-    niceness: list[int] = []
-
-    def held(gm: torch.fx.GraphModule, inputs: list[object]) -> object:
-        if sys.platform == "linux":
-            niceness.append(os.getpriority(os.PRIO_PROCESS, threading.get_native_id()))
-        entered.set()
-        assert gate.wait(WAIT)
-        return gm.forward  # Dynamo's "eager" backend: no C++ compile
-
-    monkeypatch.setattr(compiled_module, "inductor", held)
+def test_serves_while_compiling_at_idle_priority_and_shutdown_does_not_wait(tiny: Path, auto: None, tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """The worker is held (a stand-in that takes the worker's priority, then waits) while the default engine serves
+    two sessions at once: every step eager, the same tokens as an eager engine; the worker runs at SCHED_IDLE; a
+    shutdown with the worker still running returns and ends it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    marker = tmp_path / "worker"
+    held = ("import os, pathlib, time\nfrom streamserve.engine.compile_worker import idle_priority\n"
+            f"pathlib.Path({str(marker)!r}).write_text(f'{{os.getpid()}} {{idle_priority()}}')\ntime.sleep(600)")
+    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", held])
     eager = Engine.from_pretrained(tiny, device="cpu", kv_memory="16MiB", cpu_compile="off")
     engine = default_engine(tiny)
     compiled = compiled_of(engine)
     try:
-        assert entered.wait(WAIT)  # compiling now
         prompts, kws = [random_ids(25, seed=12), random_ids(33, seed=13)], [{}, {}]
         assert replies_together(engine, prompts, 20, kws) == replies_together(eager, prompts, 20, kws)
         assert compiled.steps == 0 and compiled.eager_steps >= 19
         assert engine.stats()["compiled_step"]["state"] == "compiling"
-        if sys.platform == "linux":
-            assert niceness == [COMPILE_NICE]
+        deadline = time.monotonic() + WAIT
+        while not marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        pid, priority = marker.read_text().split()
+        if hasattr(os, "SCHED_IDLE"):
+            assert priority == "idle"
         engine.check_integrity()
     finally:
-        engine.shutdown()  # returns with the compile still held
+        engine.shutdown()  # returns with the worker still running: it is killed
         eager.shutdown()
     thread = compile_thread()
-    assert thread is not None and thread.is_alive() and not gate.is_set()
-    gate.set()
-    thread.join(WAIT)
-    assert not thread.is_alive() and compiled.ready == 0  # closed: the late result is not published
+    if thread is not None:
+        thread.join(WAIT)
+    assert compiled.ready == 0 and not compiled.failed  # closed: nothing published, no failure logged
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"
 
 
 def test_auto_follows_the_device_kernels_compiler_and_environment(tiny: Path, auto: None,
@@ -154,13 +144,17 @@ def test_auto_follows_the_device_kernels_compiler_and_environment(tiny: Path, au
 
 
 def test_models_pull_warms_the_default_decode_step(tiny: Path, auto: None, monkeypatch: pytest.MonkeyPatch,
-                                                   capsys: pytest.CaptureFixture[str]) -> None:
+                                                   capsys: pytest.CaptureFixture[str], tmp_path: Path) -> None:
     """`streamserve models pull` compiles the step chat and serve start with (cli/models.py warm_compiled_step),
-    with progress on stderr; nothing where auto is off. Dynamo's eager backend here: the C++ compile and its cache
-    are the test above's."""
+    with progress on stderr; nothing where auto is off. A stand-in worker and package here: the real compile and its
+    cache are the test above's."""
     from streamserve.cli import models as models_cli
 
-    monkeypatch.setattr(compiled_module, "inductor", lambda gm, inputs: gm.forward)
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    script = ("import json, pathlib, sys, time; time.sleep(0.2); "
+              "pathlib.Path(json.loads(pathlib.Path(sys.argv[1]).read_text())['out']).write_bytes(b'')")
+    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", script])
+    monkeypatch.setattr(compiled_module, "load_package", lambda path: lambda *inputs: torch.zeros(1))
     monkeypatch.setattr(models_cli, "WARM_REPORT_EVERY", 0.01)  # a progress line at once
     seconds = models_cli.warm_compiled_step(tiny)
     assert seconds is not None and seconds > 0
@@ -173,80 +167,23 @@ def test_models_pull_warms_the_default_decode_step(tiny: Path, auto: None, monke
     monkeypatch.setenv(CPU_COMPILE_ENV, "off")
     assert models_cli.warm_compiled_step(tiny) is None
     assert "no CPU decode step to compile here" in capsys.readouterr().err
-
-
-def test_the_compile_pauses_only_while_the_engine_works() -> None:
-    """`EngineFirst`: the compile thread waits at its garbage collections while the engine is not quiet, and
-    never while it is; another thread's collections never wait."""
-    quiet = threading.Event()
-    quiet.set()
-    first = EngineFirst(quiet)
-
-    def churn() -> None:  # allocation-heavy Python, as tracing is: containers kept alive trigger collections
-        kept = [[] for _ in range(100_000)]
-        assert len(kept) == 100_000
-
-    with first:
-        churn()
-    assert first.paused_s == 0.0
-    quiet.clear()
-    other = threading.Thread(target=churn)
-    with first:
-        other.start()
-        other.join()
-        assert first.paused_s == 0.0  # another thread's collections: no pause
-        churn()
-    assert first.paused_s > 0.0 and first not in gc.callbacks
+    monkeypatch.delenv(CPU_COMPILE_ENV)
+    assert models_cli.warm_compiled_step(tiny) == 0.0  # a second pull: the package is in the cache
+    assert "decode step was in the cache" in capsys.readouterr().err
 
 
 @pytest.mark.skipif(compiler_missing() is not None, reason="torch.compile cannot build CPU code here")
 def test_a_script_that_exits_while_its_engine_compiles_exits_cleanly(tmp_path: Path) -> None:
-    """Finalization would end the compile thread inside torch's C++ (the process aborted with "terminate called
-    without an active exception", every time with the default model three seconds into its compile, without
-    `inductor_setup.stop_compiles_at_exit`): the exit stops it first."""
+    """A script that ends while its engine's step compiles exits at once and cleanly, and its worker (a process
+    that would compile for a minute more) is ended with it (`inductor_setup.stop_compiles_at_exit`)."""
     script = ("import time; from streamserve import Engine; "
               "e = Engine.from_pretrained('default', device='cpu', kv_memory='16MiB'); "
-              "c = e.graphs.compiled; time.sleep(3); print('compiling', not c.idle.is_set())")
+              "c = e.graphs.compiled; time.sleep(3); print('compiling', not c.idle.is_set(), c._worker.pid)")
     env = {k: v for k, v in os.environ.items() if k != CPU_COMPILE_ENV}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # cold: the exit comes mid-compile
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=WAIT)
     assert done.returncode == 0 and "terminate called" not in done.stderr, done.stderr[-2000:]
-    assert done.stdout.strip() == "compiling True"
-
-
-def test_an_fx_trace_and_an_engine_step_never_overlap(tiny: Path) -> None:
-    """FX's symbolic tracer patches torch.nn.Module.__call__ for every thread while it traces (Inductor's passes
-    run such traces): an eager step then failed ("module is not installed as a submodule"). With the guard a step
-    waits for the trace to end, then gives the same tokens."""
-    import concurrent.futures
-
-    guard_fx_traces()
-    inside, release = threading.Event(), threading.Event()
-
-    class Slow(torch.nn.Module):
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            inside.set()
-            assert release.wait(WAIT)  # the trace holds its patches until the test lets it go
-            return x + 1
-
-    engine = Engine.from_pretrained(tiny, device="cpu", kv_memory="16MiB", cpu_compile="off")
-    prompt = random_ids(20, seed=14)
-    want = greedy(engine, prompt, 6)
-    tracer = threading.Thread(target=torch.fx.symbolic_trace, args=(Slow(),))
-    with concurrent.futures.ThreadPoolExecutor(1) as pool:
-        tracer.start()
-        assert inside.wait(WAIT)
-        step = pool.submit(greedy, engine, prompt, 6)  # waits for the trace (it failed at once without the guard)
-        concurrent.futures.wait([step], timeout=1.0)  # a second in which a step beside the trace would fail
-        release.set()
-        tracer.join(WAIT)
-        assert step.result(WAIT) == want
-    engine.shutdown()
-
-
-def test_a_trace_inside_a_forward_of_its_own_thread_does_not_wait_for_itself() -> None:
-    gate = TraceGate()
-    with gate.forward(), gate.trace(), gate.trace():  # nested: would wait for itself forever without the count
-        pass
-    with gate.trace():  # and nothing is left held
-        pass
+    said, pid = done.stdout.strip().rsplit(" ", 1)
+    assert said == "compiling True"
+    stat = Path(f"/proc/{pid}/stat")
+    assert not stat.exists() or stat.read_text().split()[2] == "Z"
