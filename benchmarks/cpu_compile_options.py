@@ -1,19 +1,16 @@
 """The compiled CPU decode step's Inductor options side by side: what each option `INDUCTOR_OPTIONS` ships buys.
 
     python benchmarks/cpu_compile_options.py [--model NAME] [--quantize int4] [--new 96] [--reps 6]
-                                             [--variants shipped,python_wrapper,default_chunk,all_guards]
+                                             [--variants shipped,default_chunk,no_autotune]
                                              [--quick]
 
-Each variant is an engine with cpu_compile="on" whose decode step was compiled under `engine/compiled.py`'s
-`INDUCTOR_OPTIONS` with that variant's changes:
+Each variant is an engine with cpu_compile="on" whose decode step was compiled (by the compile worker, into an
+AOTInductor package) under `engine/inductor_setup.py`'s `INDUCTOR_OPTIONS` with that variant's changes:
 - `shipped`: the options as shipped;
-- `python_wrapper`: `cpp_wrapper` off (Inductor's default: the code that calls the kernels is a Python function);
 - `default_chunk`: `cpp.min_chunk_size` at Inductor's default (512 elements a thread: small kernels fork);
-- `neither`: both of those;
-- `all_guards`: Dynamo checks every guard it made before each step (the shipped `input_guards` filter keeps only
-  those on the step's arguments and on global state), the same generated code.
-All are loaded in one process (compiled one after another, each waited for; the first compile of a variant is cold,
-later runs hit Inductor's on-disk cache), then each decodes --new greedy tokens after a 32-token English prompt,
+- `no_autotune`: `max_autotune` off (aten's packed kernels for every matmul, no CPP GEMM template).
+All are loaded in one process (compiled one after another, each waited for; a variant whose package is in the cache
+loads it), then each decodes --new greedy tokens after a 32-token English prompt,
 reps interleaved variant by variant, so all see the same load. Per variant: the median tok/s (first streamed token
 to last), the median forward milliseconds per decoded token from the engine's own counters (`decode_seconds /
 decode_tokens`: the compiled code plus the host work of loading its buffers; sampling and bookkeeping not
@@ -46,27 +43,18 @@ from streamserve.models import store
 SMOLLM2 = "smollm2-135m-instruct"
 PROMPT_TOKENS = 32
 COMPILE_TIMEOUT = 900.0
-VARIANTS: dict[str, dict[str, Any]] = {  # changes to the shipped INDUCTOR_OPTIONS ("guards": to the guard filter)
+VARIANTS: dict[str, dict[str, Any]] = {  # changes to the shipped INDUCTOR_OPTIONS
     "shipped": {},
-    "python_wrapper": {"cpp_wrapper": False},
     "default_chunk": {"cpp.min_chunk_size": 512},
-    "neither": {"cpp_wrapper": False, "cpp.min_chunk_size": 512},
-    "all_guards": {"guards": "all"},
+    "no_autotune": {"max_autotune": False},
 }
-
-
-def every_guard(entries: list[Any]) -> list[bool]:
-    return [True] * len(entries)
 
 
 def load_variant(path: Path, quantize: str, changes: dict[str, Any]) -> tuple[Engine, float]:
     """An engine whose start-up step shape compiles under the shipped options with `changes` -> (engine, seconds
-    its compile took). The options are read by the compile thread when it compiles: they are restored once that
-    compile is done."""
-    shipped, shipped_filter = dict(compiled.INDUCTOR_OPTIONS), compiled.input_guards
-    changes = dict(changes)
-    if changes.pop("guards", None) == "all":
-        compiled.input_guards = every_guard  # type: ignore[assignment]  # read by the compile thread's torch.compile
+    its compile took). The options are read by the compile thread when it asks the worker: they are restored once
+    that compile is done."""
+    shipped = dict(compiled.INDUCTOR_OPTIONS)
     compiled.INDUCTOR_OPTIONS.update(changes)
     try:
         engine = Engine.from_pretrained(path, device="cpu", dtype="float32", quantize=quantize, kv_memory="256MiB",
@@ -83,7 +71,6 @@ def load_variant(path: Path, quantize: str, changes: dict[str, Any]) -> tuple[En
     finally:
         compiled.INDUCTOR_OPTIONS.clear()
         compiled.INDUCTOR_OPTIONS.update(shipped)
-        compiled.input_guards = shipped_filter  # type: ignore[assignment]
 
 
 def rep(engine: Engine, prompt: list[int], new: int) -> tuple[float, float, list[int]]:
@@ -107,7 +94,7 @@ def main() -> None:
     p.add_argument("--quantize", default="int4", choices=["none", "int8", "int4", "auto"])
     p.add_argument("--new", type=int, default=96, help="greedy tokens timed per rep (default 96)")
     p.add_argument("--reps", type=int, default=6)
-    p.add_argument("--variants", default="shipped,python_wrapper,default_chunk,all_guards",
+    p.add_argument("--variants", default="shipped,default_chunk,no_autotune",
                    help=f"comma-separated, from {', '.join(VARIANTS)} (shipped is always run, first)")
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--quick", action="store_true",
@@ -118,10 +105,10 @@ def main() -> None:
     if unknown := [v for v in names if v not in VARIANTS]:
         p.error(f"unknown variants {unknown}; choose from {', '.join(VARIANTS)}")
     common: dict[str, Any] = {}  # changes every variant gets
-    # quick: no autotuning either (it times every matmul shape for seconds), and the point is the script; all_guards
-    # compiles the same graph as shipped, which Inductor's cache then serves (one compile of the two)
+    # quick: no autotuning (it times every matmul shape for seconds), and the point is the script: no_autotune then
+    # names the same package as shipped, which the cache serves (one compile of the two)
     if args.quick:
-        args.model, args.quantize, args.new, args.reps, names = "default", "none", 8, 1, ["shipped", "all_guards"]
+        args.model, args.quantize, args.new, args.reps, names = "default", "none", 8, 1, ["shipped", "no_autotune"]
         common = {"max_autotune": False}
     model = args.model or (SMOLLM2 if store.installed(SMOLLM2) is not None else "default")
     torch.set_num_threads(args.threads)

@@ -78,24 +78,24 @@ def render_compile_background(rec: dict[str, Any]) -> str:
     r = rec["result"]
     rows = []
     for key, label in (("baseline", "eager, no compile running (`--cpu-compile off`)"),
-                       ("during_cold_compile", "while a cold compile runs (the default)"),
-                       ("during_cold_compile_normal_priority", "while a cold compile runs, without the yielding "
-                        "and priority"),
-                       ("warm_start", "while a second start compiles from the cache"),
+                       ("during_cold_compile", "while a cold compile runs (the default: the worker at SCHED_IDLE)"),
+                       ("during_cold_compile_normal_priority", "while a cold compile runs, the worker at normal "
+                        "priority"),
+                       ("warm_start", "a second start, its package in the cache"),
                        ("compiled", "compiled, once ready")):
         if key in r:
             p = r[key]
             rows.append([label, p["ticks"], p["p50_ms"], p["p95_ms"], p["max_ms"], p["deadline_misses"]])
     cold, warm = r["during_cold_compile"], r["warm_start"]
+    normal = r.get("during_cold_compile_normal_priority")
     return "\n".join([
         provenance(rec), "",
         table(["the loop's ticks (200 ms period)", "ticks", "p50 ms", "p95 ms", "max ms", "deadline misses"], rows),
-        "", f"Model {r['model']}. A cold compile took {cold['compile_s']} s while the loop ran (it served compiled "
-            f"{cold['ready_after_s']} s after its load); a second start in a fresh process, from the cache that "
-            f"compile left, compiled in {warm['compile_s']} s and served compiled {warm['ready_after_s']} s after "
-            f"its load ({warm['load_s']} s to load)."
-            + (f" Without yielding, a cold compile took {r['during_cold_compile_normal_priority']['compile_s']} s."
-               if "during_cold_compile_normal_priority" in r else "")])
+        "", f"Model {r['model']}. A cold compile took {cold['compile_s']} s in the worker while the loop ran (the "
+            f"engine served compiled {cold['ready_after_s']} s after its load); a second start in a fresh process "
+            f"loaded the package that compile left ({warm.get('workers', '?')} workers started) and served compiled "
+            f"{warm['ready_after_s']} s after its load ({warm['load_s']} s to load)."
+            + (f" At normal priority the cold compile took {normal['compile_s']} s." if normal else "")])
 
 
 def render_step_costs(rec: dict[str, Any]) -> str:

@@ -48,11 +48,11 @@ class EngineConfig:
     max_draft: int = field(default=7, metadata={
         "help": "the most tokens drafted per verification (1 to 7); each session drafts fewer when that pays"})
     cpu_compile: str = field(default="auto", metadata={
-        "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code torch.compile "
-                "(Inductor) generates, weights frozen in and matmuls autotuned: each shape runs eagerly while it "
-                "compiles in a background thread at the lowest CPU priority (minutes cold for a 135M model; about "
-                "twenty seconds from the cache under the streamserve cache home, which `models pull` warms), "
-                "then compiled. auto = on where a C++ compiler is there (and STREAMSERVE_CPU_COMPILE is not off), "
+        "help": "on a CPU with torch kernels, decode steps take fixed shapes and run from code AOTInductor "
+                "generates, weights frozen in and matmuls autotuned: each shape runs eagerly while a child process "
+                "compiles it at idle CPU priority (minutes cold for a 135M model), then compiled; the package is "
+                "cached under the streamserve cache home (`models pull` warms it) and a restart loads it in under "
+                "a second. auto = on where a C++ compiler is there (and STREAMSERVE_CPU_COMPILE is not off), "
                 "off = always eager. No effect on CUDA or with triton kernels (docs/quantization.md)",
         "choices": ("auto", "on", "off")})
     backend: str = field(default="engine", metadata={

@@ -88,6 +88,9 @@ LOAD_WAIT_S = 2.0  # the most a finished package waits for a moment the engine h
 WORKER = [sys.executable, "-m", "streamserve.engine.compile_worker"]  # + the request file
 WORKER_IDLE = True  # the worker runs at SCHED_IDLE (benchmarks/compile_background.py compares normal priority)
 
+# the worker's own process group (Python 3.10 has no process_group argument: setpgrp between fork and exec)
+OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
+
 CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
 StepFn = Callable[[Entry], torch.Tensor]
 
@@ -352,9 +355,11 @@ class CompiledSteps:
                     raise RuntimeError("closed")
                 self.builds += 1
                 with log_path.open("wb") as sink:
-                    # its own process group: a kill reaches the C++ compilers it started
+                    # its own process group (a kill reaches the C++ compilers it started), in this session: a new
+                    # session is a new scheduler autogroup (Linux), which the kernel gives an equal share of the
+                    # CPUs whatever its priority, and the engine's real-time loop then missed most of its deadlines
                     self._worker = subprocess.Popen([*WORKER, f.name], stdin=subprocess.DEVNULL, stdout=sink,
-                                                    stderr=subprocess.STDOUT, start_new_session=True)
+                                                    stderr=subprocess.STDOUT, **OWN_GROUP)
             code = self._worker.wait()
         finally:
             with self._cv:
