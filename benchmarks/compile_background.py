@@ -12,9 +12,10 @@ defaults but for the compile setting, on this machine's cores:
 - `baseline`: an engine with cpu_compile "off" runs --ticks ticks.
 - `during_cold_compile`: an engine at its defaults (cpu_compile "auto") over an empty Inductor cache directory runs
   the loop from its load until its start-up compile is done (at least --ticks ticks): every tick eager, beside the
-  compile worker, a child process at SCHED_IDLE (engine/compile_worker.py).
-- `during_cold_compile_normal_priority`: the same with the worker at normal priority (what SCHED_IDLE buys); a
-  second empty cache directory.
+  compile worker, a child process at SCHED_IDLE that is stopped while the engine has work
+  (engine/compile_worker.py, engine/worker_process.py).
+- `during_cold_compile_normal_priority`: the same with the worker at normal priority and never stopped (what the
+  two buy); a second empty cache directory.
 - `compiled`: the defaults engine's loop once its step is compiled, --ticks ticks.
 - `warm_start`: a fresh process loads the defaults engine over the cache `during_cold_compile` filled and runs the
   loop at once: how long after the load it served compiled (`ready_after_s`: the package loads from the cache, no
@@ -40,6 +41,7 @@ import torch
 
 from streamserve import Engine
 from streamserve.engine import compiled as compiled_module
+from streamserve.engine import worker_process
 from streamserve.engine.inductor_setup import CPU_COMPILE_ENV
 from streamserve.engine.loading import resolve_model_path
 from streamserve.models import store
@@ -89,8 +91,9 @@ def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]
         engine = Engine.from_pretrained(path, cpu_compile="off")
         tick_loop(engine, 5)  # warm-up
         return figures(tick_loop(engine, ticks))
-    if phase == "cold_normal_priority":  # the compile worker at normal priority, not SCHED_IDLE
-        compiled_module.WORKER_IDLE = False  # type: ignore[misc]  # read when the worker starts
+    if phase == "cold_normal_priority":  # the compile worker at normal priority, never paused
+        worker_process.WORKER_IDLE = False  # type: ignore[misc]  # read when the worker starts
+        worker_process.PAUSE_WORKER = False  # type: ignore[misc]
     t0 = time.perf_counter()
     engine = Engine.from_pretrained(path)  # the defaults
     load_s = time.perf_counter() - t0
@@ -104,7 +107,7 @@ def run_phase(phase: str, path: Path, ticks: int, cache: Path) -> dict[str, Any]
         raise SystemExit("the compile did not finish")
     res.update(compile_s=round(sum(compiled.compile_seconds.values()), 1), failed=list(compiled.failed.values()),
                ready_after_s=compiled.ready_after and round(compiled.ready_after, 2),
-               from_cache=len(compiled.from_cache), workers=compiled.builds)
+               from_cache=len(compiled.from_cache), workers=compiled.builds, worker_pauses=compiled.process.pauses)
     if phase == "cold":  # then the loop compiled
         after = figures(tick_loop(engine, ticks))
         step = engine.stats()["compiled_step"]

@@ -35,6 +35,7 @@ from streamserve import Engine
 from streamserve.config import SCHEDULER_DEFAULTS, SchedulerConfig
 from streamserve.engine.session import Session
 from streamserve.errors import SessionClosedError
+from streamserve.tools.compiled import wait_compiled
 
 CHUNK_S = 0.2  # one chunk every 200 ms
 REPLY_EVERY = 10  # chunks: a reply every 2 s
@@ -156,6 +157,7 @@ def flood_case(words: list[str], step_tokens: int, seconds: float) -> dict[str, 
     # min_append_tokens (default 32) is a floor under every step's append budget: lowered with the budget here
     engine = Engine.from_pretrained("default", kv_memory="1GiB", scheduler=SchedulerConfig(
         step_tokens=step_tokens, min_append_tokens=min(step_tokens, SCHEDULER_DEFAULTS.min_append_tokens)))
+    wait_compiled(engine)
     asyncio.run(run_level(engine, words, 2, 0.5))  # warm-up
     alone = asyncio.run(run_level(engine, words, FLOOD_SESSIONS, seconds, replies=False))
     flooded = asyncio.run(run_level(engine, words, FLOOD_SESSIONS, seconds, flood=True, replies=False))
@@ -181,6 +183,7 @@ def main() -> None:
     rounds = 0 if args.quick else args.search
     seconds = 2.2 if args.quick else args.seconds
     engine = Engine.from_pretrained("default", kv_memory="1GiB")
+    wait_compiled(engine)  # the compiled decode step a user gets (cpu_compile auto), not its compile
     words = corpus_words()
     # warm up (first-call allocations) before anything is timed
     asyncio.run(run_level(engine, words, 2, 0.5))

@@ -30,6 +30,7 @@ from streamserve import Engine
 from streamserve.engine.engine import DEFAULT_MODEL_DIR
 from streamserve.engine.openmp import release_openmp_threads
 from streamserve.kernels import reference as ref
+from streamserve.tools.compiled import wait_compiled
 from streamserve.tools.random_checkpoint import make_random_checkpoint
 
 MOE64 = dict(vocab_size=4096, hidden_size=512, num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=4,
@@ -50,6 +51,7 @@ def bench_model(name: str, path: Path, prompt_len: int, new: int, reps: int) -> 
     from transformers import AutoModelForCausalLM, GenerationConfig
 
     engine = Engine.from_pretrained(path, device="cpu", dtype="float32")
+    wait_compiled(engine)  # its decode step as a user gets it once compiled (cpu_compile auto)
     hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     vocab = engine.config.vocab_size
     prompt = torch.randint(0, min(vocab, 4000), (prompt_len,), generator=torch.Generator().manual_seed(0)).tolist()

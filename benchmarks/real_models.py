@@ -97,7 +97,8 @@ def kv_bytes(engine: Engine, lengths: tuple[int, ...]) -> dict[str, int]:
 
 def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     t0 = time.perf_counter()
-    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", quantize="none")  # float32 both sides
+    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", quantize="none",
+                                    cpu_compile="off")  # float32 both sides, eager: compared with transformers
     res: dict[str, Any] = {"file": path.name, "load_s": round(time.perf_counter() - t0, 2)}
     hf, res["hf_load_s"] = hf_model(path)
     res["hf_load_s"] = round(res["hf_load_s"], 2)
@@ -123,7 +124,7 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
     if any(w is not None for w in engine.config.sliding_windows):
         engine.shutdown()
         engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", rewind_reach=NO_FREEING_REACH,
-                                        quantize="none")
+                                        quantize="none", cpu_compile="off")
         res["kv_bytes_without_window_freeing"] = kv_bytes(engine, lengths)
         res["kv_without_over_with_freeing"] = round(
             res["kv_bytes_without_window_freeing"][str(lengths[-1])] / res["kv_bytes"][str(lengths[-1])], 2)
@@ -134,7 +135,7 @@ def measure(name: str, path: Path, quick: bool) -> dict[str, Any]:
 
 def session_workload(path: Path, sessions: int, turns: int) -> dict[str, Any]:
     sa = session_append_module()
-    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", quantize="none")
+    engine = Engine.from_pretrained(path, device="cpu", kv_memory="2GiB", quantize="none", cpu_compile="off")
     inputs = sa.turn_inputs(sessions, turns)
     sa.persistent(engine, [ins[:2] for ins in inputs], None)  # warm-up
     lat, histories = sa.persistent(engine, inputs, None)

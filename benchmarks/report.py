@@ -78,9 +78,10 @@ def render_compile_background(rec: dict[str, Any]) -> str:
     r = rec["result"]
     rows = []
     for key, label in (("baseline", "eager, no compile running (`--cpu-compile off`)"),
-                       ("during_cold_compile", "while a cold compile runs (the default: the worker at SCHED_IDLE)"),
+                       ("during_cold_compile", "while a cold compile runs (the default: the worker at SCHED_IDLE, "
+                        "stopped while the engine works)"),
                        ("during_cold_compile_normal_priority", "while a cold compile runs, the worker at normal "
-                        "priority"),
+                        "priority, never stopped"),
                        ("warm_start", "a second start, its package in the cache"),
                        ("compiled", "compiled, once ready")):
         if key in r:

@@ -104,9 +104,12 @@ async def conversation(args: argparse.Namespace) -> dict[str, Any]:
     from streamserve.config import ServerConfig
     from streamserve.engine import Engine
     from streamserve.server.app import Server, start
+    from streamserve.tools.compiled import wait_compiled
 
     def load() -> Engine:
-        return Engine.from_pretrained(args.model, device="cpu", kv_memory=args.kv_memory, offline=True)
+        engine = Engine.from_pretrained(args.model, device="cpu", kv_memory=args.kv_memory, offline=True)
+        wait_compiled(engine)  # the compiled decode step a user gets (cpu_compile auto), not its compile
+        return engine
 
     os.environ.pop("STREAMSERVE_API_KEY", None)  # no key: any bearer is accepted, each its own owner
     server = Server(ServerConfig(host="127.0.0.1", port=0, no_voice=True, no_vision=True,

@@ -115,9 +115,11 @@ def stateless_ratio(ticks_before: int, measured: int, model: str = "default-poli
     from streamserve import Engine
     from streamserve.robot import arm
     from streamserve.robot.rollout import EnginePolicy, engine_codec
+    from streamserve.tools.compiled import wait_compiled
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
     engine = Engine.from_pretrained(model, device="cpu")
+    wait_compiled(engine)  # the compiled decode step a user gets (cpu_compile auto), not its compile
     codec = engine_codec(engine)
     kw = {"max_tokens": codec.n_action_tokens, "temperature": 0.0, "stop_token_ids": (),
           "allowed_token_ids": codec.action_ids}

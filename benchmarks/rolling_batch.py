@@ -58,7 +58,7 @@ def main() -> None:
     from streamserve.robot.rollout import engine_codec
 
     torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
-    engine = Engine.from_pretrained("default-policy", device="cpu")
+    engine = Engine.from_pretrained("default-policy", device="cpu", cpu_compile="off")  # the eager op tables compared
     codec = engine_codec(engine)
     model = engine.model
     tables = {"batched": model.ops, "per_session": dataclasses.replace(model.ops, attention_rolling_batch=None)}

@@ -46,14 +46,7 @@ Quantized experts loop over the chosen ones on the host: their export fails and 
 
 from __future__ import annotations
 
-import contextlib
-import json
 import logging
-import os
-import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import deque
@@ -75,6 +68,7 @@ from streamserve.engine.inductor_setup import (
     stop_at_exit,
 )
 from streamserve.engine.static_step import Entry, GraphKey, Part, PolicyKey
+from streamserve.engine.worker_process import WorkerProcess
 from streamserve.errors import InvalidInputError
 from streamserve.models import CausalLM
 from streamserve.sessions import KVPool, WindowPolicy
@@ -85,12 +79,6 @@ MAX_COMPILED = 8  # step shapes compiled per engine (ready or failed); others al
 COMPILE_AFTER_STEPS = 16  # a shape is queued for compiling once it ran this many steps
 SEEN_LIMIT = 256  # shapes whose steps are counted at a time (the count restarts when full)
 LOAD_WAIT_S = 2.0  # the most a finished package waits for a moment the engine has no work, to load then
-WORKER = [sys.executable, "-m", "streamserve.engine.compile_worker"]  # + the request file
-WORKER_IDLE = True  # the worker runs at SCHED_IDLE (benchmarks/compile_background.py compares normal priority)
-
-# the worker's own process group (Python 3.10 has no process_group argument: setpgrp between fork and exec)
-OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
-
 CompileKey = tuple[int, bool, tuple[tuple[PolicyKey, int], ...], int]  # W, all rows, (policy, batch)..., threads
 StepFn = Callable[[Entry], torch.Tensor]
 
@@ -163,17 +151,16 @@ class CompiledSteps:
             quiet = threading.Event()
             quiet.set()
         self.quiet = quiet
+        self.process = WorkerProcess(quiet)  # the compile worker, paused while the engine has work
         self._fns: dict[CompileKey, StepFn] = {}  # ready
         self.failed: dict[CompileKey, str] = {}  # shape -> why it stays eager
         self.compile_seconds: dict[CompileKey, float] = {}  # the worker's time (0 for a package from the cache)
         self.from_cache: set[CompileKey] = set()  # shapes whose package was in the cache
-        self.builds = 0  # worker processes started
         self._queued: set[CompileKey] = set()  # queued, compiling, ready or failed: never queued again
         self._seen: dict[CompileKey, int] = {}  # steps run per shape not queued yet
         self._queue: deque[tuple[CompileKey, GraphKey, dict[PolicyKey, WindowPolicy]]] = deque()
         self._cv = threading.Condition()
         self._thread: threading.Thread | None = None
-        self._worker: subprocess.Popen[bytes] | None = None  # the compile worker running now
         self._closed = False
         self.idle = threading.Event()  # set while nothing is queued or compiling
         self.idle.set()
@@ -282,11 +269,14 @@ class CompiledSteps:
         with self._cv:
             self._closed = True
             self._queue.clear()
-            worker = self._worker
             self._cv.notify()
-        if worker is not None:
-            kill_worker(worker)
+        self.process.close()
         self.idle.set()
+
+    @property
+    def builds(self) -> int:
+        """Compile workers started (a package loaded from the cache starts none)."""
+        return self.process.runs
 
     # ---- the compile thread ---------------------------------------------------------------------------------
     def _work(self) -> None:
@@ -332,7 +322,7 @@ class CompiledSteps:
             self.compile_seconds[ck] = 0.0
         else:
             t0 = time.perf_counter()
-            self._build({**request, "out": str(out), "idle": WORKER_IDLE})
+            self.process.run({**request, "out": str(out)})
             self.compile_seconds[ck] = time.perf_counter() - t0
         self.quiet.wait(LOAD_WAIT_S)  # between two steps: the load holds the GIL (~0.3 s for SmolLM2-135M)
         with self._cv:
@@ -340,42 +330,3 @@ class CompiledSteps:
                 raise RuntimeError("closed")
         step = load_package(out)
         return lambda entry: step(*step_inputs(entry))
-
-    def _build(self, request: dict[str, Any]) -> None:
-        """Run the compile worker on `request` (waits; `close()` kills it). Its output goes to a log beside the
-        package; a failure raises with the worker's last line."""
-        out = Path(request["out"])
-        out.parent.mkdir(parents=True, exist_ok=True)
-        log_path = out.with_suffix(".log")
-        with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
-            json.dump(request, f)
-        try:
-            with self._cv:
-                if self._closed:
-                    raise RuntimeError("closed")
-                self.builds += 1
-                with log_path.open("wb") as sink:
-                    # its own process group (a kill reaches the C++ compilers it started), in this session: a new
-                    # session is a new scheduler autogroup (Linux), which the kernel gives an equal share of the
-                    # CPUs whatever its priority, and the engine's real-time loop then missed most of its deadlines
-                    self._worker = subprocess.Popen([*WORKER, f.name], stdin=subprocess.DEVNULL, stdout=sink,
-                                                    stderr=subprocess.STDOUT, **OWN_GROUP)
-            code = self._worker.wait()
-        finally:
-            with self._cv:
-                self._worker = None
-            os.unlink(f.name)
-        if code != 0:
-            lines = log_path.read_text(errors="replace").strip().splitlines() if log_path.is_file() else []
-            why = lines[-1] if lines else f"exit status {code}"
-            raise RuntimeError(f"the compile worker failed ({why}; its log: {log_path})")
-
-
-def kill_worker(worker: subprocess.Popen[bytes]) -> None:
-    """End a compile worker and what it started (its process group), by its id."""
-    with contextlib.suppress(ProcessLookupError, PermissionError):  # it ended already
-        os.killpg(worker.pid, signal.SIGKILL)
-    try:
-        worker.wait(5.0)
-    except subprocess.TimeoutExpired:
-        log.warning("cpu_compile: the compile worker %d did not end", worker.pid)

@@ -81,10 +81,9 @@ class EngineLoop:
         self._last_idle_check = time.monotonic()
         self.steps = 0
         self.died: BaseException | None = None  # what ended the engine thread, if a fault did
-        # set while the engine thread has no work (cleared by submit()): background work that shares the GIL (the
-        # compile thread, engine/compiled.py) runs freely only then
-        self.quiet = threading.Event()
-        self.quiet.set()
+        # set while the engine thread has no work (cleared by submit()): background work that shares the CPUs (the
+        # compile worker, engine/compiled.py) runs freely only then
+        self.quiet = Quiet()
         self._death_callbacks: list[Callable[[BaseException], None]] = []
 
     # ---- called from any thread -----------------------------------------------------------------------
@@ -251,6 +250,35 @@ class EngineLoop:
             e.response.outbox.put(End(e.reason))
         elif isinstance(e, ResponseFailed):
             e.response.outbox.put(End("error", e.error))
+
+
+class Quiet(threading.Event):
+    """An Event that tells its listeners each time it changes (on the thread that changed it: under the loop's
+    lock, so a listener must be quick and must not raise)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        super().set()
+        self._listeners: list[Callable[[bool], None]] = []
+
+    def listen(self, fn: Callable[[bool], None]) -> None:
+        self._listeners.append(fn)
+
+    def unlisten(self, fn: Callable[[bool], None]) -> None:
+        if fn in self._listeners:
+            self._listeners.remove(fn)
+
+    def set(self) -> None:
+        if not self.is_set():
+            super().set()
+            for fn in list(self._listeners):
+                fn(True)
+
+    def clear(self) -> None:
+        if self.is_set():
+            super().clear()
+            for fn in list(self._listeners):
+                fn(False)
 
 
 def _thread_main(ref: weakref.ref[EngineLoop], cv: threading.Condition, quiet: threading.Event) -> None:

@@ -27,6 +27,7 @@ from helpers import make_checkpoint, random_ids
 
 from streamserve import Engine
 from streamserve.engine import compiled as compiled_module
+from streamserve.engine import worker_process
 from streamserve.engine.compiled import CompiledSteps
 from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
 from streamserve.engine.inductor_setup import step_cache_dir, step_digest
@@ -76,7 +77,7 @@ def fake_worker(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, code: str) -> N
     it writes is ever loaded by another test)."""
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     script = f"import json, pathlib, sys, time\nrequest = json.loads(pathlib.Path(sys.argv[1]).read_text())\n{code}"
-    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", script])
+    monkeypatch.setattr(worker_process, "WORKER", [sys.executable, "-c", script])
 
 
 # Real compiles, the start-up shape autotuning its quantized matmul shapes (INDUCTOR_OPTIONS): int8 two shapes,
@@ -142,7 +143,7 @@ def test_background_switch_then_a_second_start_loads_from_the_cache(tiny: Path, 
     held = (f"import pathlib, runpy, sys, time\nwhile not pathlib.Path({str(gate)!r}).exists(): time.sleep(0.05)\n"
             "sys.argv = ['compile_worker', sys.argv[1]]\nrunpy.run_module('streamserve.engine.compile_worker', "
             "run_name='__main__')")
-    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", held])
+    monkeypatch.setattr(worker_process, "WORKER", [sys.executable, "-c", held])
     eager, engine = load(tiny), load(tiny, cpu_compile="on")
     compiled = compiled_of(engine)
     prompt = random_ids(20, seed=8)

@@ -19,6 +19,7 @@ from helpers import make_checkpoint, random_ids
 
 from streamserve import Engine
 from streamserve.engine import compiled as compiled_module
+from streamserve.engine import worker_process
 from streamserve.engine.compiled import CompiledSteps
 from streamserve.engine.inductor_setup import CPU_COMPILE_ENV, compiler_missing, cpu_compile_wanted
 from streamserve.errors import InvalidInputError
@@ -96,7 +97,7 @@ def test_serves_while_compiling_at_idle_priority_and_shutdown_does_not_wait(tiny
     marker = tmp_path / "worker"
     held = ("import os, pathlib, time\nfrom streamserve.engine.compile_worker import idle_priority\n"
             f"pathlib.Path({str(marker)!r}).write_text(f'{{os.getpid()}} {{idle_priority()}}')\ntime.sleep(600)")
-    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", held])
+    monkeypatch.setattr(worker_process, "WORKER", [sys.executable, "-c", held])
     eager = Engine.from_pretrained(tiny, device="cpu", kv_memory="16MiB", cpu_compile="off")
     engine = default_engine(tiny)
     compiled = compiled_of(engine)
@@ -153,7 +154,7 @@ def test_models_pull_warms_the_default_decode_step(tiny: Path, auto: None, monke
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
     script = ("import json, pathlib, sys, time; time.sleep(0.2); "
               "pathlib.Path(json.loads(pathlib.Path(sys.argv[1]).read_text())['out']).write_bytes(b'')")
-    monkeypatch.setattr(compiled_module, "WORKER", [sys.executable, "-c", script])
+    monkeypatch.setattr(worker_process, "WORKER", [sys.executable, "-c", script])
     monkeypatch.setattr(compiled_module, "load_package", lambda path: lambda *inputs: torch.zeros(1))
     monkeypatch.setattr(models_cli, "WARM_REPORT_EVERY", 0.01)  # a progress line at once
     seconds = models_cli.warm_compiled_step(tiny)
@@ -178,7 +179,7 @@ def test_a_script_that_exits_while_its_engine_compiles_exits_cleanly(tmp_path: P
     that would compile for a minute more) is ended with it (`inductor_setup.stop_compiles_at_exit`)."""
     script = ("import time; from streamserve import Engine; "
               "e = Engine.from_pretrained('default', device='cpu', kv_memory='16MiB'); "
-              "c = e.graphs.compiled; time.sleep(3); print('compiling', not c.idle.is_set(), c._worker.pid)")
+              "c = e.graphs.compiled; time.sleep(3); print('compiling', not c.idle.is_set(), c.process.worker.pid)")
     env = {k: v for k, v in os.environ.items() if k != CPU_COMPILE_ENV}
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "inductor")  # cold: the exit comes mid-compile
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=WAIT)
