@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import sys
 import time
+import zipfile
 from pathlib import Path
 from typing import Any
 
@@ -62,6 +64,8 @@ def compile_step(request: dict[str, Any]) -> float:
     from streamserve.engine.exported_step import (
         ExportedStep,
         dynamic_shapes,
+        flat_inputs,
+        load_step_library,
         policy_from_spec,
         pool_from_spec,
         step_inputs,
@@ -92,22 +96,27 @@ def compile_step(request: dict[str, Any]) -> float:
     t0 = time.perf_counter()
     exported = torch.export.export(step, inputs, dynamic_shapes=dynamic_shapes(entry))
     print(f"exported in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-    out = Path(request["out"])
-    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.pt2")  # AOTInductor wants the suffix
+    out = Path(request["out"])  # the library (.so) the engine loads
+    package = out.with_name(f".{out.stem}.{os.getpid()}.tmp.pt2")  # AOTInductor wants the suffix
+    tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.so")
     try:
         t0 = time.perf_counter()
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(tmp),
+        torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
                                                  inductor_configs=request["options"])
         print(f"compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
-        runner = torch._inductor.aoti_load_package(str(tmp))
+        with zipfile.ZipFile(package) as z:  # the library, weights inside: the engine loads it without unpacking
+            (member,) = [n for n in z.namelist() if n.endswith(".so")]
+            with z.open(member) as src, tmp.open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
         with torch.inference_mode():
-            got = runner(*inputs)
+            got = load_step_library(tmp)(flat_inputs(entry))
         diff = (got - expect).abs().max().item()
         if not diff <= CHECK_TOLERANCE * (1 + expect.abs().max().item()):  # NaN fails too
             raise RuntimeError(f"compiled logits differ from eager ones by {diff:.3g}")
         os.replace(tmp, out)
         return diff
     finally:
+        package.unlink(missing_ok=True)
         tmp.unlink(missing_ok=True)
 
 

@@ -12,10 +12,10 @@ into its OpenMP kernels.
 
 Why a child process: tracing and lowering are minutes of Python (cold), and in the engine's process they held the
 GIL against the engine thread: a 2-core real-time loop missed about half its deadlines while a compile ran, however
-the compile thread yielded (benchmarks/compile_background.py). The worker shares only the CPUs, at SCHED_IDLE. The
-engine's compile thread only waits for it, then loads the package between two steps (`quiet`: loading holds the GIL
-for a fraction of a second) and publishes it. The package's step has no Python inside (no guards, C++ calling the
-kernels), so it costs the engine thread less than a torch.compile'd step did.
+the compile thread yielded (benchmarks/compile_background.py). The worker shares only the CPUs, at SCHED_IDLE, and
+is stopped while the engine has work (engine/worker_process.py). The engine's compile thread only waits for it, then
+loads the library between two steps (`quiet`: loading holds the GIL for ~0.1 s) and publishes it. The library's
+step has no Python inside (no guards, C++ calling the kernels).
 
 Cached: packages live under Inductor's cache directory (`inductor_setup.step_cache_dir`; the streamserve cache home
 unless TORCHINDUCTOR_CACHE_DIR is set), named by a digest of everything they depend on (the model's fingerprint,
@@ -57,7 +57,7 @@ from typing import Any
 import torch
 
 from streamserve.engine.batch import threads_for
-from streamserve.engine.exported_step import ModelRecipe, policy_spec, pool_spec, step_inputs
+from streamserve.engine.exported_step import ModelRecipe, flat_inputs, load_step_library, policy_spec, pool_spec
 from streamserve.engine.graphs import MIN_BUCKET, DecodeGraphs, policy_key
 from streamserve.engine.inductor_setup import (
     INDUCTOR_OPTIONS,
@@ -88,9 +88,9 @@ def compile_key(key: GraphKey, threads: int) -> CompileKey:
     return width, all_rows, tuple((p.policy, p.batch) for p in parts), threads
 
 
-def load_package(path: Path) -> Callable[..., torch.Tensor]:
-    """An AOTInductor package's step (its inputs: exported_step.step_inputs)."""
-    return torch._inductor.aoti_load_package(str(path))
+def load_package(path: Path) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """A compiled step's library (its inputs: exported_step.flat_inputs)."""
+    return load_step_library(path)
 
 
 def decode_graphs(model: CausalLM, pool: KVPool, max_batch: int, ops: str, cuda_graphs: str, cpu_compile: str,
@@ -316,7 +316,7 @@ class CompiledSteps:
         request = {"recipe": self.recipe.__dict__, "width": key[0], "all_rows": key[1], "threads": ck[3],
                    "parts": [{"policy": policy_spec(policies[p.policy]), "batch": p.batch} for p in key[2]],
                    "pool": pool_spec(self.pool), "options": dict(INDUCTOR_OPTIONS)}
-        out = step_cache_dir() / f"{step_digest(request)}.pt2"
+        out = step_cache_dir() / f"{step_digest(request)}.so"
         if out.is_file():
             self.from_cache.add(ck)
             self.compile_seconds[ck] = 0.0
@@ -324,9 +324,9 @@ class CompiledSteps:
             t0 = time.perf_counter()
             self.process.run({**request, "out": str(out)})
             self.compile_seconds[ck] = time.perf_counter() - t0
-        self.quiet.wait(LOAD_WAIT_S)  # between two steps: the load holds the GIL (~0.3 s for SmolLM2-135M)
+        self.quiet.wait(LOAD_WAIT_S)  # between two steps: the load holds the GIL (~0.1 s for SmolLM2-135M)
         with self._cv:
             if self._closed:
                 raise RuntimeError("closed")
         step = load_package(out)
-        return lambda entry: step(*step_inputs(entry))
+        return lambda entry: step(flat_inputs(entry))

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -41,6 +43,27 @@ def step_inputs(entry: Entry) -> StepInputs:
     parts = entry.parts
     return (entry.ids, entry.rows, [p.q_pos for p in parts], [p.src for p in parts], [list(p.k_pos) for p in parts],
             [list(p.read_slots) for p in parts], [list(p.write) for p in parts], list(pool.k), list(pool.v))
+
+
+def flat_inputs(entry: Entry) -> list[torch.Tensor]:
+    """`step_inputs(entry)` as the compiled library takes them: its tensors in pytree order (None is no input),
+    kept on the entry (its buffers are loaded in place, so the list never changes)."""
+    if entry.flat_inputs is None:
+        from torch.utils._pytree import tree_flatten
+
+        entry.flat_inputs = tree_flatten(step_inputs(entry))[0]
+    return entry.flat_inputs
+
+
+def load_step_library(path: Path) -> Callable[[list[torch.Tensor]], torch.Tensor]:
+    """The compiled step in an AOTInductor library (the `.so` of a package, weights inside) -> a function of
+    `flat_inputs` that returns the logits. Loading it holds Python's GIL for ~0.1 s (SmolLM2-135M)."""
+    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+
+    def step(inputs: list[torch.Tensor]) -> torch.Tensor:
+        return runner.run(inputs)[0]
+
+    return step
 
 
 def dynamic_shapes(entry: Entry) -> tuple[Any, ...]:

@@ -115,6 +115,7 @@ class Entry:
     logits: torch.Tensor | None = None  # [S, V] or [S * W, V], written by each replay
     graph: torch.cuda.CUDAGraph | None = None
     failed: bool = False  # capture failed once: this step shape runs eagerly from now on
+    flat_inputs: list[torch.Tensor] | None = None  # its tensors as a compiled CPU step takes them (exported_step.py)
 
     def forward(self, model: CausalLM) -> torch.Tensor:
         return model.forward_batch(self.ids, self.kvs, self.rows)  # type: ignore[arg-type]

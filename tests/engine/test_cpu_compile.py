@@ -154,7 +154,7 @@ def test_background_switch_then_a_second_start_loads_from_the_cache(tiny: Path, 
     assert compiled.wait_idle(WAIT) and compiled.ready == 1 and not compiled.failed
     assert greedy(engine, prompt, 12) == want
     assert compiled.steps >= 11  # switched
-    assert len(list(step_cache_dir().glob("*.pt2"))) >= 1
+    assert len(list(step_cache_dir().glob("*.so"))) >= 1
     thread = compiled.thread
     engine.shutdown()
     assert thread is not None
@@ -191,7 +191,7 @@ def test_failed_compile_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPat
         assert len(compiled.failed) == 1 and "on purpose" in next(iter(compiled.failed.values()))
         assert engine.stats()["compiled_step"]["state"] == "failed"
         assert len([r for r in caplog.records if "runs eagerly" in r.getMessage()]) == 1  # logged once
-        assert not list(step_cache_dir().glob("*.pt2"))  # nothing cached: a restart tries again
+        assert not list(step_cache_dir().glob("*.so"))  # nothing cached: a restart tries again
     finally:
         engine.shutdown()
         eager.shutdown()
