@@ -8,7 +8,7 @@ linears, a Q8_0 embedding; left out and said so when not pulled) and the embedde
 - the engine with each weight format (`quantize`: "none" float32, "int8", "int4", and on the GGUF "auto", the
   file's own quantization), activations float32;
 - the engine with `cpu_compile="on"` in int8 and int4 (`engine_int8_compiled`, `engine_int4_compiled`: the
-  fixed-shape decode step compiled by torch.compile, engine/compiled.py), on the GGUF in "auto" too
+  fixed-shape decode step compiled by AOTInductor, engine/compiled.py), on the GGUF in "auto" too
   (`engine_auto_compiled`: the file's own 4-bit codes and its Q8_0 head as int8, the bytes llama.cpp reads; "int4"
   re-rounds that head to 4 bits, fewer bytes at a perplexity cost, docs/quantization.md), and for the default
   model in float32 (`engine_none_compiled`: its float MoE experts compile, its quantized ones stay eager), side by

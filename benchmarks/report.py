@@ -82,7 +82,7 @@ def render_compile_background(rec: dict[str, Any]) -> str:
                         "stopped while the engine works)"),
                        ("during_cold_compile_normal_priority", "while a cold compile runs, the worker at normal "
                         "priority, never stopped"),
-                       ("warm_start", "a second start, its package in the cache"),
+                       ("warm_start", "a second start, its compiled step in the cache"),
                        ("compiled", "compiled, once ready")):
         if key in r:
             p = r[key]
@@ -94,7 +94,7 @@ def render_compile_background(rec: dict[str, Any]) -> str:
         table(["the loop's ticks (200 ms period)", "ticks", "p50 ms", "p95 ms", "max ms", "deadline misses"], rows),
         "", f"Model {r['model']}. A cold compile took {cold['compile_s']} s in the worker while the loop ran (the "
             f"engine served compiled {cold['ready_after_s']} s after its load); a second start in a fresh process "
-            f"loaded the package that compile left ({warm.get('workers', '?')} workers started) and served compiled "
+            f"loaded the library that compile left ({warm.get('workers', '?')} workers started) and served compiled "
             f"{warm['ready_after_s']} s after its load ({warm['load_s']} s to load)."
             + (f" At normal priority the cold compile took {normal['compile_s']} s." if normal else "")])
 

@@ -38,7 +38,7 @@ logits are gathered; nothing in a captured step syncs to the host.
 On CUDA `warm_up` captures the decode graphs (W 1, the default policy, key buckets of a short context) of
 every batch bucket at start-up; other shapes are captured the first time they run. On a CPU there is nothing
 to capture: with `cuda_graphs="on"` the same padded static-buffer steps run eagerly, which is how the tests
-check that padding and fixed shapes change no result; with `cpu_compile="on"` they run from torch.compile'd code
+check that padding and fixed shapes change no result; with `cpu_compile="on"` they run from AOTInductor-compiled code
 once their shape has compiled in the background (`compiled`, engine/compiled.py). The buffers themselves are
 engine/static_step.py's."""
 
