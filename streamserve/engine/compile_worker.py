@@ -59,6 +59,7 @@ def die_with_parent(parent: int | None) -> None:
 def compile_step(request: dict[str, Any]) -> float:
     """Build the package `request["out"]` -> the max |compiled - eager| logit on the scratch step."""
     import torch
+    from torch._inductor import aoti_compile_and_package
 
     from streamserve.engine.compiled_ops import COMPILED_CPU_OPS
     from streamserve.engine.exported_step import (
@@ -101,8 +102,7 @@ def compile_step(request: dict[str, Any]) -> float:
     tmp = out.with_name(f".{out.stem}.{os.getpid()}.tmp.so")
     try:
         t0 = time.perf_counter()
-        torch._inductor.aoti_compile_and_package(exported, package_path=str(package),
-                                                 inductor_configs=request["options"])
+        aoti_compile_and_package(exported, package_path=str(package), inductor_configs=request["options"])
         print(f"compiled in {time.perf_counter() - t0:.1f}s", file=sys.stderr, flush=True)
         with zipfile.ZipFile(package) as z:  # the library, weights inside: the engine loads it without unpacking
             (member,) = [n for n in z.namelist() if n.endswith(".so")]

@@ -58,7 +58,9 @@ def flat_inputs(entry: Entry) -> list[torch.Tensor]:
 def load_step_library(path: Path) -> Callable[[list[torch.Tensor]], torch.Tensor]:
     """The compiled step in an AOTInductor library (the `.so` of a package, weights inside) -> a function of
     `flat_inputs` that returns the logits. Loading it holds Python's GIL for ~0.1 s (SmolLM2-135M)."""
-    runner = torch._C._aoti.AOTIModelContainerRunnerCpu(str(path), 1)
+    from torch._C._aoti import AOTIModelContainerRunnerCpu
+
+    runner = AOTIModelContainerRunnerCpu(str(path), 1)
 
     def step(inputs: list[torch.Tensor]) -> torch.Tensor:
         return runner.run(inputs)[0]

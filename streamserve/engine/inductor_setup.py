@@ -6,6 +6,7 @@ from __future__ import annotations
 import atexit
 import functools
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -121,15 +122,14 @@ STEP_SOURCES = ("models", "sessions", "kernels", "engine/static_step.py", "engin
 @functools.lru_cache(maxsize=1)
 def source_digest() -> str:
     """A digest of the code a compiled step is traced from: a package built by other code is never loaded."""
-    import streamserve
-
-    root = Path(streamserve.__file__).parent
+    root = Path(__file__).resolve().parents[1]  # the streamserve package
     h = hashlib.sha256()
     for name in STEP_SOURCES:
         path = root / name
-        if not path.exists():  # kernels/ and sessions/ in a source tree: mapped packages
-            mod = __import__(f"streamserve.{name}", fromlist=["_"])
-            path = Path(mod.__file__).parent
+        if not path.exists():  # kernels/ and sessions/ in a source tree: packages mapped from elsewhere
+            spec = importlib.util.find_spec(f"streamserve.{name}")
+            assert spec is not None and spec.origin is not None
+            path = Path(spec.origin).parent
         for f in sorted(path.rglob("*.py")) if path.is_dir() else [path]:
             h.update(f.name.encode())
             h.update(f.read_bytes())

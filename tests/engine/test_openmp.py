@@ -17,7 +17,6 @@ import torch
 from helpers import make_checkpoint, random_ids
 
 from streamserve import Engine
-from streamserve.engine import compiled as compiled_module
 from streamserve.engine import engine as engine_module
 from streamserve.engine import loop as loop_module
 
@@ -57,7 +56,8 @@ def test_release_ends_the_calling_threads_workers() -> None:
 
 
 def test_the_engine_releases_on_the_threads_that_stop(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """The loading thread after the load, the compile thread after its compile, the engine thread once idle."""
+    """The loading thread after the load, the engine thread once idle (a compile runs in a child process: no
+    OpenMP pool of this process's)."""
     calls: list[str] = []
     engine_released = threading.Event()
 
@@ -67,17 +67,13 @@ def test_the_engine_releases_on_the_threads_that_stop(tmp_path: Path, monkeypatc
             engine_released.set()
         return True
 
-    for module in (engine_module, compiled_module, loop_module):
+    for module in (engine_module, loop_module):
         monkeypatch.setattr(module, "release_openmp_threads", counted)
-    monkeypatch.setattr(compiled_module, "inductor", lambda gm, inputs: gm.forward)  # no C++ compile (CI's time)
     path = tmp_path / "qwen3"
     make_checkpoint(path, "qwen3", num_hidden_layers=2)
-    engine = Engine.from_pretrained(path, device="cpu", kv_memory="16MiB", cpu_compile="on")
+    engine = Engine.from_pretrained(path, device="cpu", kv_memory="16MiB")
     try:
-        assert threading.current_thread().name in calls  # the load (the compile thread's may come before or after)
-        assert engine.graphs is not None and engine.graphs.compiled is not None
-        assert engine.graphs.compiled.wait_idle(600)
-        assert "streamserve-compile" in calls
+        assert threading.current_thread().name in calls  # the load
         engine_released.clear()
         with engine.open_session() as s:
             s.append(token_ids=random_ids(12, seed=1))
