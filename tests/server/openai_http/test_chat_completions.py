@@ -106,7 +106,13 @@ async def test_bad_chat_fields_get_openais_error_shape(srv: RunningServer, body:
     assert r.status == 400, got
     assert got["error"]["type"] == "invalid_request_error" and got["error"]["message"]
     assert got["error"]["param"] == param
-    assert srv.engine.stats()["sessions_open"] <= before  # nothing held for it
+    # nothing held for it: a session the turn opened is dropped by a task the failure spawned (turns.py), which
+    # may end just after the answer went out (CI saw 5 open against 4 once): waited for, never for long
+    for _ in range(500):
+        if srv.engine.stats()["sessions_open"] <= before:
+            break
+        await asyncio.sleep(0.01)
+    assert srv.engine.stats()["sessions_open"] <= before
 
 
 BAD_RESPONSES: list[tuple[dict[str, Any], int, str | None]] = [
