@@ -1,5 +1,6 @@
 """How the compiled CPU decode steps (engine/compiled.py) are set up: whether `cpu_compile="auto"` compiles here,
-Inductor's options and on-disk cache, the guard filter, and the compile thread's low priority."""
+Inductor's options and on-disk cache, the compiled steps' cache and the digest that names each, and the exit that
+ends running compile workers."""
 
 from __future__ import annotations
 
