@@ -328,5 +328,9 @@ class CompiledSteps:
         with self._cv:
             if self._closed:
                 raise RuntimeError("closed")
-        step = load_package(out)
+        try:
+            step = load_package(out)
+        except Exception:  # a damaged file: gone, so that the next start compiles it again
+            out.unlink(missing_ok=True)
+            raise
         return lambda entry: step(flat_inputs(entry))

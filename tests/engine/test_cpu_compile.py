@@ -226,6 +226,23 @@ def test_compiled_code_that_raises_on_a_real_step_falls_back(tiny: Path, monkeyp
         eager.shutdown()
 
 
+def test_a_damaged_library_is_removed_and_its_shape_serves_eagerly(tiny: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  tmp_path: Path) -> None:
+    """A file that does not load (here a worker that wrote garbage; on a user's disk, a damaged cache): the shape
+    runs eagerly and the file is deleted, so that the next start compiles it again instead of failing for ever."""
+    fake_worker(monkeypatch, tmp_path, "pathlib.Path(request['out']).write_bytes(b'not a library')")
+    eager, engine = load(tiny), load(tiny, cpu_compile="on")
+    compiled = compiled_of(engine)
+    try:
+        assert compiled.wait_idle(WAIT) and compiled.ready == 0 and len(compiled.failed) == 1
+        prompt = random_ids(20, seed=11)
+        assert greedy(engine, prompt, 8) == greedy(eager, prompt, 8)
+        assert not list(step_cache_dir().glob("*.so"))
+    finally:
+        engine.shutdown()
+        eager.shutdown()
+
+
 def test_shape_count_is_bounded(tiny: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     fake_worker(monkeypatch, tmp_path, "sys.exit(1)")
     monkeypatch.setattr(compiled_module, "COMPILE_AFTER_STEPS", 1)
