@@ -3,7 +3,8 @@
     python benchmarks/ws_overhead.py [--seconds 4] [--connections 1,16,64] [--quick]
 
 Starts `streamserve serve` (default model, CPU) in a subprocess on a free loopback port; the clients are
-the Python SDK in this process.
+the Python SDK in this process. Both engines run eagerly (`--cpu-compile off`): a compile finishing mid-run would
+change the compute under the rates, and the overhead is measured beyond the compute anyway.
 1. Overhead: one connection appends 200 small chunks (4 token ids) one after another. Per chunk, the
    round trip seen by the client minus the engine's compute (`ack.compute_ms`) and queueing
    (`ack.queue_ms`): what the protocol, the server and the network stack add. Beside it, the same
@@ -43,7 +44,7 @@ def start_server() -> tuple[subprocess.Popen, int]:
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     proc = subprocess.Popen([sys.executable, "-m", "streamserve", "serve", "--port", "0", "--device", "cpu",
                              "--kv-memory", "512MiB", "--messages-per-second", "100000",
-                             "--max-sessions-per-connection", "2"],
+                             "--max-sessions-per-connection", "2", "--cpu-compile", "off"],
                             stderr=subprocess.PIPE, text=True, env=env, cwd=Path(__file__).resolve().parent.parent)
     port = None
     assert proc.stderr is not None
@@ -117,7 +118,7 @@ def main() -> None:
     url = f"ws://127.0.0.1:{port}"
     try:
         server_ms = asyncio.run(overhead_server(url, n))
-        engine = Engine.from_pretrained("default", device="cpu", kv_memory="256MiB")
+        engine = Engine.from_pretrained("default", device="cpu", kv_memory="256MiB", cpu_compile="off")
         engine_ms = asyncio.run(overhead_engine(engine, n))
         engine.shutdown()
         rates = []
