@@ -65,11 +65,14 @@ def main() -> None:
         drafters += [f"draft:{shipped}", "auto"]
     text = passage()
     workloads = {"low_entropy": [text, "\n\n" + " ".join(text.split()[:40])], "free": ["In the beginning"]}
-    for _ in range(2):  # warm up: every drafter's step shapes run, then their compiled steps are waited for
+    # warm up: every drafter's step shapes run, then their compiled steps are waited for (the steps a user gets with
+    # cpu_compile auto, not their compile); the quick run only warms up (a cold compile of each shape takes minutes)
+    for _ in range(1 if args.quick else 2):
         for d in drafters:
             for prompt in workloads.values():
                 run(engine, d, prompt, 8 if args.quick else tokens)
-        wait_compiled(engine)  # the compiled steps a user gets (cpu_compile auto), not their compile
+        if not args.quick:
+            wait_compiled(engine)
     res: dict = {"benchmark": "speculative", "model": "default", "device": "cpu", "tokens": tokens, "reps": reps}
     for name, prompt in workloads.items():
         rates: dict[str, list[float]] = {d: [] for d in drafters}
