@@ -5,7 +5,8 @@
 Default model, CPU, float32, a session holding 290 tokens; medians of --reps, each pair measured in one run:
 1. Verification width: a step of T = 2, 3, 5, 8 tokens (all logits kept, as a draft verification does)
    against a one-token step -> the cost ratio r(T) speculative decoding has to beat.
-2. Intra-op threads: prefills of 1 to 256 tokens on 1 thread against the machine's default, fresh sessions;
+2. Intra-op threads: prefills of 1 to 256 tokens on 1 thread against the machine's default, fresh sessions, the two
+   counts alternated in blocks;
    `threads_pay_from_tokens` is the size from which every larger step ran faster on all threads, what
    `CPU_SMALL_STEP_TOKENS` in streamserve/engine/batch.py is set from (--quick: 3 and 256 tokens only).
 3. Batched attention: one decode step of 32 sessions with their attention in one padded call against one
@@ -28,6 +29,8 @@ import torch
 
 from streamserve import Engine
 from streamserve.engine.loading import DEFAULT_MODEL_DIR
+
+ROUNDS = 4  # the thread sweep alternates 1 thread and all of them this many times per step size
 
 
 def median_ms(fn: Callable[[], object], reps: int) -> float:
@@ -74,18 +77,21 @@ def main() -> None:
     sweep = (3, 256) if args.quick else (1, 3, 8, 16, 32, 48, 64, 96, 128, 256)
     for n in sweep:  # prefill n tokens after 10 into a fresh session, the model alone, at a set thread count
         times: dict[int, list[float]] = {1: [], default_threads: []}
-        for threads in times:  # all reps at one count, then the other (changing it resizes the thread pool)
-            torch.set_num_threads(threads)
-            for rep in range(reps + 3):
-                x = engine.open_session()
-                engine.forward(x.kv, list(range(10, 20)))
-                x.kv.begin(n)
-                t0 = time.perf_counter()
-                engine.model.forward_batch(torch.full((n,), 5), [x.kv], [n - 1])  # the last token's logits
-                if rep >= 3:
-                    times[threads].append((time.perf_counter() - t0) * 1e3)
-                x.kv.abort()
-                x.close()
+        # blocks of reps at one count, then the other (changing it resizes the thread pool), alternated ROUNDS
+        # times, so that a slow spell of the machine falls on both counts
+        for _ in range(ROUNDS):
+            for threads in times:
+                torch.set_num_threads(threads)
+                for rep in range(-(-reps // ROUNDS) + 2):
+                    x = engine.open_session()
+                    engine.forward(x.kv, list(range(10, 20)))
+                    x.kv.begin(n)
+                    t0 = time.perf_counter()
+                    engine.model.forward_batch(torch.full((n,), 5), [x.kv], [n - 1])  # the last token's logits
+                    if rep >= 2:
+                        times[threads].append((time.perf_counter() - t0) * 1e3)
+                    x.kv.abort()
+                    x.close()
         torch.set_num_threads(default_threads)
         one_thread, many = statistics.median(times[1]), statistics.median(times[default_threads])
         res[f"threads_{n}_tokens_ms"] = {"1": round(one_thread, 3), str(default_threads): round(many, 3),
