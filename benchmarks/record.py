@@ -78,7 +78,8 @@ def main() -> int:
         print(f"record: {a.script} printed no JSON line last; nothing written", file=sys.stderr)
         return 1
     record = {"name": name, "command": " ".join(command), "commit": git("rev-parse", "--short", "HEAD"),
-              "work_tree_changed": bool(git("status", "--porcelain", "--untracked-files=no")),
+              "work_tree_changed": bool(git("status", "--porcelain", "--untracked-files=no", "--", ".",
+                                            ":(exclude)benchmarks/results")),  # other results are no code
               "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
               "seconds": round(time.perf_counter() - t0, 1),
               "machine": {**machine(), "load_before": load_before,
