@@ -133,6 +133,34 @@ def test_compiled_moe_equals_eager(tmp_path: Path, monkeypatch: pytest.MonkeyPat
         eager.shutdown()
 
 
+@pytest.mark.slow
+def test_a_verification_step_compiles(tiny: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step that keeps every row's logits (a drafter's verification: its rows are None, which is no input of the
+    library) compiles, runs compiled and gives the eager step's logits."""
+    monkeypatch.setattr(compiled_module, "COMPILE_AFTER_STEPS", 1)
+    monkeypatch.setattr(compiled_module, "INDUCTOR_OPTIONS", PLAIN)
+    eager, engine = load(tiny), load(tiny, cpu_compile="on")
+    compiled = compiled_of(engine)
+
+    def verify(e: Engine) -> torch.Tensor:  # [4, vocab]: a draft of 4 tokens checked
+        with e.open_session() as s:
+            s.append(token_ids=random_ids(30, seed=9))
+            return e.run_step([(s, [5, 6, 7, 8])], [True])[0]
+
+    try:
+        assert compiled.wait_idle(WAIT) and not compiled.failed  # the start-up shape
+        want = verify(eager)
+        verify(engine)  # eager: its shape is queued
+        assert compiled.wait_idle(WAIT) and not compiled.failed, compiled.failed
+        before = compiled.steps
+        got = verify(engine)
+        assert compiled.steps == before + 1
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    finally:
+        engine.shutdown()
+        eager.shutdown()
+
+
 def test_background_switch_then_a_second_start_loads_from_the_cache(tiny: Path, monkeypatch: pytest.MonkeyPatch,
                                                                     tmp_path: Path) -> None:
     """The real worker, held until the test has decoded eagerly (it waits for a file, then runs): steps switch to
