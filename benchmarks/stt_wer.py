@@ -78,12 +78,14 @@ def main() -> None:
     errors = {name: [edit_distance(r, words_of(t)) for r, t in zip(reference, out, strict=True)]
               for name, out in texts.items()}
     wer = {name: round(100 * sum(e) / n_words, 2) for name, e in errors.items()}
-    conditions = sorted({u.condition for u in spoken})
+    by_condition: dict[str, dict[str, float | int]] = {}  # per condition: its words and each path's WER (%)
     print(f"{'condition':12s} {'words':>5s} " + " ".join(f"{n + ' WER':>12s}" for n in texts))
-    for c in conditions:
+    for c in sorted({u.condition for u in spoken}):
         idx = [i for i, u in enumerate(spoken) if u.condition == c]
         n = sum(len(reference[i]) for i in idx)
-        print(f"{c:12s} {n:5d} " + " ".join(f"{100 * sum(errors[k][i] for i in idx) / n:11.1f}%" for k in texts))
+        by_condition[c] = {"words": n, **{f"wer_{k}": round(100 * sum(errors[k][i] for i in idx) / n, 1)
+                                          for k in texts}}
+        print(f"{c:12s} {n:5d} " + " ".join(f"{by_condition[c][f'wer_{k}']:11.1f}%" for k in texts))
     for i, u in enumerate(spoken):
         if errors["held"][i] or errors["full"][i]:
             print(f"  {u.condition:11s} {u.text!r}\n      full: {texts['full'][i].strip()!r}\n"
@@ -99,7 +101,7 @@ def main() -> None:
         "ms_per_utterance_batched": round(1e3 * seconds["batched"] / len(spoken), 1),
         "speedup_held_vs_full": round(seconds["full"] / seconds["held"], 2),
         "speedup_batched_vs_held": round(seconds["held"] / seconds["batched"], 2),
-        "batch": BATCH, "batched_same_words": same_batched,
+        "batch": BATCH, "batched_same_words": same_batched, "conditions": by_condition,
     }))
 
 

@@ -46,12 +46,13 @@ def step_inputs(entry: Entry) -> StepInputs:
 
 
 def flat_inputs(entry: Entry) -> list[torch.Tensor]:
-    """`step_inputs(entry)` as the compiled library takes them: its tensors in pytree order (None is no input),
-    kept on the entry (its buffers are loaded in place, so the list never changes)."""
+    """`step_inputs(entry)` as the compiled library takes them: its tensors in pytree order, kept on the entry (its
+    buffers are loaded in place, so the list never changes). A None (rows of a step that keeps every row's logits)
+    is a leaf to pytree but a constant to `torch.export`, so it is no input of the library."""
     if entry.flat_inputs is None:
         from torch.utils._pytree import tree_flatten
 
-        entry.flat_inputs = tree_flatten(step_inputs(entry))[0]
+        entry.flat_inputs = [t for t in tree_flatten(step_inputs(entry))[0] if t is not None]
     return entry.flat_inputs
 
 

@@ -75,8 +75,12 @@ log = logging.getLogger("streamserve")
 class CompiledRunner(Protocol):
     """What a CPU's compiled steps offer the graphs (engine/compiled.py's `CompiledSteps`; imports run that way)."""
 
+    def serves(self, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]) -> bool:
+        """Whether shape `key` runs compiled now; if not, the step is counted (a shape seen often is queued)."""
+        ...
+
     def run(self, entry: Entry, key: GraphKey, reload: Callable[[], object]) -> torch.Tensor:
-        """The loaded entry's logits: compiled when its shape is ready, else eagerly."""
+        """The loaded entry's logits: compiled (a shape it `serves`), or eagerly if the compiled code fails."""
         ...
 
     def close(self) -> None:
@@ -244,7 +248,10 @@ class DecodeGraphs:
                            tuple(bucket_for(max(kvs[i].groups[g].k_pos.shape[0] for i in by_policy[p]))
                                  for g in range(len(kvs[0].groups)))) for p in order)
         key: GraphKey = (width, all_logits, parts)
-        entry = self._entry(key, kvs[0].pool, {p: kvs[by_policy[p][0]].policy for p in order})
+        policies = {p: kvs[by_policy[p][0]].policy for p in order}
+        if self.compiled is not None and not self.capture and not self.compiled.serves(key, policies):
+            return None  # not compiled (yet): the plain eager step, which reads no padded keys, is the faster one
+        entry = self._entry(key, kvs[0].pool, policies)
         wanted = self._load(entry, parts, by_policy, kvs, ids, all_rows)
         logits = self._replay(entry, key, lambda: self._load(entry, parts, by_policy, kvs, ids, all_rows))
         pick = torch.tensor([r for rows in wanted for r in rows], dtype=torch.long, device=logits.device)

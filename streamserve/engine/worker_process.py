@@ -5,8 +5,11 @@ Why stopped: SCHED_IDLE (the worker's priority) gives the engine every CPU cycle
 the memory's read rate, which the compiler's C++ builds and kernel timings share with the engine's decode: a 2-core
 real-time loop still missed a fifth of its 200 ms deadlines beside a SCHED_IDLE worker
 (benchmarks/compile_background.py). So the worker's process group (the C++ compilers too) gets SIGSTOP when the
-engine gets work and SIGCONT when it has none (`Quiet`, engine/loop.py, tells both at once); an engine that never
-rests lets it run GRANT_S after each STARVE_S, so that a compile still ends.
+engine gets work and SIGCONT once it has had none for RESUME_AFTER_S (`Quiet`, engine/loop.py, tells both at once);
+an engine that never rests lets it run GRANT_S after each STARVE_S, so that a compile still ends.
+Why not at once: a client appending back to back leaves the engine idle a fraction of a millisecond between steps;
+continuing the worker (its threads and compilers) in each of those gaps cost the next step its caches, and 1-token
+steps ran 1.7x slower while a compile ran. Gaps of a real-time stream's chunks (tens of ms) still let it run.
 
 Why its own process group but not its own session: a kill or a stop must reach the compilers it started, and on
 Linux a new session is a new scheduler autogroup, which gets an equal share of the CPUs whatever its priority (the
@@ -34,7 +37,8 @@ WORKER_IDLE = True  # the worker runs at SCHED_IDLE (benchmarks/compile_backgrou
 PAUSE_WORKER = True  # the worker is stopped while the engine has work (the benchmark compares without)
 STARVE_S = 1.0  # an engine busy this long without a break lets the worker run GRANT_S anyway
 GRANT_S = 0.25
-POLL_S = 0.05  # the compile thread's check of the worker (its end, a starved worker's grant)
+RESUME_AFTER_S = 0.02  # a stopped worker continues once the engine has been idle this long
+POLL_S = 0.005  # the compile thread's check of the worker (its end, a resume, a starved worker's grant)
 # the worker's own process group (Python 3.10 has no process_group argument: setpgrp between fork and exec)
 OWN_GROUP: dict[str, Any] = {"process_group": 0} if sys.version_info >= (3, 11) else {"preexec_fn": os.setpgrp}
 
@@ -49,6 +53,7 @@ class WorkerProcess:
         self._lock = threading.Lock()  # the worker, its state and its signals, from two threads
         self.worker: subprocess.Popen[bytes] | None = None  # the one running now
         self._stopped_at: float | None = None  # when the worker was stopped (None: it runs)
+        self._quiet_since: float | None = None  # when the engine last fell idle (None: it has work)
         self._granted_until = 0.0
         self._closed = False
         self.runs = 0  # workers started
@@ -80,7 +85,7 @@ class WorkerProcess:
                     break
                 except subprocess.TimeoutExpired:
                     if self.pause:
-                        self._grant(worker)
+                        self._poll(worker)
         finally:
             with self._lock:
                 self.worker, self._stopped_at, self._granted_until = None, None, 0.0
@@ -101,23 +106,25 @@ class WorkerProcess:
             kill_worker(worker)
 
     def _on_quiet(self, quiet: bool) -> None:
-        """The engine fell idle (quiet) or got work: on the loop's thread, under its lock; one signal at most."""
+        """The engine fell idle (quiet: `_poll` continues the worker after RESUME_AFTER_S) or got work (the worker
+        stops now): on the loop's thread, under its lock; one signal at most."""
         with self._lock:
+            self._quiet_since = time.monotonic() if quiet else None
             worker = self.worker
-            if worker is None:
-                return
-            if quiet and self._stopped_at is not None:
-                self._signal(worker, signal.SIGCONT)
-                self._stopped_at = None
-            elif not quiet and self._stopped_at is None:
+            if worker is not None and not quiet and self._stopped_at is None:
                 self._signal(worker, signal.SIGSTOP)
                 self._stopped_at = time.monotonic()
 
-    def _grant(self, worker: subprocess.Popen[bytes]) -> None:
-        """On the compile thread every POLL_S: a worker stopped for STARVE_S runs for GRANT_S."""
+    def _poll(self, worker: subprocess.Popen[bytes]) -> None:
+        """On the compile thread every POLL_S: a stopped worker continues once the engine has been idle for
+        RESUME_AFTER_S; one stopped for STARVE_S runs for GRANT_S whatever the engine does."""
         with self._lock:
             now = time.monotonic()
-            if self._stopped_at is not None and now - self._stopped_at >= STARVE_S:
+            if (self._stopped_at is not None and self._quiet_since is not None
+                    and now - self._quiet_since >= RESUME_AFTER_S):
+                self._signal(worker, signal.SIGCONT)
+                self._stopped_at, self._granted_until = None, 0.0
+            elif self._stopped_at is not None and now - self._stopped_at >= STARVE_S:
                 self._signal(worker, signal.SIGCONT)
                 self._stopped_at, self._granted_until = None, now + GRANT_S
             elif (self._stopped_at is None and self._granted_until and now >= self._granted_until
