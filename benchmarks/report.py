@@ -51,7 +51,7 @@ def record_of(name: str) -> dict[str, Any] | None:
         if not path.is_file():
             return None
         result = json.loads(path.read_text())
-        args = " ".join(f"--{k} {result['args'][k]}" for k in ("out", "steps") if k in result.get("args", {}))
+        args = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in result.get("args", {}).items() if v != "None")
         tool = "train_policy" if name == "training_policy" else "train_tiny"
         return {"command": f"python -m streamserve.tools.{tool} {args}".strip(), "result": result}
     path = RESULTS / f"{name}.json"

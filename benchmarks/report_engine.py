@@ -241,8 +241,8 @@ def render_policy_training(rec: dict[str, Any]) -> str:
            f"{num(d.get('episodes'))} expert episodes, {t['train_seconds']:.0f} s on {t.get('threads')} threads; final "
            f"loss {t['loss']:.3f}, first command error {t['first_command_error_rad_s']} rad/s.")
     if e:
-        out += (f" Evaluation on unseen seeds: success {e.get('success_rate', 0):.0%} (the scripted expert "
-                f"{e.get('expert_success_rate', 0):.0%}) over {e.get('episodes', '?')} episodes.")
+        out += (f" Evaluation through the engine on {e.get('episodes', '?')} fixed seeded episodes: target reached in "
+                f"{e.get('success_rate', 0):.0%} (the scripted expert: {e.get('expert_success_rate', 0):.0%}).")
     return out
 
 

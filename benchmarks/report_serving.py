@@ -12,7 +12,7 @@ def level_rows(levels: list[dict[str, Any]], replies: bool = True) -> list[list[
     rows = []
     for v in levels:
         row = [v["sessions"], num(v["chunks"]), pair(v["append_p50_ms"], v["append_p99_ms"]),
-               f"{v['missed_deadlines']} ({v['missed_share']:.1%}), {v.get('sessions_missing_deadlines', '–')} "
+               f"{num(v['missed_deadlines'])} ({v['missed_share']:.1%}), {v.get('sessions_missing_deadlines', '–')} "
                "sessions"]
         if replies:
             row += [num(v.get("ttft_p50_ms")), pair(v.get("itl_p50_ms"), v.get("itl_p99_ms"))]

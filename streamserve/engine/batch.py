@@ -25,10 +25,9 @@ from streamserve.models import CausalLM
 from streamserve.models.quantize import weight_bytes
 from streamserve.sessions import PagedSessionKV
 
-# On a CPU, steps of fewer tokens than this run on one intra-op thread; larger ones keep the process's setting. Set
-# from benchmarks/step_costs.py's sweep (benchmarks/results/step_costs.json, docs/benchmarks.md): on the default
-# model, 2 vCPUs, every step from 48 tokens on ran faster on both threads (0.65-0.84x the time); below, 1 and 32
-# tokens were not faster and 3-16 were by 9-16%, within this machine's noise
+# On a CPU, steps of fewer tokens than this run on one intra-op thread; larger ones keep the process's setting. It is
+# the kept step_costs result's `threads_pay_from_tokens` (benchmarks/results/step_costs.json: the step size from
+# which every larger one ran faster on all threads; tests/test_benchmarks.py checks the two agree)
 CPU_SMALL_STEP_TOKENS = 48
 # ...unless the model reads at least this many bytes of weights per token: such a decode is bound by memory
 # reads, and more cores read faster (SmolLM2-135M on 2 vCPUs, every weight format: benchmarks/cpu_decode.py)
