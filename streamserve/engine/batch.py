@@ -28,7 +28,7 @@ from streamserve.sessions import PagedSessionKV
 # On a CPU, steps of fewer tokens than this run on one intra-op thread; larger ones keep the process's setting. It is
 # the kept step_costs result's `threads_pay_from_tokens` (benchmarks/results/step_costs.json: the step size from
 # which every larger one ran faster on all threads; tests/test_benchmarks.py checks the two agree)
-CPU_SMALL_STEP_TOKENS = 48
+CPU_SMALL_STEP_TOKENS = 8
 # ...unless the model reads at least this many bytes of weights per token: such a decode is bound by memory
 # reads, and more cores read faster (SmolLM2-135M on 2 vCPUs, every weight format: benchmarks/cpu_decode.py)
 CPU_WIDE_STEP_BYTES = 32 << 20
