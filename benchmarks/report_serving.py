@@ -100,14 +100,15 @@ def render_robot_loop(rec: dict[str, Any]) -> str:
                         f"{ms['window_tail']} ms ({s['cost_ratio_window_tail']}×)"],
                        ["same actions as the session", "—", s["same_actions"]["full_history"],
                         s["same_actions"]["window_tail"]]])
-    return "\n".join([
-        provenance(rec), "",
-        f"Model `{r['model']}`, {r['seconds']:.0f} s per level, real-time chunking prefix {r['rtc']}:", "",
-        table(["rate", "robots", "latency p50 / p99 ms", "fresh replies", "ticks served",
-               "forwards per chunk (draft accepted)", "success", "missed ticks", "held"], rows), "",
-        f"**Held: {held}.**", "",
-        f"Stateful against stateless at step {s['step']} (in process, {s['ticks_measured']} ticks measured):", "",
-        stateless])
+    out = [provenance(rec), "",
+           f"Model `{r['model']}`, {r['seconds']:.0f} s per level, real-time chunking prefix {r['rtc']}:", "",
+           table(["rate", "robots", "latency p50 / p99 ms", "fresh replies", "ticks served",
+                  "forwards per chunk (draft accepted)", "success", "missed ticks", "held"], rows), "",
+           f"**Held: {held}.**"]
+    if not r["rtc"]:  # the in-process comparison does not depend on the loops' settings: shown once
+        out += ["", f"Stateful against stateless at step {num(s['step'])} (in process, {s['ticks_measured']} ticks "
+                    "measured):", "", stateless]
+    return "\n".join(out)
 
 
 def render_rolling_batch(rec: dict[str, Any]) -> str:
