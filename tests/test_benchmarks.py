@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -119,6 +120,29 @@ def test_benchmarks_doc_is_what_the_kept_results_give() -> None:
     doc = (ROOT / "docs" / "benchmarks.md").read_text()
     for result in (ROOT / "benchmarks" / "results").glob("*.json"):  # every kept result is shown
         assert f"<!-- results:{result.stem} -->" in doc, result.name
+
+
+def test_the_small_step_thread_rule_is_the_kept_measurement() -> None:
+    """`CPU_SMALL_STEP_TOKENS` is the step size from which all threads paid in the kept step_costs run."""
+    from streamserve.engine.batch import CPU_SMALL_STEP_TOKENS
+
+    kept = json.loads((ROOT / "benchmarks" / "results" / "step_costs.json").read_text())["result"]
+    assert kept["threads_pay_from_tokens"] == CPU_SMALL_STEP_TOKENS
+
+
+def test_every_doc_section_has_a_renderer_and_every_result_a_section() -> None:
+    """A `<!-- results:NAME -->` marker with no renderer would keep whatever text it holds; a kept result with no
+    marker is shown nowhere."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    try:
+        import report
+    finally:
+        sys.path.remove(str(ROOT / "benchmarks"))
+    doc = (ROOT / "docs" / "benchmarks.md").read_text()
+    markers = set(re.findall(r"<!-- results:(\w+) -->", doc))
+    assert markers <= set(report.renderers()), markers - set(report.renderers())
+    kept = {p.stem for p in (ROOT / "benchmarks" / "results").glob("*.json")} | set(report.TRAINING)
+    assert kept <= markers, kept - markers  # every kept result and training record is shown
 
 
 def test_llamacpp_is_built_with_what_the_cpu_has_and_never_amx() -> None:
