@@ -182,7 +182,7 @@ def render_compile_background(rec: dict[str, Any]) -> str:
 def render_real_models(rec: dict[str, Any]) -> str:
     r = rec["result"]
     names = [k for k, v in r.items() if isinstance(v, dict) and "file" in v]
-    rows, kv_rows = [], []
+    rows, kv_rows, lengths = [], [], []
     for n in names:
         v = r[n]
         rows.append([f"{n} (`{v['file']}`)", pair(v["load_s"], v["hf_load_s"]),
@@ -191,11 +191,13 @@ def render_real_models(rec: dict[str, Any]) -> str:
         for label, kv in ((n, v["kv_bytes"]), (f"{n}, no native window freeing",
                                                v.get("kv_bytes_without_window_freeing"))):
             if kv:
-                kv_rows.append([label, *(f"{b / 1e6:.1f} MB at {num(int(t))} tokens" for t, b in kv.items())])
+                lengths = list(kv)
+                kv_rows.append([label, *(f"{b / 1e6:.1f} MB" for b in kv.values())])
     out = [provenance(rec), "",
            table(["model", "load s (ours / transformers)", "decode tok/s (ours / transformers)", "ratio",
                   "prefill tok/s (ours / transformers)", "ratio"], rows), "",
-           "KV bytes a session holds (float32):", "", table(["model", "KV held", ""], kv_rows)]
+           "KV bytes a session holds (float32):", "",
+           table(["model", *(f"at {num(int(t))} tokens" for t in lengths)], kv_rows)]
     for n in names:
         w = r[n].get("session_workload")
         if w:
