@@ -173,7 +173,7 @@ class CompiledSteps:
     # ---- the engine thread ----------------------------------------------------------------------------------
     def serves(self, key: GraphKey, policies: dict[PolicyKey, WindowPolicy]) -> bool:
         """Whether shape `key` runs compiled now. If not, the caller runs the plain eager step (not the padded
-        static one: it reads every key of its bucket, and took twice as long on a 1,000-token window), and the
+        static one: it reads every key of its bucket, padding included, so it is the slower of the two), and the
         step is counted: a shape seen COMPILE_AFTER_STEPS times is queued for compiling."""
         ck = compile_key(key, torch.get_num_threads())
         if ck in self._fns:

@@ -8,8 +8,8 @@ real-time loop still missed a fifth of its 200 ms deadlines beside a SCHED_IDLE 
 engine gets work and SIGCONT once it has had none for RESUME_AFTER_S (`Quiet`, engine/loop.py, tells both at once);
 an engine that never rests lets it run GRANT_S after each STARVE_S, so that a compile still ends.
 Why not at once: a client appending back to back leaves the engine idle a fraction of a millisecond between steps;
-continuing the worker (its threads and compilers) in each of those gaps cost the next step its caches, and 1-token
-steps ran 1.7x slower while a compile ran. Gaps of a real-time stream's chunks (tens of ms) still let it run.
+continuing the worker (its threads and compilers) in each of those gaps cost the next step its caches. Gaps
+between a real-time stream's chunks (tens of ms) still let it run.
 
 Why its own process group but not its own session: a kill or a stop must reach the compilers it started, and on
 Linux a new session is a new scheduler autogroup, which gets an equal share of the CPUs whatever its priority (the
